@@ -1,0 +1,112 @@
+//! DNS messages for the test servers and clients (hickory-proto does the wire format).
+
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+
+use anyhow::{Context as _, bail};
+use hickory_proto::{
+    op::{Message, MessageType, OpCode, Query, ResponseCode},
+    rr::{
+        Name, RData, Record, RecordType,
+        rdata::{A, AAAA},
+    },
+};
+use serde::{Deserialize, Serialize};
+
+/// The name the test clients ask for; the test servers answer any name.
+pub const PROBE_NAME: &str = "probe.redirector.test.";
+
+/// What a test server answers: an address that says which server it is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Identity {
+    /// The A record it returns.
+    pub a: Ipv4Addr,
+    /// The AAAA record it returns.
+    pub aaaa: Ipv6Addr,
+}
+
+/// A query for `name` of type `record_type` with recursion desired.
+pub fn query(id: u16, name: &str, record_type: RecordType) -> anyhow::Result<Vec<u8>> {
+    let mut message = Message::new();
+    message
+        .set_id(id)
+        .set_message_type(MessageType::Query)
+        .set_op_code(OpCode::Query)
+        .set_recursion_desired(true)
+        .add_query(Query::query(
+            Name::from_ascii(name).with_context(|| format!("{name:?} is not a DNS name"))?,
+            record_type,
+        ));
+    message.to_vec().context("encoding the query")
+}
+
+/// The answer of a server with `identity` to `request`: A and AAAA questions get the identity's
+/// address (TTL 0, so nothing caches it), anything else an empty NOERROR.
+pub fn answer(request: &[u8], identity: &Identity) -> anyhow::Result<Vec<u8>> {
+    let request = Message::from_vec(request).context("decoding the query")?;
+    let mut response = Message::new();
+    response
+        .set_id(request.id())
+        .set_message_type(MessageType::Response)
+        .set_op_code(OpCode::Query)
+        .set_authoritative(true)
+        .set_recursion_desired(request.recursion_desired())
+        .set_recursion_available(true)
+        .set_response_code(ResponseCode::NoError);
+    for question in request.queries() {
+        response.add_query(question.clone());
+        let rdata = match question.query_type() {
+            RecordType::A => Some(RData::A(A(identity.a))),
+            RecordType::AAAA => Some(RData::AAAA(AAAA(identity.aaaa))),
+            _ => None,
+        };
+        if let Some(rdata) = rdata {
+            response.add_answer(Record::from_rdata(question.name().clone(), 0, rdata));
+        }
+    }
+    response.to_vec().context("encoding the answer")
+}
+
+/// The addresses in a response to query `id`.
+pub fn parse_answer(id: u16, response: &[u8]) -> anyhow::Result<(ResponseCode, Vec<IpAddr>)> {
+    let message = Message::from_vec(response).context("decoding the response")?;
+    if message.id() != id {
+        bail!("response id {} does not match query id {id}", message.id());
+    }
+    let addresses = message
+        .answers()
+        .iter()
+        .filter_map(|record| match record.data() {
+            RData::A(a) => Some(IpAddr::V4(a.0)),
+            RData::AAAA(aaaa) => Some(IpAddr::V6(aaaa.0)),
+            _ => None,
+        })
+        .collect();
+    Ok((message.response_code(), addresses))
+}
+
+/// What one `dns-query` run saw, printed by it as one JSON line.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct QueryOutcome {
+    /// The query was answered.
+    pub ok: bool,
+    /// The addresses in the answer.
+    pub answers: Vec<IpAddr>,
+    /// The response code, when answered.
+    pub rcode: Option<String>,
+    /// Where the reply came from as the socket reported it (`recvfrom`, unconnected UDP).
+    pub reply_from: Option<String>,
+    /// The connected peer as `getpeername` reported it (connected UDP, TCP).
+    pub peer: Option<String>,
+    /// What failed, when not answered.
+    pub error: Option<String>,
+    /// The errno of the failed syscall, when there was one.
+    pub errno: Option<i32>,
+}
+
+impl QueryOutcome {
+    /// The first answer, for assertions on who answered.
+    #[must_use]
+    pub fn answer(&self) -> Option<IpAddr> {
+        self.answers.first().copied()
+    }
+}

@@ -1,0 +1,15 @@
+//! The test bench of redirector: sandboxes made of a cgroup, network namespaces, veths, real
+//! DNS servers and clients, in which the real eBPF object is loaded and attached.
+//!
+//! Safety on shared machines: programs attach only to a cgroup the sandbox creates below the
+//! cgroup v2 root, never to the root; every address lives inside the sandbox's namespaces; only
+//! processes the sandbox started are ever signalled; and everything is removed on drop.
+
+pub mod bench;
+pub mod bpffs;
+pub mod cgroup;
+pub mod command;
+pub mod dns;
+pub mod netns;
+pub mod sandbox;
+pub mod topology;

@@ -1,0 +1,577 @@
+//! A throwaway node: a cgroup, a "node" network namespace with the listener addresses, a "pod"
+//! namespace behind a veth, an "upstream" namespace with two DNS servers, and a private bpffs.
+//! Everything is removed when the sandbox is dropped, also when a test fails.
+
+use std::{
+    net::{IpAddr, SocketAddr},
+    path::PathBuf,
+    process::Command,
+    sync::atomic::{AtomicU32, Ordering},
+    time::Duration,
+};
+
+use anyhow::{Context as _, bail};
+
+use crate::{
+    bpffs::BpfFs,
+    cgroup::TestCgroup,
+    command::{TestProcess, join_cgroup_before_exec, output_within},
+    dns::{Identity, QueryOutcome},
+    netns::NetNs,
+    topology::{
+        self, CACHE, CLUSTER_LISTENER, NODE_LISTENER, UPSTREAM_A, UPSTREAM_B, V6_LISTENER, dns,
+    },
+};
+
+/// Prefix of every cgroup, namespace, link and mount a sandbox creates (`cargo xtask test`
+/// sweeps leftovers with it after a crash).
+pub const PREFIX: &str = "rdt";
+
+/// Where the helper binaries are (tests pass `env!("CARGO_BIN_EXE_...")`).
+#[derive(Clone, Debug)]
+pub struct Tools {
+    /// The test DNS server.
+    pub dns_server: PathBuf,
+    /// The test DNS client.
+    pub dns_query: PathBuf,
+}
+
+/// Which namespace a process runs in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Ns {
+    /// The node ("host network"): listener addresses and the cache.
+    Node,
+    /// A pod behind a veth.
+    Pod,
+    /// The upstream servers' namespace.
+    Upstream,
+}
+
+/// How `dns-query` talks to the server.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Transport {
+    /// Unconnected UDP: `sendto` / `recvfrom` (sendmsg and recvmsg hooks).
+    Udp,
+    /// Connected UDP: `connect`, `send`, `recv`, `getpeername`.
+    UdpConnected,
+    /// TCP.
+    Tcp,
+}
+
+impl Transport {
+    fn arg(self) -> &'static str {
+        match self {
+            Self::Udp => "udp",
+            Self::UdpConnected => "udp-connected",
+            Self::Tcp => "tcp",
+        }
+    }
+}
+
+/// One `dns-query` run.
+#[derive(Clone, Copy, Debug)]
+pub struct Query {
+    /// The server.
+    pub server: SocketAddr,
+    /// How.
+    pub transport: Transport,
+    /// Use an AF_INET6 socket and the IPv4-mapped form of an IPv4 server.
+    pub mapped: bool,
+    /// Ask for AAAA instead of A.
+    pub aaaa: bool,
+}
+
+impl Query {
+    /// An A query over `transport`.
+    #[must_use]
+    pub fn new(server: SocketAddr, transport: Transport) -> Self {
+        Self {
+            server,
+            transport,
+            mapped: false,
+            aaaa: false,
+        }
+    }
+
+    /// The same query from a dual-stack AF_INET6 socket to `::ffff:a.b.c.d`.
+    #[must_use]
+    pub fn mapped(self) -> Self {
+        Self {
+            mapped: true,
+            ..self
+        }
+    }
+}
+
+/// What dig printed.
+#[derive(Clone, Debug)]
+pub struct DigOutcome {
+    /// The answer addresses (`+short`).
+    pub answers: Vec<IpAddr>,
+    /// Everything it printed, for assertion messages.
+    pub output: String,
+}
+
+impl DigOutcome {
+    /// The first answer.
+    #[must_use]
+    pub fn answer(&self) -> Option<IpAddr> {
+        self.answers.first().copied()
+    }
+}
+
+/// A sandbox. Fields drop in order: processes, cgroups (child first), namespaces, bpffs.
+#[derive(Debug)]
+pub struct Sandbox {
+    servers: Vec<(String, TestProcess)>,
+    skipped: TestCgroup,
+    cgroup: TestCgroup,
+    pod: NetNs,
+    upstream: NetNs,
+    node: NetNs,
+    bpffs: BpfFs,
+    scratch: ScratchDir,
+    tools: Tools,
+    tag: String,
+}
+
+/// A directory for the test's files (configurations), removed on drop.
+#[derive(Debug)]
+struct ScratchDir(PathBuf);
+
+impl Drop for ScratchDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+static SANDBOXES: AtomicU32 = AtomicU32::new(0);
+
+/// Fails loudly unless the process can do what the sandbox needs.
+pub fn require_root() {
+    assert!(
+        nix::unistd::geteuid().is_root(),
+        "bpf-tests load eBPF programs, create cgroups and network namespaces: they must run as \
+         root. Run `sudo cargo xtask test` (or `cargo xtask test` as root)."
+    );
+}
+
+impl Sandbox {
+    /// Builds the sandbox: cgroups, namespaces, links, addresses, routes, bpffs.
+    pub fn new(tools: Tools) -> anyhow::Result<Self> {
+        require_root();
+        let serial = SANDBOXES.fetch_add(1, Ordering::Relaxed);
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|since| since.subsec_nanos())
+            .unwrap_or_default();
+        let tag = format!(
+            "{:06x}",
+            (std::process::id().wrapping_mul(0x9E37_79B9)
+                ^ serial.wrapping_mul(0x85EB_CA6B)
+                ^ nanos)
+                & 0x00ff_ffff
+        );
+        let root = redirector::cgroup::default_attach_cgroup()
+            .context("finding the cgroup v2 hierarchy")?;
+        let scratch = ScratchDir(std::env::temp_dir().join(format!("{PREFIX}-{tag}-files")));
+        std::fs::create_dir_all(&scratch.0)
+            .with_context(|| format!("creating {}", scratch.0.display()))?;
+        let bpffs = BpfFs::mount(&std::env::temp_dir().join(format!("{PREFIX}-{tag}-bpffs")))?;
+        let node = NetNs::create(&format!("{PREFIX}-{tag}-node"))?;
+        let upstream = NetNs::create(&format!("{PREFIX}-{tag}-up"))?;
+        let pod = NetNs::create(&format!("{PREFIX}-{tag}-pod"))?;
+        let cgroup = TestCgroup::create(&root, &format!("{PREFIX}-{tag}"))?;
+        let skipped = cgroup.child("cache")?;
+        let sandbox = Self {
+            servers: Vec::new(),
+            skipped,
+            cgroup,
+            pod,
+            upstream,
+            node,
+            bpffs,
+            scratch,
+            tools,
+            tag,
+        };
+        sandbox.wire().context("wiring the sandbox network")?;
+        Ok(sandbox)
+    }
+
+    fn wire(&self) -> anyhow::Result<()> {
+        let tag = &self.tag;
+        let (node, pod, up) = (&self.node, &self.pod, &self.upstream);
+        // Listener addresses on the node (their own namespace's loopback).
+        for address in [
+            format!("{NODE_LISTENER}/32"),
+            format!("{CLUSTER_LISTENER}/32"),
+        ] {
+            node.ip(&["addr", "add", &address, "dev", "lo"])?;
+        }
+        node.ip(&[
+            "-6",
+            "addr",
+            "add",
+            &format!("{V6_LISTENER}/128"),
+            "dev",
+            "lo",
+            "nodad",
+        ])?;
+
+        let links = [
+            (
+                pod,
+                format!("{PREFIX}{tag}np"),
+                format!("{PREFIX}{tag}pn"),
+                "1",
+            ),
+            (
+                up,
+                format!("{PREFIX}{tag}nu"),
+                format!("{PREFIX}{tag}un"),
+                "2",
+            ),
+        ];
+        for (peer_ns, node_end, peer_end, net) in &links {
+            node.ip(&[
+                "link",
+                "add",
+                node_end,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                peer_end,
+                "netns",
+                peer_ns.name(),
+            ])?;
+            node.ip(&[
+                "addr",
+                "add",
+                &format!("198.18.{net}.1/24"),
+                "dev",
+                node_end,
+            ])?;
+            node.ip(&[
+                "-6",
+                "addr",
+                "add",
+                &format!("fd00:{net}::1/64"),
+                "dev",
+                node_end,
+                "nodad",
+            ])?;
+            node.ip(&["link", "set", node_end, "up"])?;
+            peer_ns.ip(&["link", "set", peer_end, "up"])?;
+        }
+        pod.ip(&[
+            "addr",
+            "add",
+            &format!("{}/24", topology::POD_V4),
+            "dev",
+            &links[0].2,
+        ])?;
+        pod.ip(&[
+            "-6",
+            "addr",
+            "add",
+            &format!("{}/64", topology::POD_V6),
+            "dev",
+            &links[0].2,
+            "nodad",
+        ])?;
+        for address in [topology::UPSTREAM_A_V4, topology::UPSTREAM_B_V4] {
+            up.ip(&["addr", "add", &format!("{address}/24"), "dev", &links[1].2])?;
+        }
+        for address in [topology::UPSTREAM_A_V6, topology::UPSTREAM_B_V6] {
+            up.ip(&[
+                "-6",
+                "addr",
+                "add",
+                &format!("{address}/64"),
+                "dev",
+                &links[1].2,
+                "nodad",
+            ])?;
+        }
+        // After the links exist: `all.forwarding` applies to the interfaces present when set.
+        node.sysctl("net.ipv4.ip_forward", "1")?;
+        node.sysctl("net.ipv6.conf.all.forwarding", "1")?;
+        for (peer_ns, gateway_v4, gateway_v6) in [
+            (pod, topology::NODE_POD_SIDE_V4, topology::NODE_POD_SIDE_V6),
+            (
+                up,
+                topology::NODE_UPSTREAM_SIDE_V4,
+                topology::NODE_UPSTREAM_SIDE_V6,
+            ),
+        ] {
+            peer_ns.ip(&["route", "add", "default", "via", &gateway_v4.to_string()])?;
+            peer_ns.ip(&[
+                "-6",
+                "route",
+                "add",
+                "default",
+                "via",
+                &gateway_v6.to_string(),
+            ])?;
+        }
+
+        let resolv = format!("nameserver {NODE_LISTENER}\noptions timeout:2 attempts:1\n");
+        pod.write_resolv_conf(&resolv)?;
+        node.write_resolv_conf(&resolv)?;
+        Ok(())
+    }
+
+    /// The namespace `ns`.
+    #[must_use]
+    pub fn netns(&self, ns: Ns) -> &NetNs {
+        match ns {
+            Ns::Node => &self.node,
+            Ns::Pod => &self.pod,
+            Ns::Upstream => &self.upstream,
+        }
+    }
+
+    /// The cgroup the programs attach to; clients run in it.
+    #[must_use]
+    pub fn cgroup(&self) -> &TestCgroup {
+        &self.cgroup
+    }
+
+    /// A child cgroup for "the cache's own queries", to configure as skipped.
+    #[must_use]
+    pub fn skipped_cgroup(&self) -> &TestCgroup {
+        &self.skipped
+    }
+
+    /// The bpffs directory for the agent's pins.
+    #[must_use]
+    pub fn pin_dir(&self) -> PathBuf {
+        self.bpffs.path().join("redirector")
+    }
+
+    /// The helper binaries.
+    #[must_use]
+    pub fn tools(&self) -> &Tools {
+        &self.tools
+    }
+
+    /// An agent configuration for this sandbox: its cgroup and pin directory, then `listeners`
+    /// (TOML `[[listener]]` sections).
+    #[must_use]
+    pub fn config_toml(&self, listeners: &str) -> String {
+        format!(
+            "cgroup = {:?}\npin_dir = {:?}\n\n{listeners}",
+            self.cgroup.path().display().to_string(),
+            self.pin_dir().display().to_string(),
+        )
+    }
+
+    /// Starts a test DNS server in `ns` answering as `identity` on every address of `listen`
+    /// (UDP and TCP). Not in the test cgroup: servers are never steered.
+    pub fn start_server(
+        &mut self,
+        name: &str,
+        ns: Ns,
+        listen: &[SocketAddr],
+        identity: Identity,
+    ) -> anyhow::Result<()> {
+        let mut command = self
+            .netns(ns)
+            .command(&self.tools.dns_server.display().to_string());
+        for address in listen {
+            command.args(["--listen", &address.to_string()]);
+        }
+        command.args([
+            "--a",
+            &identity.a.to_string(),
+            "--aaaa",
+            &identity.aaaa.to_string(),
+        ]);
+        let process = TestProcess::start(name, command, "ready", Duration::from_secs(10))?;
+        self.servers.push((name.to_owned(), process));
+        Ok(())
+    }
+
+    /// Starts the cache (on every listener address, in the node) and upstreams A and B.
+    pub fn start_standard_servers(&mut self) -> anyhow::Result<()> {
+        self.start_server(
+            "cache",
+            Ns::Node,
+            &[dns(NODE_LISTENER), dns(CLUSTER_LISTENER), dns(V6_LISTENER)],
+            CACHE,
+        )?;
+        self.start_server(
+            "upstream A",
+            Ns::Upstream,
+            &[dns(topology::UPSTREAM_A_V4), dns(topology::UPSTREAM_A_V6)],
+            UPSTREAM_A,
+        )?;
+        self.start_server(
+            "upstream B",
+            Ns::Upstream,
+            &[dns(topology::UPSTREAM_B_V4), dns(topology::UPSTREAM_B_V6)],
+            UPSTREAM_B,
+        )
+    }
+
+    /// Stops (SIGKILL) the server started as `name`.
+    pub fn stop_server(&mut self, name: &str) -> anyhow::Result<()> {
+        let index = self
+            .servers
+            .iter()
+            .position(|(server, _)| server == name)
+            .with_context(|| format!("no server {name} was started"))?;
+        drop(self.servers.remove(index));
+        Ok(())
+    }
+
+    /// A command running `program` in `ns`, moved into `cgroup` before it executes. Keep the
+    /// returned descriptor until the command is spawned.
+    pub fn client_command(
+        &self,
+        ns: Ns,
+        cgroup: &TestCgroup,
+        program: &str,
+    ) -> anyhow::Result<(Command, std::os::fd::OwnedFd)> {
+        let procs = cgroup.procs()?;
+        let mut command = self.netns(ns).command(program);
+        join_cgroup_before_exec(&mut command, &procs);
+        Ok((command, procs))
+    }
+
+    /// Runs one query with `dns-query` from `ns`, in `cgroup`.
+    pub fn query_in(
+        &self,
+        ns: Ns,
+        cgroup: &TestCgroup,
+        query: Query,
+    ) -> anyhow::Result<QueryOutcome> {
+        let (mut command, _procs) =
+            self.client_command(ns, cgroup, &self.tools.dns_query.display().to_string())?;
+        command.args([
+            "--server",
+            &query.server.to_string(),
+            "--transport",
+            query.transport.arg(),
+        ]);
+        if query.mapped {
+            command.arg("--mapped");
+        }
+        if query.aaaa {
+            command.arg("--aaaa");
+        }
+        let output = output_within(&mut command, Duration::from_secs(10))?;
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        serde_json::from_str(stdout.trim()).with_context(|| {
+            format!(
+                "dns-query printed {stdout:?} (stderr {:?})",
+                String::from_utf8_lossy(&output.stderr)
+            )
+        })
+    }
+
+    /// Runs one query from `ns` in the test cgroup (where the programs apply).
+    pub fn query(&self, ns: Ns, query: Query) -> anyhow::Result<QueryOutcome> {
+        self.query_in(ns, &self.cgroup, query)
+    }
+
+    /// Asks `dig @server` for the probe name (A, or AAAA), over UDP or TCP.
+    pub fn dig(&self, ns: Ns, server: IpAddr, tcp: bool, aaaa: bool) -> anyhow::Result<DigOutcome> {
+        let (mut command, _procs) = self.client_command(ns, &self.cgroup, "dig")?;
+        command.arg(format!("@{server}"));
+        command.args([
+            "+tries=1",
+            "+time=2",
+            "+short",
+            crate::dns::PROBE_NAME,
+            if aaaa { "AAAA" } else { "A" },
+        ]);
+        if tcp {
+            command.arg("+tcp");
+        }
+        let output = output_within(&mut command, Duration::from_secs(10))?;
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        );
+        let answers = text
+            .lines()
+            .filter(|line| !line.starts_with(';'))
+            .filter_map(|line| line.trim().parse().ok())
+            .collect();
+        Ok(DigOutcome {
+            answers,
+            output: text,
+        })
+    }
+
+    /// Resolves the probe name with glibc (`getent ahosts`, or `ahostsv4`/`ahostsv6`), reading
+    /// the namespace's resolv.conf.
+    pub fn getent(&self, ns: Ns, database: &str) -> anyhow::Result<Vec<IpAddr>> {
+        let (mut command, _procs) = self.client_command(ns, &self.cgroup, "getent")?;
+        command.args([database, crate::dns::PROBE_NAME.trim_end_matches('.')]);
+        let output = output_within(&mut command, Duration::from_secs(10))?;
+        let mut addresses: Vec<IpAddr> = String::from_utf8_lossy(&output.stdout)
+            .lines()
+            .filter_map(|line| line.split_whitespace().next()?.parse().ok())
+            .collect();
+        addresses.dedup();
+        if addresses.is_empty() {
+            bail!(
+                "getent {database} resolved nothing (exit {}, stderr {:?})",
+                output.status,
+                String::from_utf8_lossy(&output.stderr)
+            );
+        }
+        Ok(addresses)
+    }
+
+    /// The sandbox's unique tag.
+    #[must_use]
+    pub fn tag(&self) -> &str {
+        &self.tag
+    }
+
+    /// Writes `text` to `name` in the sandbox's scratch directory (readable by everyone) and
+    /// returns the path.
+    pub fn write_file(&self, name: &str, text: &str) -> anyhow::Result<PathBuf> {
+        use std::os::unix::fs::PermissionsExt as _;
+        let path = self.scratch.0.join(name);
+        std::fs::write(&path, text).with_context(|| format!("writing {}", path.display()))?;
+        for open in [&self.scratch.0, &path] {
+            std::fs::set_permissions(open, std::fs::Permissions::from_mode(0o755))
+                .with_context(|| format!("opening up {}", open.display()))?;
+        }
+        Ok(path)
+    }
+
+    /// What `bpftool cgroup show` lists on the sandbox's cgroup (empty: nothing attached).
+    pub fn attached_programs(&self) -> anyhow::Result<String> {
+        crate::command::run(
+            "bpftool",
+            ["cgroup", "show", &self.cgroup.path().display().to_string()],
+        )
+    }
+}
+
+/// The `redirector` binary under test: `$REDIRECTOR_BIN`, or the one cargo built next to the
+/// test executable (`cargo xtask test` builds it first).
+#[must_use]
+pub fn redirector_bin() -> PathBuf {
+    if let Some(path) = std::env::var_os("REDIRECTOR_BIN") {
+        return PathBuf::from(path);
+    }
+    let beside_tests = std::env::current_exe()
+        .ok()
+        .and_then(|exe| Some(exe.parent()?.parent()?.join("redirector")));
+    match beside_tests {
+        Some(path) if path.exists() => path,
+        _ => panic!(
+            "the redirector binary is not built: run `cargo build -p redirector` first, or \
+             `cargo xtask test`, which does (or set REDIRECTOR_BIN)"
+        ),
+    }
+}

@@ -1,0 +1,227 @@
+//! The `redirector` binary: `run` steers until SIGTERM and cleans up, `state` flips a listener
+//! through the pinned maps, and a bad configuration or missing privileges are refused before
+//! anything is attached.
+
+use std::{os::unix::process::CommandExt as _, process::Command, time::Duration};
+
+use bpf_tests::{
+    bench::standard_listeners,
+    command::{TestProcess, output_within},
+    sandbox::{Ns, Query, Sandbox, Tools, Transport, redirector_bin},
+    topology::{NODE_LISTENER, dns, who},
+};
+
+fn tools() -> Tools {
+    Tools {
+        dns_server: env!("CARGO_BIN_EXE_dns-server").into(),
+        dns_query: env!("CARGO_BIN_EXE_dns-query").into(),
+    }
+}
+
+fn answered_by(sandbox: &Sandbox) -> anyhow::Result<&'static str> {
+    let outcome = sandbox.query(Ns::Pod, Query::new(dns(NODE_LISTENER), Transport::Udp))?;
+    Ok(match who(outcome.answer()) {
+        "upstream A" | "upstream B" => "upstream",
+        other => other,
+    })
+}
+
+/// Runs `redirector ARGS` to completion: (exit code, stdout, stderr).
+fn redirector(args: &[&str]) -> anyhow::Result<(i32, String, String)> {
+    let mut command = Command::new(redirector_bin());
+    command.args(args);
+    let output = output_within(&mut command, Duration::from_secs(30))?;
+    Ok((
+        output.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&output.stdout).into_owned(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    ))
+}
+
+#[test]
+fn run_steers_until_sigterm_and_state_flips_listeners() -> anyhow::Result<()> {
+    let mut sandbox = Sandbox::new(tools())?;
+    sandbox.start_standard_servers()?;
+    let config = sandbox.write_file(
+        "config.toml",
+        &sandbox.config_toml(&standard_listeners(&sandbox)),
+    )?;
+    let pin_dir = sandbox.pin_dir().display().to_string();
+
+    let (code, stdout, stderr) =
+        redirector(&["check-config", "--config", &config.display().to_string()])?;
+    assert_eq!(code, 0, "{stderr}");
+    assert!(
+        stdout.contains(
+            "valid, 3 listener(s): node (169.254.10.10), cluster (169.254.10.11), v6 (fd00:53::10)"
+        ),
+        "{stdout}"
+    );
+
+    let mut command = Command::new(redirector_bin());
+    command.args(["run", "--config", &config.display().to_string()]);
+    let mut agent = TestProcess::start(
+        "redirector run",
+        command,
+        "redirector is steering",
+        Duration::from_secs(30),
+    )?;
+    assert!(!sandbox.attached_programs()?.is_empty());
+    assert_eq!(answered_by(&sandbox)?, "cache");
+
+    let (code, stdout, stderr) = redirector(&[
+        "state",
+        "--listener",
+        "node",
+        "--set",
+        "upstream",
+        "--pin-dir",
+        &pin_dir,
+    ])?;
+    assert_eq!(code, 0, "{stderr}");
+    assert_eq!(
+        stdout.trim(),
+        "listener node (169.254.10.10): mode upstream (was auto); DNS goes to the upstream pool"
+    );
+    assert_eq!(answered_by(&sandbox)?, "upstream");
+
+    let (code, stdout, stderr) = redirector(&[
+        "state",
+        "--listener",
+        "node",
+        "--set",
+        "auto",
+        "--pin-dir",
+        &pin_dir,
+    ])?;
+    assert_eq!(code, 0, "{stderr}");
+    assert!(
+        stdout.contains("mode auto (was upstream); DNS goes to the cache"),
+        "{stdout}"
+    );
+    assert_eq!(answered_by(&sandbox)?, "cache");
+
+    let (code, _, stderr) = redirector(&[
+        "state",
+        "--listener",
+        "nope",
+        "--set",
+        "cache",
+        "--pin-dir",
+        &pin_dir,
+    ])?;
+    assert_eq!(code, 1);
+    assert!(
+        stderr.contains("there is no listener \"nope\"; the running agent has: node, cluster, v6"),
+        "{stderr}"
+    );
+
+    // Leave the listener forced upstream, then stop the agent: once detached, DNS reaches the
+    // listener address untouched again (the cache answers), and nothing is left behind.
+    redirector(&[
+        "state",
+        "--listener",
+        "node",
+        "--set",
+        "upstream",
+        "--pin-dir",
+        &pin_dir,
+    ])?;
+    assert_eq!(answered_by(&sandbox)?, "upstream");
+    agent.signal(nix::sys::signal::Signal::SIGTERM)?;
+    let status = agent.wait_exit(Duration::from_secs(10))?;
+    assert!(status.success(), "{status:?}: {:?}", agent.drain());
+    assert_eq!(sandbox.attached_programs()?, "", "programs left attached");
+    assert!(!sandbox.pin_dir().exists(), "pins left behind");
+    assert_eq!(answered_by(&sandbox)?, "cache");
+
+    let (code, _, stderr) = redirector(&[
+        "state",
+        "--listener",
+        "node",
+        "--set",
+        "cache",
+        "--pin-dir",
+        &pin_dir,
+    ])?;
+    assert_eq!(code, 1);
+    assert!(
+        stderr.contains("is the agent running with this pin directory?"),
+        "{stderr}"
+    );
+    Ok(())
+}
+
+#[test]
+fn a_bad_configuration_is_refused_before_anything_is_attached() -> anyhow::Result<()> {
+    let sandbox = Sandbox::new(tools())?;
+    let cgroup = sandbox.cgroup().path().display().to_string();
+    let pin_dir = sandbox.pin_dir().display().to_string();
+    let listener = "[[listener]]\nname = \"node\"\naddress = \"169.254.10.10\"\n";
+    let cases = [
+        (
+            format!(
+                "cgroup = {cgroup:?}\npin_dir = {pin_dir:?}\n{listener}skip_cgroups = [\"{cgroup}/no-such-cgroup\"]\n"
+            ),
+            "listener[0] (\"node\").skip_cgroups[0]: the cgroup directory",
+        ),
+        (
+            format!("cgroup = \"/tmp\"\npin_dir = {pin_dir:?}\n{listener}"),
+            "cgroup: /tmp is not a cgroup v2 directory",
+        ),
+        (
+            format!(
+                "cgroup = {:?}\npin_dir = {pin_dir:?}\n{listener}",
+                format!("{cgroup}/missing")
+            ),
+            "cgroup: the cgroup directory",
+        ),
+        (
+            format!(
+                "cgroup = {cgroup:?}\npin_dir = \"/tmp/{}-not-bpffs\"\n{listener}",
+                sandbox.tag()
+            ),
+            "is not on a bpf filesystem",
+        ),
+        (
+            format!(
+                "cgroup = {cgroup:?}\npin_dir = {pin_dir:?}\n{listener}upstreams = [\"198.18.2.2:0\"]\n"
+            ),
+            "listener[0] (\"node\").upstreams[0]: \"198.18.2.2:0\" has port 0",
+        ),
+    ];
+    for (index, (text, expected)) in cases.iter().enumerate() {
+        let config = sandbox.write_file(&format!("bad-{index}.toml"), text)?;
+        let (code, _, stderr) = redirector(&["run", "--config", &config.display().to_string()])?;
+        assert_eq!(code, 1, "case {index} must be refused: {stderr}");
+        assert!(
+            stderr.contains(expected),
+            "case {index}: expected {expected:?} in {stderr:?}"
+        );
+        assert!(!stderr.contains("panicked"), "{stderr}");
+        assert_eq!(
+            sandbox.attached_programs()?,
+            "",
+            "case {index} attached programs"
+        );
+    }
+    Ok(())
+}
+
+#[test]
+fn run_without_root_says_so() -> anyhow::Result<()> {
+    let sandbox = Sandbox::new(tools())?;
+    let config = sandbox.write_file(
+        "config.toml",
+        &sandbox.config_toml("[[listener]]\nname = \"node\"\naddress = \"169.254.10.10\"\n"),
+    )?;
+    let mut command = Command::new(redirector_bin());
+    command.args(["run", "--config", &config.display().to_string()]);
+    command.uid(65_534).gid(65_534);
+    let output = output_within(&mut command, Duration::from_secs(10))?;
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("redirector run needs root"), "{stderr}");
+    assert_eq!(sandbox.attached_programs()?, "");
+    Ok(())
+}

@@ -1,0 +1,429 @@
+//! The steering datapath on the real kernel: real DNS servers in namespaces, real clients (our
+//! `dns-query`, dig, glibc's `getent`), programs attached to a throwaway cgroup.
+
+use std::net::{IpAddr, SocketAddr};
+
+use bpf_tests::{
+    bench::{Bench, CLUSTER_ID, NODE_ID, V6_ID, mapped, socket_addr},
+    sandbox::{Ns, Query, Tools, Transport},
+    topology::{
+        CLUSTER_LISTENER, NODE_LISTENER, OTHER_PORT, UPSTREAM_A, UPSTREAM_A_V4, UPSTREAM_B,
+        UPSTREAM_B_V4, V6_LISTENER, dns, who,
+    },
+};
+use redirector_common::listener::{HEALTH_DOWN, HEALTH_UP, MODE_AUTO, MODE_CACHE, MODE_UPSTREAM};
+
+fn tools() -> Tools {
+    Tools {
+        dns_server: env!("CARGO_BIN_EXE_dns-server").into(),
+        dns_query: env!("CARGO_BIN_EXE_dns-query").into(),
+    }
+}
+
+const TRANSPORTS: [Transport; 3] = [Transport::Udp, Transport::UdpConnected, Transport::Tcp];
+
+fn is_upstream(answer: Option<IpAddr>) -> bool {
+    [
+        IpAddr::V4(UPSTREAM_A.a),
+        IpAddr::V4(UPSTREAM_B.a),
+        IpAddr::V6(UPSTREAM_A.aaaa),
+        IpAddr::V6(UPSTREAM_B.aaaa),
+    ]
+    .iter()
+    .any(|upstream| Some(*upstream) == answer)
+}
+
+/// Where the client saw the answer come from: `recvfrom` for unconnected UDP, `getpeername` for
+/// the others.
+fn seen_peer(outcome: &bpf_tests::dns::QueryOutcome) -> Option<SocketAddr> {
+    socket_addr(outcome.reply_from.as_ref()).or_else(|| socket_addr(outcome.peer.as_ref()))
+}
+
+#[test]
+fn cache_answers_every_transport_while_it_serves() -> anyhow::Result<()> {
+    let bench = Bench::standard(tools())?;
+    let mut decisions = 0;
+    for ns in [Ns::Pod, Ns::Node] {
+        for transport in TRANSPORTS {
+            for query in [
+                Query::new(dns(NODE_LISTENER), transport),
+                Query::new(dns(NODE_LISTENER), transport).mapped(),
+            ] {
+                let outcome = bench.sandbox.query(ns, query)?;
+                assert!(outcome.ok, "{ns:?} {query:?}: {outcome:?}");
+                assert_eq!(
+                    who(outcome.answer()),
+                    "cache",
+                    "{ns:?} {query:?}: {outcome:?}"
+                );
+                let expected = if query.mapped {
+                    mapped(NODE_LISTENER)
+                } else {
+                    dns(NODE_LISTENER)
+                };
+                assert_eq!(
+                    seen_peer(&outcome),
+                    Some(expected),
+                    "{ns:?} {query:?}: {outcome:?}"
+                );
+                // One decision at connect or sendto. A dual-stack socket connected to a mapped
+                // address also passes sendmsg4 on each send, which sees the listener again
+                // because nothing was rewritten.
+                decisions += if query.mapped && transport == Transport::UdpConnected {
+                    2
+                } else {
+                    1
+                };
+            }
+        }
+    }
+    let counters = bench.counters(NODE_ID)?;
+    assert_eq!(
+        counters.to_cache, decisions,
+        "every decision was counted as sent to the cache"
+    );
+    assert_eq!(counters.to_upstream, 0);
+    // The cache listens on the listener address itself: nothing was rewritten, nothing recorded.
+    assert_eq!(counters.reverse_translated, 0);
+    assert!(bench.reverse_entries().is_empty());
+    Ok(())
+}
+
+#[test]
+fn upstream_mode_steers_every_transport_and_rewrites_replies() -> anyhow::Result<()> {
+    let mut bench = Bench::standard(tools())?;
+    bench.set_mode(NODE_ID, MODE_UPSTREAM)?;
+    let mut queries = 0;
+    for ns in [Ns::Pod, Ns::Node] {
+        for transport in TRANSPORTS {
+            for query in [
+                Query::new(dns(NODE_LISTENER), transport),
+                Query::new(dns(NODE_LISTENER), transport).mapped(),
+            ] {
+                let outcome = bench.sandbox.query(ns, query)?;
+                assert!(outcome.ok, "{ns:?} {query:?}: {outcome:?}");
+                assert!(
+                    is_upstream(outcome.answer()),
+                    "{ns:?} {query:?} answered by {}: {outcome:?}",
+                    who(outcome.answer())
+                );
+                let expected = if query.mapped {
+                    mapped(NODE_LISTENER)
+                } else {
+                    dns(NODE_LISTENER)
+                };
+                assert_eq!(
+                    seen_peer(&outcome),
+                    Some(expected),
+                    "the client must see the listener: {ns:?} {query:?}: {outcome:?}"
+                );
+                queries += 1;
+            }
+        }
+    }
+    let counters = bench.counters(NODE_ID)?;
+    // One connect (connected UDP, TCP) or one sendmsg (unconnected UDP) per query.
+    assert_eq!(counters.to_upstream, queries);
+    assert_eq!(counters.to_cache, 0);
+    // One recvmsg (unconnected UDP) or one getpeername (connected UDP, TCP) per query.
+    assert_eq!(counters.reverse_translated, queries);
+    assert_eq!(counters.reverse_missed, 0);
+    // Every translation recorded points from an upstream back to the listener.
+    let entries = bench.reverse_entries();
+    assert_eq!(
+        entries.len() as u64,
+        queries,
+        "one reverse entry per steered socket"
+    );
+    for (key, value) in entries {
+        let peer = IpAddr::from(key.peer);
+        assert!(
+            peer == IpAddr::V4(UPSTREAM_A_V4) || peer == IpAddr::V4(UPSTREAM_B_V4),
+            "{peer}"
+        );
+        assert_eq!(IpAddr::from(value.listener), IpAddr::V4(NODE_LISTENER));
+        assert_eq!(value.listener_id, NODE_ID);
+    }
+    Ok(())
+}
+
+#[test]
+fn each_socket_keeps_one_upstream_and_sockets_spread_over_the_pool() -> anyhow::Result<()> {
+    let mut bench = Bench::standard(tools())?;
+    bench.set_mode(NODE_ID, MODE_UPSTREAM)?;
+    let mut seen = std::collections::BTreeMap::new();
+    for _ in 0..16 {
+        let outcome = bench
+            .sandbox
+            .query(Ns::Pod, Query::new(dns(NODE_LISTENER), Transport::Udp))?;
+        *seen.entry(who(outcome.answer())).or_insert(0) += 1;
+    }
+    assert_eq!(
+        seen.keys().copied().collect::<Vec<_>>(),
+        ["upstream A", "upstream B"],
+        "16 fresh sockets must reach both upstreams: {seen:?}"
+    );
+    // A socket's target is a function of its cookie: the recorded target of each socket is the
+    // one `pick_index` chooses for that cookie.
+    let pool = bench.agent.maps().pool(NODE_ID)?;
+    for (key, _) in bench.reverse_entries() {
+        let index = redirector_common::pool::pick_index(key.socket_cookie, pool.len);
+        assert_eq!(
+            pool.targets()[index as usize].addr,
+            key.peer,
+            "cookie {}",
+            key.socket_cookie
+        );
+    }
+    Ok(())
+}
+
+#[test]
+fn flipping_the_state_moves_answers_and_back() -> anyhow::Result<()> {
+    let mut bench = Bench::standard(tools())?;
+    let ask = |bench: &Bench| -> anyhow::Result<&'static str> {
+        let outcome = bench
+            .sandbox
+            .query(Ns::Pod, Query::new(dns(NODE_LISTENER), Transport::Udp))?;
+        assert_eq!(seen_peer(&outcome), Some(dns(NODE_LISTENER)), "{outcome:?}");
+        Ok(if is_upstream(outcome.answer()) {
+            "upstream"
+        } else {
+            who(outcome.answer())
+        })
+    };
+    // (mode, cache health) → who answers: the truth table, evaluated by the kernel.
+    for (mode, health, expected) in [
+        (MODE_AUTO, HEALTH_UP, "cache"),
+        (MODE_AUTO, HEALTH_DOWN, "upstream"),
+        (MODE_CACHE, HEALTH_DOWN, "cache"),
+        (MODE_UPSTREAM, HEALTH_UP, "upstream"),
+        (MODE_CACHE, HEALTH_UP, "cache"),
+        (MODE_AUTO, HEALTH_UP, "cache"),
+    ] {
+        bench.set_mode(NODE_ID, mode)?;
+        bench.set_health(NODE_ID, health)?;
+        assert_eq!(ask(&bench)?, expected, "mode {mode}, health {health}");
+    }
+    Ok(())
+}
+
+#[test]
+fn dig_and_glibc_resolve_through_the_listener() -> anyhow::Result<()> {
+    let mut bench = Bench::standard(tools())?;
+    for mode in [MODE_CACHE, MODE_UPSTREAM] {
+        bench.set_mode(NODE_ID, mode)?;
+        for ns in [Ns::Pod, Ns::Node] {
+            for tcp in [false, true] {
+                let dig = bench
+                    .sandbox
+                    .dig(ns, IpAddr::V4(NODE_LISTENER), tcp, false)?;
+                assert!(
+                    !dig.output.contains("unexpected source"),
+                    "dig saw the backend address: {}",
+                    dig.output
+                );
+                let answered_by = who(dig.answer());
+                if mode == MODE_CACHE {
+                    assert_eq!(answered_by, "cache", "{ns:?} tcp={tcp}: {}", dig.output);
+                } else {
+                    assert!(
+                        is_upstream(dig.answer()),
+                        "{ns:?} tcp={tcp}: {}",
+                        dig.output
+                    );
+                }
+            }
+            // glibc: resolv.conf names the listener; ahosts asks A and AAAA on one socket.
+            let addresses = bench.sandbox.getent(ns, "ahosts")?;
+            for address in &addresses {
+                if mode == MODE_CACHE {
+                    assert_eq!(who(Some(*address)), "cache", "{ns:?}: {addresses:?}");
+                } else {
+                    assert!(is_upstream(Some(*address)), "{ns:?}: {addresses:?}");
+                }
+            }
+            assert!(
+                addresses.iter().any(IpAddr::is_ipv4) && addresses.iter().any(IpAddr::is_ipv6),
+                "{addresses:?}"
+            );
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn other_ports_other_addresses_and_unconfigured_servers_are_untouched() -> anyhow::Result<()> {
+    let mut bench = Bench::standard(tools())?;
+    bench.sandbox.start_server(
+        "other port",
+        Ns::Node,
+        &[SocketAddr::new(IpAddr::V4(NODE_LISTENER), 5353)],
+        OTHER_PORT,
+    )?;
+    bench.set_mode(NODE_ID, MODE_UPSTREAM)?;
+    for transport in TRANSPORTS {
+        // The listener address, another port: not DNS for us.
+        let outcome = bench.sandbox.query(
+            Ns::Pod,
+            Query::new(SocketAddr::new(IpAddr::V4(NODE_LISTENER), 5353), transport),
+        )?;
+        assert_eq!(
+            who(outcome.answer()),
+            "other port",
+            "{transport:?}: {outcome:?}"
+        );
+        // An upstream addressed directly: not a listener, and its replies keep their source.
+        let outcome = bench
+            .sandbox
+            .query(Ns::Pod, Query::new(dns(UPSTREAM_B_V4), transport))?;
+        assert_eq!(
+            who(outcome.answer()),
+            "upstream B",
+            "{transport:?}: {outcome:?}"
+        );
+        assert_eq!(
+            seen_peer(&outcome),
+            Some(dns(UPSTREAM_B_V4)),
+            "{transport:?}: {outcome:?}"
+        );
+    }
+    let counters = bench.counters(NODE_ID)?;
+    assert_eq!(
+        counters.to_upstream + counters.to_cache,
+        0,
+        "nothing was steered: {counters:?}"
+    );
+    assert!(bench.reverse_entries().is_empty());
+    Ok(())
+}
+
+#[test]
+fn sockets_of_a_skipped_cgroup_reach_the_listener_untouched() -> anyhow::Result<()> {
+    let mut bench = Bench::standard(tools())?;
+    bench.set_mode(NODE_ID, MODE_UPSTREAM)?;
+    bench.set_mode(V6_ID, MODE_UPSTREAM)?;
+    let skipped = bench.sandbox.skipped_cgroup();
+    for transport in TRANSPORTS {
+        let outcome =
+            bench
+                .sandbox
+                .query_in(Ns::Node, skipped, Query::new(dns(NODE_LISTENER), transport))?;
+        assert_eq!(
+            who(outcome.answer()),
+            "cache",
+            "the cache's own query was steered: {transport:?} {outcome:?}"
+        );
+    }
+    // The skip is per listener: `v6` does not skip this cgroup.
+    let outcome = bench.sandbox.query_in(
+        Ns::Node,
+        skipped,
+        Query::new(dns(V6_LISTENER), Transport::Udp),
+    )?;
+    assert!(is_upstream(outcome.answer()), "{outcome:?}");
+    let counters = bench.counters(NODE_ID)?;
+    assert_eq!(counters.skipped_cgroup, 3);
+    assert_eq!(counters.to_upstream, 0);
+    Ok(())
+}
+
+#[test]
+fn an_empty_pool_obeys_its_policy() -> anyhow::Result<()> {
+    let mut bench = Bench::standard(tools())?;
+    // `cluster` has no upstreams and policy `fail`: the syscall fails at once.
+    bench.set_mode(CLUSTER_ID, MODE_UPSTREAM)?;
+    for transport in TRANSPORTS {
+        let outcome = bench
+            .sandbox
+            .query(Ns::Pod, Query::new(dns(CLUSTER_LISTENER), transport))?;
+        assert!(!outcome.ok, "{transport:?}: {outcome:?}");
+        assert_eq!(
+            outcome.errno,
+            Some(libc::EHOSTUNREACH),
+            "{transport:?}: {outcome:?}"
+        );
+    }
+    let counters = bench.counters(CLUSTER_ID)?;
+    assert_eq!(counters.failed_empty_pool, 3);
+
+    // `node` with its pool emptied and policy `pass`: DNS reaches the listener address as sent.
+    bench.set_mode(NODE_ID, MODE_UPSTREAM)?;
+    bench.set_pool(NODE_ID, &[])?;
+    for transport in TRANSPORTS {
+        let outcome = bench
+            .sandbox
+            .query(Ns::Pod, Query::new(dns(NODE_LISTENER), transport))?;
+        assert_eq!(who(outcome.answer()), "cache", "{transport:?}: {outcome:?}");
+    }
+    let counters = bench.counters(NODE_ID)?;
+    assert_eq!(counters.passed_through, 3);
+    assert_eq!(counters.to_upstream, 0);
+    Ok(())
+}
+
+#[test]
+fn pool_updates_apply_to_the_next_socket() -> anyhow::Result<()> {
+    let mut bench = Bench::standard(tools())?;
+    bench.set_mode(NODE_ID, MODE_UPSTREAM)?;
+    for (pool, expected) in [(UPSTREAM_B_V4, "upstream B"), (UPSTREAM_A_V4, "upstream A")] {
+        bench.set_pool(NODE_ID, &[dns(pool)])?;
+        for _ in 0..4 {
+            let outcome = bench
+                .sandbox
+                .query(Ns::Pod, Query::new(dns(NODE_LISTENER), Transport::Udp))?;
+            assert_eq!(who(outcome.answer()), expected, "{outcome:?}");
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn ipv6_listener_is_steered_and_translated() -> anyhow::Result<()> {
+    let mut bench = Bench::standard(tools())?;
+    for (mode, upstream) in [(MODE_CACHE, false), (MODE_UPSTREAM, true)] {
+        bench.set_mode(V6_ID, mode)?;
+        for ns in [Ns::Pod, Ns::Node] {
+            for transport in TRANSPORTS {
+                for aaaa in [false, true] {
+                    let query = Query {
+                        aaaa,
+                        ..Query::new(dns(V6_LISTENER), transport)
+                    };
+                    let outcome = bench.sandbox.query(ns, query)?;
+                    assert!(outcome.ok, "{ns:?} {query:?}: {outcome:?}");
+                    assert_eq!(
+                        is_upstream(outcome.answer()),
+                        upstream,
+                        "{ns:?} {query:?}: {outcome:?}"
+                    );
+                    assert_eq!(
+                        seen_peer(&outcome),
+                        Some(dns(V6_LISTENER)),
+                        "{ns:?} {query:?}: {outcome:?}"
+                    );
+                }
+            }
+            let dig = bench
+                .sandbox
+                .dig(ns, IpAddr::V6(V6_LISTENER), false, true)?;
+            assert_eq!(is_upstream(dig.answer()), upstream, "{}", dig.output);
+            assert!(!dig.output.contains("unexpected source"), "{}", dig.output);
+        }
+    }
+    bench.sandbox.netns(Ns::Pod).write_resolv_conf(&format!(
+        "nameserver {V6_LISTENER}\noptions timeout:2 attempts:1\n"
+    ))?;
+    let addresses = bench.sandbox.getent(Ns::Pod, "ahosts")?;
+    assert!(
+        addresses.iter().all(|address| is_upstream(Some(*address))),
+        "{addresses:?}"
+    );
+    let counters = bench.counters(V6_ID)?;
+    assert!(
+        counters.to_upstream > 0 && counters.to_cache > 0,
+        "{counters:?}"
+    );
+    assert_eq!(counters.reverse_missed, 0);
+    Ok(())
+}

@@ -1,0 +1,89 @@
+//! Per-listener counters, kept per CPU by the programs and summed by the agent.
+
+use crate::listener::MAX_LISTENERS;
+
+/// Counter row for UDP traffic.
+pub const PROTOCOL_UDP: u32 = 0;
+/// Counter row for TCP traffic.
+pub const PROTOCOL_TCP: u32 = 1;
+/// Rows per listener.
+pub const PROTOCOLS: u32 = 2;
+/// Entries of the `COUNTERS` map.
+pub const COUNTER_ENTRIES: usize = MAX_LISTENERS * PROTOCOLS as usize;
+
+/// Index into `COUNTERS` of a listener's row for `protocol`.
+#[inline(always)]
+#[must_use]
+pub const fn counter_index(listener_id: u32, protocol: u32) -> u32 {
+    listener_id * PROTOCOLS + protocol
+}
+
+/// Value of `COUNTERS` (per CPU). Each field counts syscalls, not bytes.
+#[repr(C)]
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
+pub struct ListenerCounters {
+    /// DNS syscalls sent to the cache.
+    pub to_cache: u64,
+    /// DNS syscalls sent to an upstream target.
+    pub to_upstream: u64,
+    /// Upstream wanted, pool empty, policy `pass`: left untouched.
+    pub passed_through: u64,
+    /// Upstream wanted, pool empty, policy `fail`: failed with `EHOSTUNREACH`.
+    pub failed_empty_pool: u64,
+    /// Sockets of a skipped cgroup (the cache's own queries): left untouched.
+    pub skipped_cgroup: u64,
+    /// Replies (`recvmsg`) and peer lookups (`getpeername`) rewritten back to the listener.
+    pub reverse_translated: u64,
+    /// Replies and peer lookups on a steered socket with no translation recorded (evicted, or the
+    /// socket also talks to servers directly).
+    pub reverse_missed: u64,
+}
+const _: () = assert!(size_of::<ListenerCounters>() == 56);
+
+impl ListenerCounters {
+    /// Field-wise sum, for folding the per-CPU values.
+    #[must_use]
+    pub const fn add(self, other: &Self) -> Self {
+        Self {
+            to_cache: self.to_cache + other.to_cache,
+            to_upstream: self.to_upstream + other.to_upstream,
+            passed_through: self.passed_through + other.passed_through,
+            failed_empty_pool: self.failed_empty_pool + other.failed_empty_pool,
+            skipped_cgroup: self.skipped_cgroup + other.skipped_cgroup,
+            reverse_translated: self.reverse_translated + other.reverse_translated,
+            reverse_missed: self.reverse_missed + other.reverse_missed,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rows_of_listeners_do_not_overlap() {
+        let last = counter_index(MAX_LISTENERS as u32 - 1, PROTOCOL_TCP);
+        assert_eq!(last as usize, COUNTER_ENTRIES - 1);
+        assert_ne!(
+            counter_index(1, PROTOCOL_UDP),
+            counter_index(0, PROTOCOL_TCP)
+        );
+    }
+
+    #[test]
+    fn add_sums_every_field() {
+        let one = ListenerCounters {
+            to_cache: 1,
+            to_upstream: 2,
+            passed_through: 3,
+            failed_empty_pool: 4,
+            skipped_cgroup: 5,
+            reverse_translated: 6,
+            reverse_missed: 7,
+        };
+        let two = one.add(&one);
+        assert_eq!(two.to_cache, 2);
+        assert_eq!(two.reverse_missed, 14);
+        assert_eq!(two.skipped_cgroup, 10);
+    }
+}

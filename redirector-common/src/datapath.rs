@@ -1,0 +1,70 @@
+//! Settings of the datapath as a whole.
+
+/// Entries of `SKIP_CGROUPS`.
+pub const MAX_SKIP_CGROUPS: usize = 64;
+/// Deepest cgroup level a skipped cgroup may sit at (levels are bits of a `u32` mask).
+pub const MAX_CGROUP_LEVEL: u32 = 31;
+
+/// Value of `DATAPATH_CONFIG[0]`.
+#[repr(C)]
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
+pub struct DatapathConfig {
+    /// Bit `n` set: some skipped cgroup sits at level `n` of the hierarchy (root is level 0). The
+    /// programs check the caller's ancestor at each such level only, usually one map lookup.
+    pub skip_cgroup_levels: u32,
+    /// `LAYOUT_VERSION` of the agent that wrote the maps.
+    pub layout_version: u32,
+}
+const _: () = assert!(size_of::<DatapathConfig>() == 8);
+
+/// Value of `SKIP_CGROUPS`, keyed by cgroup id (the inode number of its cgroup2 directory).
+#[repr(C)]
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
+pub struct SkipCgroup {
+    /// Bit `id` set: sockets of this cgroup are not steered for listener `id` (see
+    /// [`listener_bit`]).
+    pub listeners: u64,
+    /// The cgroup's level (root is 0).
+    pub level: u32,
+    /// Zero.
+    pub _padding: u32,
+}
+const _: () = assert!(size_of::<SkipCgroup>() == 16);
+
+/// The bit of listener `id` in `SkipCgroup::listeners` (no bit for ids past the mask).
+#[inline(always)]
+#[must_use]
+pub const fn listener_bit(id: u32) -> u64 {
+    if id < u64::BITS { 1 << id } else { 0 }
+}
+
+/// The `skip_cgroup_levels` mask for cgroups at `levels` (levels above `MAX_CGROUP_LEVEL` are
+/// rejected by the agent before this is called).
+#[must_use]
+pub fn level_mask(levels: impl IntoIterator<Item = u32>) -> u32 {
+    levels
+        .into_iter()
+        .filter(|level| *level <= MAX_CGROUP_LEVEL)
+        .fold(0, |mask, level| mask | (1 << level))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_listener_has_its_own_bit() {
+        let max = crate::listener::MAX_LISTENERS as u32;
+        assert_eq!(listener_bit(0), 1);
+        assert_eq!(listener_bit(max - 1), 1 << 63);
+        assert_eq!(listener_bit(max), 0);
+    }
+
+    #[test]
+    fn mask_has_one_bit_per_level() {
+        assert_eq!(level_mask([]), 0);
+        assert_eq!(level_mask([2, 2, 5]), 0b10_0100);
+        assert_eq!(level_mask([0, 31]), 0x8000_0001);
+        assert_eq!(level_mask([32]), 0);
+    }
+}

@@ -1,0 +1,82 @@
+//! Names of the maps and programs in the eBPF object. The kernel crate names its statics and
+//! functions exactly so; the agent looks them up with these constants, and a test checks the built
+//! object against this list (a kernel object name holds at most 15 characters, so these stay short).
+
+/// Listener address (`NetAddr`) → `ListenerConfig`.
+pub const MAP_LISTENERS: &str = "LISTENERS";
+/// Listener id → `ListenerMode`, the operator's override (written by the CLI).
+pub const MAP_LISTENER_MODE: &str = "LISTENER_MODE";
+/// Listener id → `CacheHealth`, the agent's verdict on the cache (written by the agent).
+pub const MAP_CACHE_HEALTH: &str = "CACHE_HEALTH";
+/// Listener id → `ListenerInfo` (name, address): for the CLI only, the programs never read it.
+pub const MAP_LISTENER_INFO: &str = "LISTENER_INFO";
+/// Listener id → `Pool` of upstream targets, replaced whole on every change.
+pub const MAP_POOLS: &str = "POOLS";
+/// `ReverseKey` → `ReverseValue`: what a reply's source must be rewritten to.
+pub const MAP_REVERSE_NAT: &str = "REVERSE_NAT";
+/// Socket-local storage: marks sockets that were steered at least once.
+pub const MAP_STEERED_SOCKS: &str = "STEERED_SOCKS";
+/// `counter_index(listener, protocol)` → per-CPU `ListenerCounters`.
+pub const MAP_COUNTERS: &str = "COUNTERS";
+/// cgroup id → `SkipCgroup`: sockets of these cgroups (and their descendants) are never steered.
+pub const MAP_SKIP_CGROUPS: &str = "SKIP_CGROUPS";
+/// Index 0 → `DatapathConfig`.
+pub const MAP_DATAPATH_CONFIG: &str = "DATAPATH_CONFIG";
+
+/// Every map in the object.
+pub const ALL_MAPS: [&str; 10] = [
+    MAP_LISTENERS,
+    MAP_LISTENER_MODE,
+    MAP_CACHE_HEALTH,
+    MAP_LISTENER_INFO,
+    MAP_POOLS,
+    MAP_REVERSE_NAT,
+    MAP_STEERED_SOCKS,
+    MAP_COUNTERS,
+    MAP_SKIP_CGROUPS,
+    MAP_DATAPATH_CONFIG,
+];
+
+/// `cgroup/connect4`: TCP connect and UDP connect, IPv4.
+pub const PROG_CONNECT4: &str = "dns_connect4";
+/// `cgroup/connect6`: TCP connect and UDP connect, IPv6 (incl. IPv4-mapped).
+pub const PROG_CONNECT6: &str = "dns_connect6";
+/// `cgroup/sendmsg4`: unconnected UDP sends, IPv4 (and IPv4-mapped sends of dual-stack sockets).
+pub const PROG_SENDMSG4: &str = "dns_sendmsg4";
+/// `cgroup/sendmsg6`: unconnected UDP sends, IPv6.
+pub const PROG_SENDMSG6: &str = "dns_sendmsg6";
+/// `cgroup/recvmsg4`: source address of received UDP datagrams, IPv4.
+pub const PROG_RECVMSG4: &str = "dns_recvmsg4";
+/// `cgroup/recvmsg6`: source address of received UDP datagrams, IPv6.
+pub const PROG_RECVMSG6: &str = "dns_recvmsg6";
+/// `cgroup/getpeername4`: peer address of connected sockets, IPv4.
+pub const PROG_GETPEERNAME4: &str = "dns_getpeer4";
+/// `cgroup/getpeername6`: peer address of connected sockets, IPv6.
+pub const PROG_GETPEERNAME6: &str = "dns_getpeer6";
+
+/// Every `cgroup_sock_addr` program in the object.
+pub const SOCK_ADDR_PROGRAMS: [&str; 8] = [
+    PROG_CONNECT4,
+    PROG_CONNECT6,
+    PROG_SENDMSG4,
+    PROG_SENDMSG6,
+    PROG_RECVMSG4,
+    PROG_RECVMSG6,
+    PROG_GETPEERNAME4,
+    PROG_GETPEERNAME6,
+];
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_fit_the_kernel_object_name_limit() {
+        for name in ALL_MAPS.iter().chain(SOCK_ADDR_PROGRAMS.iter()) {
+            assert!(
+                name.len() <= 15,
+                "{name} is longer than BPF_OBJ_NAME_LEN - 1"
+            );
+        }
+    }
+}

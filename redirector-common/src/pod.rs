@@ -1,0 +1,36 @@
+//! `aya::Pod` for every type the agent reads from or writes to a map.
+
+use crate::{
+    addr::NetAddr,
+    counters::ListenerCounters,
+    datapath::{DatapathConfig, SkipCgroup},
+    listener::{CacheHealth, ListenerConfig, ListenerInfo, ListenerMode},
+    pool::{Pool, Target},
+    reverse::{ReverseKey, ReverseValue, SteeredSocket},
+};
+
+macro_rules! impl_pod {
+    ($($ty:ty),+ $(,)?) => {
+        $(
+            // SAFETY: `#[repr(C)]`, only integer fields, padding spelled out as fields and
+            // checked by the size assertion next to the type: every bit pattern is valid.
+            unsafe impl aya::Pod for $ty {}
+        )+
+    };
+}
+
+impl_pod!(
+    NetAddr,
+    Target,
+    Pool,
+    ListenerConfig,
+    ListenerMode,
+    CacheHealth,
+    ListenerInfo,
+    ReverseKey,
+    ReverseValue,
+    SteeredSocket,
+    ListenerCounters,
+    DatapathConfig,
+    SkipCgroup,
+);

@@ -1,0 +1,78 @@
+//! Reverse translation: replies from a target are shown to the application as coming from the
+//! listener it addressed.
+
+use crate::addr::NetAddr;
+
+/// Entries of the `REVERSE_NAT` LRU map unless configured otherwise. Each steered socket (a
+/// fresh one per query for glibc) takes one entry until evicted.
+pub const REVERSE_NAT_DEFAULT_ENTRIES: usize = 65_536;
+
+/// Key of `REVERSE_NAT`: this socket talked to this target.
+#[repr(C)]
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, Default)]
+pub struct ReverseKey {
+    /// `bpf_get_socket_cookie` of the client socket.
+    pub socket_cookie: u64,
+    /// The target the socket was steered to (IPv4 stored mapped).
+    pub peer: NetAddr,
+    /// The target's port, network byte order.
+    pub peer_port_be: u16,
+    /// Zero; keeps the key free of uninitialised bytes.
+    pub _padding: [u8; 6],
+}
+const _: () = assert!(size_of::<ReverseKey>() == 32);
+
+impl ReverseKey {
+    /// The key for a socket and a target.
+    #[inline(always)]
+    #[must_use]
+    pub const fn new(socket_cookie: u64, peer: NetAddr, peer_port_be: u16) -> Self {
+        Self {
+            socket_cookie,
+            peer,
+            peer_port_be,
+            _padding: [0; 6],
+        }
+    }
+}
+
+/// Value of `REVERSE_NAT`: the listener the application addressed (its port is always 53).
+#[repr(C)]
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
+pub struct ReverseValue {
+    /// The listener address.
+    pub listener: NetAddr,
+    /// The listener's id, for counters.
+    pub listener_id: u32,
+}
+const _: () = assert!(size_of::<ReverseValue>() == 20);
+
+/// Value of the `STEERED_SOCKS` socket storage: present once a socket was steered to a target
+/// other than the address it named. `recvmsg` and `getpeername` of sockets without it return at
+/// once, so unrelated UDP pays one storage lookup and nothing else.
+#[repr(C)]
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
+pub struct SteeredSocket {
+    /// The listener the socket addressed last (for counting misses).
+    pub listener_id: u32,
+}
+const _: () = assert!(size_of::<SteeredSocket>() == 4);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_of_one_socket_differ_by_target_and_port() {
+        let a = NetAddr::from_ipv4_be(1);
+        let b = NetAddr::from_ipv4_be(2);
+        let port = 53u16.to_be();
+        assert_ne!(ReverseKey::new(7, a, port), ReverseKey::new(7, b, port));
+        assert_ne!(ReverseKey::new(7, a, port), ReverseKey::new(8, a, port));
+        assert_ne!(
+            ReverseKey::new(7, a, port),
+            ReverseKey::new(7, a, 5353u16.to_be())
+        );
+        assert_eq!(ReverseKey::new(7, a, port)._padding, [0; 6]);
+    }
+}

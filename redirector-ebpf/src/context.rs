@@ -1,0 +1,108 @@
+//! Reading and writing the `bpf_sock_addr` context.
+//!
+//! The verifier rewrites every context access into a load from, or store to, the real socket
+//! address, and accepts only the exact field offsets and 4-byte widths it knows. Volatile accesses
+//! keep the compiler from merging two `user_ip6` words into one 8-byte access, which kernels before
+//! 5.x refuse.
+
+use core::ptr::{addr_of, addr_of_mut, read_volatile, write_volatile};
+
+use aya_ebpf::{EbpfContext as _, helpers::bpf_get_socket_cookie, programs::SockAddrContext};
+use redirector_common::{
+    addr::NetAddr,
+    counters::{PROTOCOL_TCP, PROTOCOL_UDP},
+};
+
+/// `IPPROTO_UDP`.
+const IPPROTO_UDP: u32 = 17;
+/// `IPPROTO_TCP`.
+const IPPROTO_TCP: u32 = 6;
+
+/// The address family of the hook a program is attached to (`*4` or `*6`).
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Family {
+    /// `connect4`, `sendmsg4`, ...: the context holds `user_ip4`.
+    Ipv4,
+    /// `connect6`, `sendmsg6`, ...: the context holds `user_ip6`, which may be IPv4-mapped.
+    Ipv6,
+}
+
+/// The socket's transport as a counter row, or `None` for anything but UDP and TCP (ping sockets
+/// and raw sockets pass through the same hooks).
+#[inline(always)]
+pub fn protocol(ctx: &SockAddrContext) -> Option<u32> {
+    // SAFETY: `sock_addr` is the context pointer the kernel passed to the program.
+    let protocol = unsafe { read_volatile(addr_of!((*ctx.sock_addr).protocol)) };
+    match protocol {
+        IPPROTO_UDP => Some(PROTOCOL_UDP),
+        IPPROTO_TCP => Some(PROTOCOL_TCP),
+        _ => None,
+    }
+}
+
+/// `user_port`: the port the application named (connect, sendmsg) or is shown (recvmsg,
+/// getpeername), network byte order.
+#[inline(always)]
+pub fn user_port_be(ctx: &SockAddrContext) -> u16 {
+    // SAFETY: as in `protocol`. The port occupies the low 16 bits of the 4-byte field.
+    (unsafe { read_volatile(addr_of!((*ctx.sock_addr).user_port)) }) as u16
+}
+
+/// Sets `user_port` (network byte order).
+#[inline(always)]
+pub fn set_user_port_be(ctx: &SockAddrContext, port_be: u16) {
+    // SAFETY: as in `protocol`; the field is writable in every sock_addr hook we attach.
+    unsafe { write_volatile(addr_of_mut!((*ctx.sock_addr).user_port), u32::from(port_be)) };
+}
+
+/// The address the application named or is shown, in the shared representation.
+#[inline(always)]
+pub fn user_addr(ctx: &SockAddrContext, family: Family) -> NetAddr {
+    let sock_addr = ctx.sock_addr;
+    // SAFETY: as in `protocol`; each read is one 4-byte field or array element.
+    unsafe {
+        match family {
+            Family::Ipv4 => NetAddr::from_ipv4_be(read_volatile(addr_of!((*sock_addr).user_ip4))),
+            Family::Ipv6 => NetAddr {
+                words_be: [
+                    read_volatile(addr_of!((*sock_addr).user_ip6[0])),
+                    read_volatile(addr_of!((*sock_addr).user_ip6[1])),
+                    read_volatile(addr_of!((*sock_addr).user_ip6[2])),
+                    read_volatile(addr_of!((*sock_addr).user_ip6[3])),
+                ],
+            },
+        }
+    }
+}
+
+/// Sets the address. On an IPv4 hook only an IPv4 address can be written; the caller guarantees
+/// that (a listener's targets share its family), and an IPv6 one is ignored rather than
+/// truncated. On an IPv6 hook an IPv4 address is written IPv4-mapped, which is what a dual-stack
+/// socket expects.
+#[inline(always)]
+pub fn set_user_addr(ctx: &SockAddrContext, family: Family, addr: &NetAddr) {
+    let sock_addr = ctx.sock_addr;
+    // SAFETY: as in `protocol`; each write is one 4-byte field or array element.
+    unsafe {
+        match family {
+            Family::Ipv4 => {
+                if addr.is_ipv4() {
+                    write_volatile(addr_of_mut!((*sock_addr).user_ip4), addr.ipv4_be());
+                }
+            }
+            Family::Ipv6 => {
+                write_volatile(addr_of_mut!((*sock_addr).user_ip6[0]), addr.words_be[0]);
+                write_volatile(addr_of_mut!((*sock_addr).user_ip6[1]), addr.words_be[1]);
+                write_volatile(addr_of_mut!((*sock_addr).user_ip6[2]), addr.words_be[2]);
+                write_volatile(addr_of_mut!((*sock_addr).user_ip6[3]), addr.words_be[3]);
+            }
+        }
+    }
+}
+
+/// The socket's cookie: unique for the socket's lifetime, never reused.
+#[inline(always)]
+pub fn socket_cookie(ctx: &SockAddrContext) -> u64 {
+    // SAFETY: `bpf_get_socket_cookie` takes the program context in sock_addr programs (4.20+).
+    unsafe { bpf_get_socket_cookie(ctx.as_ptr()) }
+}

@@ -1,0 +1,94 @@
+//! redirector's kernel programs.
+//!
+//! cgroup `sock_addr` hooks (Linux 4.17 connect/sendmsg, 5.2 recvmsg, 5.8 getpeername) steer DNS
+//! sent to a listener address: to the cache while it serves, to an upstream target while it does
+//! not. There is no NAT: the destination is rewritten before the socket ever routes a packet, and
+//! replies are shown to the application as coming from the listener it addressed.
+//!
+//! Each entry point is a thin shim: it names its hook and address family and maps the result of a
+//! `try_*` function onto the verdict the kernel expects.
+#![no_std]
+#![no_main]
+
+mod context;
+mod maps;
+mod reverse;
+mod steer;
+
+use aya_ebpf::{macros::cgroup_sock_addr, programs::SockAddrContext};
+
+use crate::context::Family;
+
+/// `cgroup/connect*` and `cgroup/sendmsg*`: let the syscall proceed (with the address as the
+/// program left it).
+const VERDICT_ALLOW: i32 = 1;
+/// `cgroup/connect*` and `cgroup/sendmsg*`: fail the syscall (`EPERM`, or the errno set with
+/// `bpf_set_retval`).
+const VERDICT_REJECT: i32 = 0;
+
+/// The verdict of a connect or sendmsg program.
+#[inline(always)]
+fn steering_verdict(result: Result<(), steer::Refused>) -> i32 {
+    match result {
+        Ok(()) => VERDICT_ALLOW,
+        Err(steer::Refused::EmptyPool) => VERDICT_REJECT,
+    }
+}
+
+/// The verdict of a recvmsg or getpeername program: the kernel accepts only "allow" there.
+#[inline(always)]
+fn reverse_verdict(_translated: reverse::Outcome) -> i32 {
+    VERDICT_ALLOW
+}
+
+#[cgroup_sock_addr(connect4)]
+pub fn dns_connect4(ctx: SockAddrContext) -> i32 {
+    steering_verdict(steer::try_steer(&ctx, Family::Ipv4))
+}
+
+#[cgroup_sock_addr(connect6)]
+pub fn dns_connect6(ctx: SockAddrContext) -> i32 {
+    steering_verdict(steer::try_steer(&ctx, Family::Ipv6))
+}
+
+#[cgroup_sock_addr(sendmsg4)]
+pub fn dns_sendmsg4(ctx: SockAddrContext) -> i32 {
+    steering_verdict(steer::try_steer(&ctx, Family::Ipv4))
+}
+
+#[cgroup_sock_addr(sendmsg6)]
+pub fn dns_sendmsg6(ctx: SockAddrContext) -> i32 {
+    steering_verdict(steer::try_steer(&ctx, Family::Ipv6))
+}
+
+#[cgroup_sock_addr(recvmsg4)]
+pub fn dns_recvmsg4(ctx: SockAddrContext) -> i32 {
+    reverse_verdict(reverse::try_translate_peer(&ctx, Family::Ipv4))
+}
+
+#[cgroup_sock_addr(recvmsg6)]
+pub fn dns_recvmsg6(ctx: SockAddrContext) -> i32 {
+    reverse_verdict(reverse::try_translate_peer(&ctx, Family::Ipv6))
+}
+
+#[cgroup_sock_addr(getpeername4)]
+pub fn dns_getpeer4(ctx: SockAddrContext) -> i32 {
+    reverse_verdict(reverse::try_translate_peer(&ctx, Family::Ipv4))
+}
+
+#[cgroup_sock_addr(getpeername6)]
+pub fn dns_getpeer6(ctx: SockAddrContext) -> i32 {
+    reverse_verdict(reverse::try_translate_peer(&ctx, Family::Ipv6))
+}
+
+#[cfg(not(test))]
+#[panic_handler]
+fn panic(_info: &core::panic::PanicInfo<'_>) -> ! {
+    // Unreachable in a verified program: the verifier rejects any path that could get here.
+    loop {}
+}
+
+/// The kernel offers GPL-only helpers only to GPL-compatible programs ("Dual MIT/GPL" is one).
+#[unsafe(link_section = "license")]
+#[unsafe(no_mangle)]
+static LICENSE: [u8; 13] = *b"Dual MIT/GPL\0";

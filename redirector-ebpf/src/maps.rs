@@ -1,0 +1,62 @@
+//! The maps, named as `redirector_common::names` says (the statics' names are the map names).
+
+use aya_ebpf::{
+    bindings::BPF_F_NO_PREALLOC,
+    btf_maps::{Array, HashMap, LruHashMap, PerCpuArray, SkStorage},
+    macros::btf_map,
+};
+use redirector_common::{
+    addr::NetAddr,
+    counters::{COUNTER_ENTRIES, ListenerCounters},
+    datapath::{DatapathConfig, MAX_SKIP_CGROUPS, SkipCgroup},
+    listener::{CacheHealth, ListenerConfig, ListenerInfo, ListenerMode, MAX_LISTENERS},
+    pool::Pool,
+    reverse::{REVERSE_NAT_DEFAULT_ENTRIES, ReverseKey, ReverseValue, SteeredSocket},
+};
+
+/// Listener address → its configuration. A miss means "not DNS for us": the common case, so it
+/// is the first lookup, after the port check.
+#[btf_map]
+pub static LISTENERS: HashMap<NetAddr, ListenerConfig, MAX_LISTENERS> = HashMap::new();
+
+/// Listener id → the operator's override. Arrays: the verifier inlines their lookups.
+#[btf_map]
+pub static LISTENER_MODE: Array<ListenerMode, MAX_LISTENERS> = Array::new();
+
+/// Listener id → the agent's verdict on the cache.
+#[btf_map]
+pub static CACHE_HEALTH: Array<CacheHealth, MAX_LISTENERS> = Array::new();
+
+/// Listener id → name and address, for the CLI. Never read here; defined here so that it is
+/// created and pinned with the others.
+#[btf_map]
+pub static LISTENER_INFO: Array<ListenerInfo, MAX_LISTENERS> = Array::new();
+
+/// Listener id → upstream pool. `BPF_F_NO_PREALLOC`: an update allocates a new element and frees
+/// the old one after an RCU grace period, so a reader never sees a pool being rewritten (with
+/// preallocation the old element could be recycled while still read).
+#[btf_map]
+pub static POOLS: HashMap<u32, Pool, MAX_LISTENERS, { BPF_F_NO_PREALLOC as usize }> =
+    HashMap::new();
+
+/// (socket cookie, target, port) → listener, for rewriting replies. LRU: entries of closed
+/// sockets age out without bookkeeping. The agent may resize it at load time.
+#[btf_map]
+pub static REVERSE_NAT: LruHashMap<ReverseKey, ReverseValue, REVERSE_NAT_DEFAULT_ENTRIES> =
+    LruHashMap::new();
+
+/// Marks steered sockets (socket-local storage, 5.2+; usable from sock_addr programs since 5.3).
+#[btf_map]
+pub static STEERED_SOCKS: SkStorage<SteeredSocket> = SkStorage::new();
+
+/// Per-CPU counters per (listener, protocol).
+#[btf_map]
+pub static COUNTERS: PerCpuArray<ListenerCounters, COUNTER_ENTRIES> = PerCpuArray::new();
+
+/// cgroup id → the listeners its sockets (and its descendants') are not steered for.
+#[btf_map]
+pub static SKIP_CGROUPS: HashMap<u64, SkipCgroup, MAX_SKIP_CGROUPS> = HashMap::new();
+
+/// Datapath-wide settings at index 0.
+#[btf_map]
+pub static DATAPATH_CONFIG: Array<DatapathConfig, 1> = Array::new();

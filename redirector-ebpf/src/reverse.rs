@@ -1,0 +1,60 @@
+//! recvmsg and getpeername: show the application the listener it addressed, not the target its
+//! socket was steered to (resolvers drop replies from an address they did not ask).
+
+use aya_ebpf::programs::SockAddrContext;
+use redirector_common::{
+    DNS_PORT,
+    addr::port_be,
+    counters::{PROTOCOL_UDP, counter_index},
+    reverse::ReverseKey,
+};
+
+use crate::{
+    context::{self, Family},
+    maps::{REVERSE_NAT, STEERED_SOCKS},
+    steer::count,
+};
+
+/// What the reply hook did.
+pub enum Outcome {
+    /// The socket was never steered: nothing to do (the common case).
+    NotSteered,
+    /// The peer was rewritten to the listener address.
+    Translated,
+    /// A steered socket heard from a peer with no recorded translation.
+    Missed,
+}
+
+/// Rewrites the peer address of a reply (recvmsg) or of a connected socket (getpeername) back to
+/// the listener when this socket was steered to that peer.
+#[inline(always)]
+pub fn try_translate_peer(ctx: &SockAddrContext, family: Family) -> Outcome {
+    // SAFETY: the storage belongs to the context's socket, which this program holds.
+    let steered = unsafe { STEERED_SOCKS.get_ptr_mut(ctx) };
+    if steered.is_null() {
+        return Outcome::NotSteered;
+    }
+    let protocol = context::protocol(ctx).unwrap_or(PROTOCOL_UDP);
+    let key = ReverseKey::new(
+        context::socket_cookie(ctx),
+        context::user_addr(ctx, family),
+        context::user_port_be(ctx),
+    );
+    let Some(translation) = REVERSE_NAT.get_ptr(key) else {
+        // SAFETY: non-null storage of this socket.
+        let listener_id = unsafe { (*steered).listener_id };
+        count(counter_index(listener_id, protocol), |c| {
+            c.reverse_missed += 1
+        });
+        return Outcome::Missed;
+    };
+    // SAFETY: LRU entries are written whole; a concurrent eviction leaves this copy readable for
+    // the rest of the RCU read section.
+    let translation = unsafe { *translation };
+    context::set_user_addr(ctx, family, &translation.listener);
+    context::set_user_port_be(ctx, port_be(DNS_PORT));
+    count(counter_index(translation.listener_id, protocol), |c| {
+        c.reverse_translated += 1;
+    });
+    Outcome::Translated
+}

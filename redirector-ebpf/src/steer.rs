@@ -1,0 +1,200 @@
+//! connect and sendmsg: choose where a listener's DNS goes and rewrite the destination.
+
+use aya_ebpf::{
+    bindings::BPF_ANY,
+    helpers::{bpf_get_current_ancestor_cgroup_id, bpf_set_retval},
+    programs::SockAddrContext,
+};
+use redirector_common::{
+    DNS_PORT,
+    addr::{NetAddr, port_be},
+    counters::{ListenerCounters, counter_index},
+    datapath::{MAX_CGROUP_LEVEL, listener_bit},
+    listener::{EMPTY_POOL_FAIL, ListenerConfig, Route, route},
+    pool::{MAX_POOL_TARGETS, Target, pick_index},
+    reverse::{ReverseKey, ReverseValue, SteeredSocket},
+};
+
+use crate::{
+    context::{self, Family},
+    maps::{
+        CACHE_HEALTH, COUNTERS, DATAPATH_CONFIG, LISTENER_MODE, LISTENERS, POOLS, REVERSE_NAT,
+        SKIP_CGROUPS, STEERED_SOCKS,
+    },
+};
+
+/// `EHOSTUNREACH`: what a client sees when a listener's cache is down and its pool is empty under
+/// the `fail` policy. Resolvers treat it as "this server is unreachable" and try the next one at
+/// once, instead of waiting out a timeout.
+const EHOSTUNREACH: i32 = 113;
+
+/// Why a syscall must fail.
+pub enum Refused {
+    /// Upstream wanted, the pool is empty and the listener's policy is `fail`.
+    EmptyPool,
+}
+
+/// Steers the destination of a connect or sendmsg when it is a listener address on port 53.
+/// Everything else returns `Ok` untouched, after at most a port comparison and one map lookup.
+#[inline(always)]
+pub fn try_steer(ctx: &SockAddrContext, family: Family) -> Result<(), Refused> {
+    if context::user_port_be(ctx) != port_be(DNS_PORT) {
+        return Ok(());
+    }
+    let Some(protocol) = context::protocol(ctx) else {
+        return Ok(());
+    };
+    let listener_addr = context::user_addr(ctx, family);
+    let Some(listener) = LISTENERS.get_ptr(listener_addr) else {
+        return Ok(());
+    };
+    // SAFETY: the agent only ever replaces LISTENERS entries whole; a stale copy is still a
+    // complete configuration.
+    let listener = unsafe { *listener };
+    let counters = counter_index(listener.id, protocol);
+
+    if in_skipped_cgroup(listener.id) {
+        count(counters, |c| c.skipped_cgroup += 1);
+        return Ok(());
+    }
+
+    let (Some(mode), Some(health)) = (
+        LISTENER_MODE.get(listener.id),
+        CACHE_HEALTH.get(listener.id),
+    ) else {
+        return Ok(());
+    };
+    let target = match route(mode, health) {
+        Route::Cache => {
+            count(counters, |c| c.to_cache += 1);
+            listener.cache
+        }
+        Route::Upstream => match pick_upstream(ctx, listener.id) {
+            Some(target) => {
+                count(counters, |c| c.to_upstream += 1);
+                target
+            }
+            None => return empty_pool(&listener, counters),
+        },
+    };
+
+    let target_port_be = target.port_be(protocol);
+    if target.addr == listener_addr && target_port_be == port_be(DNS_PORT) {
+        // The cache listens on the listener address itself: nothing to rewrite.
+        return Ok(());
+    }
+    context::set_user_addr(ctx, family, &target.addr);
+    context::set_user_port_be(ctx, target_port_be);
+    remember_translation(ctx, &listener, listener_addr, &target.addr, target_port_be);
+    Ok(())
+}
+
+/// The upstream target for this socket, or `None` when the pool is empty.
+#[inline(always)]
+fn pick_upstream(ctx: &SockAddrContext, listener_id: u32) -> Option<Target> {
+    let pool = POOLS.get_ptr(listener_id)?;
+    // SAFETY: POOLS is BPF_F_NO_PREALLOC, so the element stays valid (and unchanged) for this
+    // RCU read section even if the agent replaces it meanwhile.
+    let pool = unsafe { &*pool };
+    let len = pool.len;
+    if len == 0 {
+        return None;
+    }
+    let len = if len as usize > MAX_POOL_TARGETS {
+        MAX_POOL_TARGETS as u32
+    } else {
+        len
+    };
+    let index = pick_index(context::socket_cookie(ctx), len) as usize;
+    pool.targets.get(index).copied()
+}
+
+/// The listener's cache is not serving and it has no upstream to offer.
+#[inline(always)]
+fn empty_pool(listener: &ListenerConfig, counters: u32) -> Result<(), Refused> {
+    if listener.empty_pool_policy == EMPTY_POOL_FAIL {
+        count(counters, |c| c.failed_empty_pool += 1);
+        // SAFETY: plain helper call. bpf_set_retval (5.18+) makes the rejected syscall fail with
+        // this errno instead of EPERM.
+        unsafe { bpf_set_retval(-EHOSTUNREACH) };
+        Err(Refused::EmptyPool)
+    } else {
+        count(counters, |c| c.passed_through += 1);
+        Ok(())
+    }
+}
+
+/// Records what replies from `target` on this socket must look like, and marks the socket as
+/// steered so the reply hooks look for it.
+#[inline(always)]
+fn remember_translation(
+    ctx: &SockAddrContext,
+    listener: &ListenerConfig,
+    listener_addr: NetAddr,
+    target: &NetAddr,
+    target_port_be: u16,
+) {
+    let key = ReverseKey::new(context::socket_cookie(ctx), *target, target_port_be);
+    let value = ReverseValue {
+        listener: listener_addr,
+        listener_id: listener.id,
+    };
+    // An unconnected socket sends many datagrams to one target: look before writing, since an
+    // LRU update allocates a fresh element every time.
+    let current = REVERSE_NAT.get_ptr(key);
+    // SAFETY: a stale read only causes one redundant update.
+    if current.is_none_or(|current| unsafe { *current } != value) {
+        // A full LRU evicts its oldest entry; an error here leaves only the reply unrewritten.
+        let _ = REVERSE_NAT.insert(key, value, u64::from(BPF_ANY));
+    }
+
+    let mut mark = SteeredSocket {
+        listener_id: listener.id,
+    };
+    // SAFETY: the storage belongs to the context's socket, which this program holds.
+    let stored = unsafe { STEERED_SOCKS.get_or_insert_ptr_mut(ctx, Some(&mut mark)) };
+    if !stored.is_null() {
+        // SAFETY: non-null storage of this socket; racing writers store a valid id either way.
+        unsafe { (*stored).listener_id = listener.id };
+    }
+}
+
+/// True when the calling task belongs to a cgroup skipped for this listener, or to one of its
+/// descendants (the cache's own upstream queries must never be steered back to it). Checks only
+/// the levels at which a skipped cgroup exists: usually one helper call and one lookup.
+/// `bpf_get_current_ancestor_cgroup_id` is available to sock_addr programs since 5.7.
+#[inline(always)]
+fn in_skipped_cgroup(listener_id: u32) -> bool {
+    let Some(config) = DATAPATH_CONFIG.get(0) else {
+        return false;
+    };
+    let levels = config.skip_cgroup_levels;
+    if levels == 0 {
+        return false;
+    }
+    let mut level = 0;
+    while level <= MAX_CGROUP_LEVEL {
+        if levels & (1 << level) != 0 {
+            // SAFETY: plain helper call; returns 0 above the task's own depth.
+            let id = unsafe { bpf_get_current_ancestor_cgroup_id(level as i32) };
+            if id != 0
+                && let Some(skip) = SKIP_CGROUPS.get_ptr(id)
+                // SAFETY: entries are written whole by the agent.
+                && unsafe { (*skip).listeners } & listener_bit(listener_id) != 0
+            {
+                return true;
+            }
+        }
+        level += 1;
+    }
+    false
+}
+
+/// Adds to this CPU's counters of a (listener, protocol) row.
+#[inline(always)]
+pub fn count(index: u32, bump: impl FnOnce(&mut ListenerCounters)) {
+    if let Some(counters) = COUNTERS.get_ptr_mut(index) {
+        // SAFETY: per-CPU slot of this program's CPU; sock_addr programs run with migration off.
+        bump(unsafe { &mut *counters });
+    }
+}

@@ -1,0 +1,798 @@
+//! The agent's configuration file (TOML): parsing and every check that needs no privileges.
+//!
+//! Everything is validated before the agent touches the kernel; each refusal names the key
+//! (`listener[1].upstreams[0]`) and says what to change.
+
+use std::{
+    collections::HashMap,
+    net::{AddrParseError, IpAddr, SocketAddr},
+    path::{Path, PathBuf},
+};
+
+use redirector_common::{
+    DNS_PORT,
+    listener::{LISTENER_NAME_MAX, MAX_LISTENERS},
+    pool::MAX_POOL_TARGETS,
+    reverse::REVERSE_NAT_DEFAULT_ENTRIES,
+};
+use serde::Deserialize;
+
+/// Where the agent pins its maps unless told otherwise.
+pub const DEFAULT_PIN_DIR: &str = "/sys/fs/bpf/redirector";
+/// The configuration file the CLI reads unless told otherwise.
+pub const DEFAULT_CONFIG_PATH: &str = "/etc/redirector/config.toml";
+
+/// What a listener does when its cache is down and its upstream pool is empty.
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Default, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum EmptyPoolPolicy {
+    /// Let DNS through to the listener address untouched.
+    #[default]
+    Pass,
+    /// Fail the client's syscall with `EHOSTUNREACH` at once.
+    Fail,
+}
+
+/// A validated configuration.
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub struct Config {
+    /// The cgroup v2 directory the programs attach to; `None`: the cgroup v2 root.
+    pub cgroup: Option<PathBuf>,
+    /// The bpffs directory the maps are pinned in.
+    pub pin_dir: PathBuf,
+    /// Log filter (`info`, `debug`, or a `tracing` directive).
+    pub log_level: Option<String>,
+    /// Entries of the reverse-translation LRU map.
+    pub reverse_nat_entries: u32,
+    /// The listeners, in file order; a listener's index is its id in the maps.
+    pub listeners: Vec<Listener>,
+}
+
+/// One listener address and where its DNS goes.
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub struct Listener {
+    /// Unique name, used by the CLI.
+    pub name: String,
+    /// The address clients send DNS to (port 53).
+    pub address: IpAddr,
+    /// Where DNS goes while the cache serves.
+    pub cache: SocketAddr,
+    /// Where DNS goes while it does not.
+    pub upstreams: Vec<SocketAddr>,
+    /// What happens when the cache is down and `upstreams` is empty.
+    pub empty_pool: EmptyPoolPolicy,
+    /// cgroup v2 directories whose processes (and their descendants) are never steered for this
+    /// listener: the cache's own queries.
+    pub skip_cgroups: Vec<PathBuf>,
+}
+
+/// Why a configuration was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("cannot read the configuration file {path}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// What the OS said.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The file is not TOML of the expected shape (unknown key, wrong type, ...).
+    #[error("the configuration file {path} is not valid (see the cause below for the key)")]
+    Parse {
+        /// The file.
+        path: PathBuf,
+        /// What the TOML parser said, with line and key.
+        #[source]
+        source: toml::de::Error,
+    },
+    /// No `[[listener]]` section.
+    #[error("no listener is configured: add a [[listener]] section with a name and an address")]
+    NoListeners,
+    /// More listeners than the maps hold.
+    #[error("{count} listeners are configured; at most {max} are supported")]
+    TooManyListeners {
+        /// How many were given.
+        count: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// A name that is empty or does not fit the maps.
+    #[error(
+        "{key}: the name {name:?} must be 1 to {max} bytes long",
+        max = LISTENER_NAME_MAX
+    )]
+    BadName {
+        /// The offending key.
+        key: String,
+        /// The name given.
+        name: String,
+    },
+    /// Two listeners with one name.
+    #[error("{key}: the name {name:?} is already used by {first}; listener names must be unique")]
+    DuplicateName {
+        /// The offending key.
+        key: String,
+        /// The name.
+        name: String,
+        /// The key of the listener that has it first.
+        first: String,
+    },
+    /// Two listeners with one address.
+    #[error(
+        "{key}: the address {address} is already the address of {first}; listener addresses must be unique"
+    )]
+    DuplicateAddress {
+        /// The offending key.
+        key: String,
+        /// The address.
+        address: IpAddr,
+        /// The key of the listener that has it first.
+        first: String,
+    },
+    /// Not an IP address (or `ip:port`).
+    #[error("{key}: {value:?} is not {expected}")]
+    BadAddress {
+        /// The offending key.
+        key: String,
+        /// The text given.
+        value: String,
+        /// What was expected there.
+        expected: &'static str,
+        /// The parser's complaint.
+        #[source]
+        source: AddrParseError,
+    },
+    /// A listener address with a port.
+    #[error(
+        "{key}: {value:?} has a port; a listener always listens on port 53, give the address alone"
+    )]
+    ListenerPort {
+        /// The offending key.
+        key: String,
+        /// The text given.
+        value: String,
+    },
+    /// Port 0.
+    #[error(
+        "{key}: {value:?} has port 0, which no DNS server listens on; give the server's port, or none for 53"
+    )]
+    PortZero {
+        /// The offending key.
+        key: String,
+        /// The text given.
+        value: String,
+    },
+    /// An address no client can send DNS to.
+    #[error("{key}: {address} cannot be a listener address ({why})")]
+    UnusableListener {
+        /// The offending key.
+        key: String,
+        /// The address.
+        address: IpAddr,
+        /// Why not.
+        why: &'static str,
+    },
+    /// A cache or upstream of the other family.
+    #[error(
+        "{key}: {target} is {target_family} but the listener {listener:?} listens on {listener_family} \
+         {address}; each listener's targets share its family, so give {target_family} servers to an \
+         {target_family} listener",
+        target_family = family(target.ip()),
+        listener_family = family(*address),
+    )]
+    FamilyMismatch {
+        /// The offending key.
+        key: String,
+        /// The target given.
+        target: SocketAddr,
+        /// The listener's name.
+        listener: String,
+        /// The listener's address.
+        address: IpAddr,
+    },
+    /// More upstreams than a pool holds.
+    #[error("{key}: {count} upstreams given; a pool holds at most {max}")]
+    TooManyUpstreams {
+        /// The offending key.
+        key: String,
+        /// How many were given.
+        count: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// A reverse map that cannot work.
+    #[error(
+        "reverse_nat_entries: {value} is too small; give at least {min} (the default is {default})"
+    )]
+    ReverseNatTooSmall {
+        /// The value given.
+        value: u32,
+        /// The smallest accepted.
+        min: u32,
+        /// The default.
+        default: usize,
+    },
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawConfig {
+    cgroup: Option<PathBuf>,
+    pin_dir: Option<PathBuf>,
+    log_level: Option<String>,
+    reverse_nat_entries: Option<u32>,
+    #[serde(default, rename = "listener")]
+    listeners: Vec<RawListener>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawListener {
+    name: String,
+    address: String,
+    cache: Option<String>,
+    #[serde(default)]
+    upstreams: Vec<String>,
+    #[serde(default)]
+    empty_pool: EmptyPoolPolicy,
+    #[serde(default)]
+    skip_cgroups: Vec<PathBuf>,
+}
+
+/// Smallest accepted `reverse_nat_entries`.
+const REVERSE_NAT_MIN_ENTRIES: u32 = 1024;
+
+impl Config {
+    /// Reads and validates a configuration file.
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        Self::parse(&text).map_err(|error| match error {
+            ConfigError::Parse { source, .. } => ConfigError::Parse {
+                path: path.to_owned(),
+                source,
+            },
+            other => other,
+        })
+    }
+
+    /// Parses and validates configuration text.
+    pub fn parse(text: &str) -> Result<Self, ConfigError> {
+        let raw: RawConfig = toml::from_str(text).map_err(|source| ConfigError::Parse {
+            path: PathBuf::from("<text>"),
+            source,
+        })?;
+        Self::validate(raw)
+    }
+
+    fn validate(raw: RawConfig) -> Result<Self, ConfigError> {
+        if raw.listeners.is_empty() {
+            return Err(ConfigError::NoListeners);
+        }
+        if raw.listeners.len() > MAX_LISTENERS {
+            return Err(ConfigError::TooManyListeners {
+                count: raw.listeners.len(),
+                max: MAX_LISTENERS,
+            });
+        }
+        let reverse_nat_entries = match raw.reverse_nat_entries {
+            Some(value) if value < REVERSE_NAT_MIN_ENTRIES => {
+                return Err(ConfigError::ReverseNatTooSmall {
+                    value,
+                    min: REVERSE_NAT_MIN_ENTRIES,
+                    default: REVERSE_NAT_DEFAULT_ENTRIES,
+                });
+            }
+            Some(value) => value,
+            None => REVERSE_NAT_DEFAULT_ENTRIES as u32,
+        };
+
+        let mut names: HashMap<String, String> = HashMap::new();
+        let mut addresses: HashMap<IpAddr, String> = HashMap::new();
+        let mut listeners = Vec::with_capacity(raw.listeners.len());
+        for (index, raw_listener) in raw.listeners.into_iter().enumerate() {
+            let key = format!("listener[{index}]");
+            let listener = validate_listener(&key, raw_listener)?;
+            if let Some(first) = names.get(&listener.name) {
+                return Err(ConfigError::DuplicateName {
+                    key: format!("{key}.name"),
+                    name: listener.name,
+                    first: first.clone(),
+                });
+            }
+            if let Some(first) = addresses.get(&listener.address) {
+                return Err(ConfigError::DuplicateAddress {
+                    key: format!("{key}.address"),
+                    address: listener.address,
+                    first: first.clone(),
+                });
+            }
+            names.insert(listener.name.clone(), key.clone());
+            addresses.insert(listener.address, key);
+            listeners.push(listener);
+        }
+
+        Ok(Self {
+            cgroup: raw.cgroup,
+            pin_dir: raw
+                .pin_dir
+                .unwrap_or_else(|| PathBuf::from(DEFAULT_PIN_DIR)),
+            log_level: raw.log_level,
+            reverse_nat_entries,
+            listeners,
+        })
+    }
+
+    /// The listener called `name`, with its id.
+    #[must_use]
+    pub fn listener(&self, name: &str) -> Option<(u32, &Listener)> {
+        self.listeners
+            .iter()
+            .enumerate()
+            .find(|(_, listener)| listener.name == name)
+            .map(|(id, listener)| (id as u32, listener))
+    }
+}
+
+fn validate_listener(key: &str, raw: RawListener) -> Result<Listener, ConfigError> {
+    if raw.name.is_empty() || raw.name.len() > LISTENER_NAME_MAX {
+        return Err(ConfigError::BadName {
+            key: format!("{key}.name"),
+            name: raw.name,
+        });
+    }
+    let key = format!("{key} ({:?})", raw.name);
+
+    let address_key = format!("{key}.address");
+    let address = parse_listener_address(&address_key, &raw.address)?;
+
+    let cache_key = format!("{key}.cache");
+    let cache = match &raw.cache {
+        Some(text) => parse_target(&cache_key, text)?,
+        None => SocketAddr::new(address, DNS_PORT),
+    };
+    check_family(&cache_key, cache, &raw.name, address)?;
+
+    if raw.upstreams.len() > MAX_POOL_TARGETS {
+        return Err(ConfigError::TooManyUpstreams {
+            key: format!("{key}.upstreams"),
+            count: raw.upstreams.len(),
+            max: MAX_POOL_TARGETS,
+        });
+    }
+    let upstreams = raw
+        .upstreams
+        .iter()
+        .enumerate()
+        .map(|(index, text)| {
+            let upstream_key = format!("{key}.upstreams[{index}]");
+            let upstream = parse_target(&upstream_key, text)?;
+            check_family(&upstream_key, upstream, &raw.name, address)?;
+            Ok(upstream)
+        })
+        .collect::<Result<Vec<_>, ConfigError>>()?;
+
+    Ok(Listener {
+        name: raw.name,
+        address,
+        cache,
+        upstreams,
+        empty_pool: raw.empty_pool,
+        skip_cgroups: raw.skip_cgroups,
+    })
+}
+
+fn parse_listener_address(key: &str, text: &str) -> Result<IpAddr, ConfigError> {
+    let address: IpAddr = match text.parse() {
+        Ok(address) => address,
+        Err(source) => {
+            return Err(if text.parse::<SocketAddr>().is_ok() {
+                ConfigError::ListenerPort {
+                    key: key.to_owned(),
+                    value: text.to_owned(),
+                }
+            } else {
+                ConfigError::BadAddress {
+                    key: key.to_owned(),
+                    value: text.to_owned(),
+                    expected: "an IPv4 or IPv6 address",
+                    source,
+                }
+            });
+        }
+    };
+    let unusable = |why| {
+        Err(ConfigError::UnusableListener {
+            key: key.to_owned(),
+            address,
+            why,
+        })
+    };
+    if address.is_unspecified() {
+        return unusable("it is the unspecified address");
+    }
+    if address.is_multicast() {
+        return unusable("it is a multicast address");
+    }
+    if let IpAddr::V6(v6) = address
+        && v6.to_ipv4_mapped().is_some()
+    {
+        return unusable(
+            "it is IPv4-mapped; write the IPv4 address, dual-stack sockets are steered too",
+        );
+    }
+    Ok(address)
+}
+
+/// `ip`, `ip:port` or `[ipv6]:port`; port 53 when none is given.
+fn parse_target(key: &str, text: &str) -> Result<SocketAddr, ConfigError> {
+    let target = match text.parse::<SocketAddr>() {
+        Ok(target) => target,
+        Err(with_port) => match text.parse::<IpAddr>() {
+            Ok(ip) => SocketAddr::new(ip, DNS_PORT),
+            Err(_) => {
+                return Err(ConfigError::BadAddress {
+                    key: key.to_owned(),
+                    value: text.to_owned(),
+                    expected: "an address, `ip:port` or `[ipv6]:port`",
+                    source: with_port,
+                });
+            }
+        },
+    };
+    if target.port() == 0 {
+        return Err(ConfigError::PortZero {
+            key: key.to_owned(),
+            value: text.to_owned(),
+        });
+    }
+    // `::ffff:a.b.c.d` is IPv4 to the kernel programs; keep it as such here too.
+    let ip = target.ip().to_canonical();
+    Ok(SocketAddr::new(ip, target.port()))
+}
+
+fn family(ip: IpAddr) -> &'static str {
+    if ip.is_ipv4() { "IPv4" } else { "IPv6" }
+}
+
+fn check_family(
+    key: &str,
+    target: SocketAddr,
+    listener: &str,
+    address: IpAddr,
+) -> Result<(), ConfigError> {
+    if target.is_ipv4() == address.is_ipv4() {
+        return Ok(());
+    }
+    Err(ConfigError::FamilyMismatch {
+        key: key.to_owned(),
+        target,
+        listener: listener.to_owned(),
+        address,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn refusal(text: &str) -> String {
+        let error = Config::parse(text).expect_err("the configuration must be refused");
+        let mut message = error.to_string();
+        let mut source = std::error::Error::source(&error);
+        while let Some(cause) = source {
+            message.push_str(": ");
+            message.push_str(&cause.to_string());
+            source = cause.source();
+        }
+        message
+    }
+
+    const AKS: &str = r#"
+        cgroup = "/sys/fs/cgroup"
+        [[listener]]
+        name = "node"
+        address = "169.254.10.10"
+        upstreams = ["168.63.129.16"]
+        [[listener]]
+        name = "cluster"
+        address = "169.254.10.11"
+        cache = "169.254.10.11:53"
+        upstreams = ["10.244.0.5:53", "10.244.1.7:1053"]
+        empty_pool = "fail"
+        skip_cgroups = ["/sys/fs/cgroup/kubepods.slice/cache"]
+    "#;
+
+    #[test]
+    fn parses_a_full_configuration_with_defaults() {
+        let config = Config::parse(AKS).unwrap();
+        assert_eq!(config.cgroup, Some(PathBuf::from("/sys/fs/cgroup")));
+        assert_eq!(config.pin_dir, PathBuf::from(DEFAULT_PIN_DIR));
+        assert_eq!(
+            config.reverse_nat_entries,
+            REVERSE_NAT_DEFAULT_ENTRIES as u32
+        );
+        let node = &config.listeners[0];
+        assert_eq!(node.cache, "169.254.10.10:53".parse().unwrap());
+        assert_eq!(node.upstreams, vec!["168.63.129.16:53".parse().unwrap()]);
+        assert_eq!(node.empty_pool, EmptyPoolPolicy::Pass);
+        let (id, cluster) = config.listener("cluster").unwrap();
+        assert_eq!(id, 1);
+        assert_eq!(cluster.upstreams[1], "10.244.1.7:1053".parse().unwrap());
+        assert_eq!(cluster.empty_pool, EmptyPoolPolicy::Fail);
+        assert_eq!(cluster.skip_cgroups.len(), 1);
+    }
+
+    #[test]
+    fn parses_ipv6_listeners_and_targets() {
+        let config = Config::parse(
+            r#"
+            [[listener]]
+            name = "v6"
+            address = "fd00:53::10"
+            cache = "[fd00:53::20]:5353"
+            upstreams = ["fd00:53::1", "[fd00:53::2]:53"]
+            "#,
+        )
+        .unwrap();
+        let listener = &config.listeners[0];
+        assert_eq!(listener.cache, "[fd00:53::20]:5353".parse().unwrap());
+        assert_eq!(listener.upstreams[0], "[fd00:53::1]:53".parse().unwrap());
+    }
+
+    #[test]
+    fn refuses_an_unparseable_address_naming_the_key() {
+        let message = refusal(
+            r#"
+            [[listener]]
+            name = "node"
+            address = "169.254.10.300"
+            "#,
+        );
+        assert!(
+            message.starts_with("listener[0] (\"node\").address: \"169.254.10.300\""),
+            "{message}"
+        );
+    }
+
+    #[test]
+    fn refuses_an_unparseable_upstream_naming_the_key() {
+        let message = refusal(
+            r#"
+            [[listener]]
+            name = "node"
+            address = "169.254.10.10"
+            upstreams = ["10.0.0.1", "ten.0.0.2"]
+            "#,
+        );
+        assert!(
+            message.starts_with("listener[0] (\"node\").upstreams[1]: \"ten.0.0.2\""),
+            "{message}"
+        );
+    }
+
+    #[test]
+    fn refuses_port_zero() {
+        let message = refusal(
+            r#"
+            [[listener]]
+            name = "node"
+            address = "169.254.10.10"
+            upstreams = ["10.0.0.1:0"]
+            "#,
+        );
+        assert!(
+            message.contains("upstreams[0]") && message.contains("port 0"),
+            "{message}"
+        );
+        let message = refusal(
+            r#"
+            [[listener]]
+            name = "node"
+            address = "169.254.10.10"
+            cache = "169.254.20.10:0"
+            "#,
+        );
+        assert!(
+            message.contains(".cache") && message.contains("port 0"),
+            "{message}"
+        );
+    }
+
+    #[test]
+    fn refuses_a_duplicate_listener_name() {
+        let message = refusal(
+            r#"
+            [[listener]]
+            name = "node"
+            address = "169.254.10.10"
+            [[listener]]
+            name = "node"
+            address = "169.254.10.11"
+            "#,
+        );
+        assert!(
+            message
+                .starts_with("listener[1].name: the name \"node\" is already used by listener[0]"),
+            "{message}"
+        );
+    }
+
+    #[test]
+    fn refuses_a_duplicate_listener_address() {
+        let message = refusal(
+            r#"
+            [[listener]]
+            name = "a"
+            address = "169.254.10.10"
+            [[listener]]
+            name = "b"
+            address = "169.254.10.10"
+            "#,
+        );
+        assert!(
+            message.contains("listener[1].address") && message.contains("listener[0]"),
+            "{message}"
+        );
+    }
+
+    #[test]
+    fn refuses_a_v6_backend_in_a_v4_pool() {
+        let message = refusal(
+            r#"
+            [[listener]]
+            name = "node"
+            address = "169.254.10.10"
+            upstreams = ["10.0.0.1", "[fd00::1]:53"]
+            "#,
+        );
+        assert!(
+            message.starts_with("listener[0] (\"node\").upstreams[1]: [fd00::1]:53 is IPv6"),
+            "{message}"
+        );
+    }
+
+    #[test]
+    fn refuses_a_cache_of_the_other_family() {
+        let message = refusal(
+            r#"
+            [[listener]]
+            name = "v6"
+            address = "fd00::10"
+            cache = "10.0.0.1:53"
+            "#,
+        );
+        assert!(message.contains(".cache: 10.0.0.1:53 is IPv4"), "{message}");
+    }
+
+    #[test]
+    fn refuses_a_listener_address_with_a_port() {
+        let message = refusal(
+            r#"
+            [[listener]]
+            name = "node"
+            address = "169.254.10.10:53"
+            "#,
+        );
+        assert!(message.contains("has a port"), "{message}");
+    }
+
+    #[test]
+    fn refuses_unusable_listener_addresses() {
+        for (address, why) in [
+            ("0.0.0.0", "unspecified"),
+            ("::", "unspecified"),
+            ("224.0.0.53", "multicast"),
+            ("::ffff:169.254.10.10", "IPv4-mapped"),
+        ] {
+            let message = refusal(&format!(
+                "[[listener]]\nname = \"x\"\naddress = \"{address}\"\n"
+            ));
+            assert!(message.contains(why), "{address}: {message}");
+        }
+    }
+
+    #[test]
+    fn accepts_a_mapped_upstream_as_ipv4() {
+        let config = Config::parse(
+            r#"
+            [[listener]]
+            name = "node"
+            address = "169.254.10.10"
+            upstreams = ["[::ffff:10.0.0.1]:53"]
+            "#,
+        )
+        .unwrap();
+        assert_eq!(
+            config.listeners[0].upstreams[0],
+            "10.0.0.1:53".parse().unwrap()
+        );
+    }
+
+    #[test]
+    fn refuses_unknown_keys_naming_them() {
+        let message = refusal(
+            r#"
+            [[listener]]
+            name = "node"
+            address = "169.254.10.10"
+            upstream = ["10.0.0.1"]
+            "#,
+        );
+        assert!(message.contains("upstream"), "{message}");
+        assert!(message.contains("unknown field"), "{message}");
+    }
+
+    #[test]
+    fn refuses_an_unknown_empty_pool_policy() {
+        let message = refusal(
+            r#"
+            [[listener]]
+            name = "node"
+            address = "169.254.10.10"
+            empty_pool = "drop"
+            "#,
+        );
+        assert!(
+            message.contains("empty_pool") || message.contains("drop"),
+            "{message}"
+        );
+    }
+
+    #[test]
+    fn refuses_no_listeners_and_too_many() {
+        assert!(refusal("").contains("no listener"));
+        let many: String = (0..=MAX_LISTENERS)
+            .map(|i| {
+                format!(
+                    "[[listener]]\nname = \"l{i}\"\naddress = \"10.1.{}.{}\"\n",
+                    i / 250,
+                    i % 250 + 1
+                )
+            })
+            .collect();
+        assert!(refusal(&many).contains("at most 64"));
+    }
+
+    #[test]
+    fn refuses_bad_names() {
+        assert!(
+            refusal("[[listener]]\nname = \"\"\naddress = \"10.0.0.1\"\n")
+                .contains("listener[0].name")
+        );
+        let long = "n".repeat(LISTENER_NAME_MAX + 1);
+        assert!(
+            refusal(&format!(
+                "[[listener]]\nname = \"{long}\"\naddress = \"10.0.0.1\"\n"
+            ))
+            .contains("1 to 32 bytes")
+        );
+    }
+
+    #[test]
+    fn refuses_too_many_upstreams() {
+        let upstreams: Vec<String> = (1..=MAX_POOL_TARGETS + 1)
+            .map(|i| format!("\"10.0.1.{i}\""))
+            .collect();
+        let message = refusal(&format!(
+            "[[listener]]\nname = \"n\"\naddress = \"10.0.0.1\"\nupstreams = [{}]\n",
+            upstreams.join(", ")
+        ));
+        assert!(
+            message.contains("upstreams: 33 upstreams given"),
+            "{message}"
+        );
+    }
+
+    #[test]
+    fn refuses_a_tiny_reverse_map() {
+        let message = refusal(
+            "reverse_nat_entries = 10\n[[listener]]\nname = \"n\"\naddress = \"10.0.0.1\"\n",
+        );
+        assert!(message.contains("reverse_nat_entries"), "{message}");
+    }
+}

@@ -1,0 +1,208 @@
+//! `redirector`: the agent and its command line.
+
+use std::{path::PathBuf, process::ExitCode};
+
+use anyhow::{Context as _, bail};
+use clap::{Parser, Subcommand, ValueEnum};
+use redirector::{
+    agent::Agent,
+    config::{Config, DEFAULT_CONFIG_PATH, DEFAULT_PIN_DIR},
+    datapath::Maps,
+};
+use redirector_common::listener::{MODE_AUTO, MODE_CACHE, MODE_UPSTREAM, Route, route};
+use tracing_subscriber::EnvFilter;
+
+#[derive(Parser, Debug)]
+#[command(version, about = "eBPF fast-path DNS redirector for Kubernetes nodes")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Load and attach the programs, fill the maps, and steer DNS until SIGINT or SIGTERM.
+    Run(RunArgs),
+    /// Force a listener to the cache or to its upstreams, or give it back to automatic failover.
+    State(StateArgs),
+    /// Validate a configuration file and exit.
+    CheckConfig {
+        /// The configuration file.
+        #[arg(long, env = "REDIRECTOR_CONFIG", default_value = DEFAULT_CONFIG_PATH)]
+        config: PathBuf,
+    },
+}
+
+#[derive(clap::Args, Debug)]
+struct RunArgs {
+    /// The configuration file (TOML).
+    #[arg(long, env = "REDIRECTOR_CONFIG", default_value = DEFAULT_CONFIG_PATH)]
+    config: PathBuf,
+    /// The cgroup v2 directory to attach to (overrides `cgroup`; default: the cgroup v2 root).
+    #[arg(long, env = "REDIRECTOR_CGROUP")]
+    cgroup: Option<PathBuf>,
+    /// The bpffs directory to pin maps in (overrides `pin_dir`).
+    #[arg(long, env = "REDIRECTOR_PIN_DIR")]
+    pin_dir: Option<PathBuf>,
+    /// Log filter: error, warn, info, debug, trace, or tracing directives (overrides `log_level`).
+    #[arg(long, env = "REDIRECTOR_LOG")]
+    log_level: Option<String>,
+}
+
+#[derive(clap::Args, Debug)]
+struct StateArgs {
+    /// The listener's name, as in the configuration.
+    #[arg(long)]
+    listener: String,
+    /// The new mode.
+    #[arg(long, value_enum)]
+    set: Mode,
+    /// The running agent's pin directory.
+    #[arg(long, env = "REDIRECTOR_PIN_DIR", default_value = DEFAULT_PIN_DIR)]
+    pin_dir: PathBuf,
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum Mode {
+    /// Always the cache.
+    Cache,
+    /// Always the upstream pool.
+    Upstream,
+    /// Follow the cache's health.
+    Auto,
+}
+
+impl Mode {
+    fn raw(self) -> u32 {
+        match self {
+            Self::Cache => MODE_CACHE,
+            Self::Upstream => MODE_UPSTREAM,
+            Self::Auto => MODE_AUTO,
+        }
+    }
+
+    fn name_of(raw: u32) -> &'static str {
+        match raw {
+            MODE_CACHE => "cache",
+            MODE_UPSTREAM => "upstream",
+            _ => "auto",
+        }
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Run(args) => run(args),
+        Command::State(args) => set_state(&args),
+        Command::CheckConfig { config } => check_config(&config),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("error: {error:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn init_logging(filter: &str) -> anyhow::Result<()> {
+    let filter = EnvFilter::try_new(filter).with_context(|| {
+        format!("the log level {filter:?} is not a valid filter (try info or debug)")
+    })?;
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+    Ok(())
+}
+
+fn run(args: RunArgs) -> anyhow::Result<()> {
+    let mut config = Config::load(&args.config)?;
+    if let Some(cgroup) = args.cgroup {
+        config.cgroup = Some(cgroup);
+    }
+    if let Some(pin_dir) = args.pin_dir {
+        config.pin_dir = pin_dir;
+    }
+    let filter = args
+        .log_level
+        .or_else(|| config.log_level.clone())
+        .unwrap_or_else(|| "info".to_owned());
+    init_logging(&filter)?;
+    if !nix::unistd::geteuid().is_root() {
+        bail!(
+            "redirector run needs root (CAP_BPF, CAP_NET_ADMIN, CAP_SYS_ADMIN): run it with sudo or as a systemd service"
+        );
+    }
+
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    runtime.block_on(async {
+        let agent = Agent::start(&config)?;
+        let signal = wait_for_shutdown().await?;
+        tracing::info!(signal, "shutting down");
+        agent.stop()?;
+        Ok(())
+    })
+}
+
+async fn wait_for_shutdown() -> anyhow::Result<&'static str> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut terminate = signal(SignalKind::terminate()).context("cannot watch SIGTERM")?;
+    let mut interrupt = signal(SignalKind::interrupt()).context("cannot watch SIGINT")?;
+    Ok(tokio::select! {
+        _ = terminate.recv() => "SIGTERM",
+        _ = interrupt.recv() => "SIGINT",
+    })
+}
+
+fn set_state(args: &StateArgs) -> anyhow::Result<()> {
+    let mut maps = Maps::open_pinned(&args.pin_dir)?;
+    let Some((id, info)) = maps.listener_by_name(&args.listener)? else {
+        let known: Vec<String> = maps
+            .listeners()?
+            .iter()
+            .filter_map(|(_, info)| info.name().map(str::to_owned))
+            .collect();
+        bail!(
+            "there is no listener {:?}; the running agent has: {}",
+            args.listener,
+            known.join(", ")
+        );
+    };
+    let previous = maps.mode(id)?;
+    maps.set_mode(id, args.set.raw())?;
+    let mode = maps.mode(id)?;
+    let health = maps.health(id)?;
+    let target = match route(&mode, &health) {
+        Route::Cache => "the cache",
+        Route::Upstream => "the upstream pool",
+    };
+    println!(
+        "listener {} ({}): mode {} (was {}); DNS goes to {target}",
+        args.listener,
+        std::net::IpAddr::from(info.addr),
+        Mode::name_of(mode.mode),
+        Mode::name_of(previous.mode),
+    );
+    Ok(())
+}
+
+fn check_config(path: &std::path::Path) -> anyhow::Result<()> {
+    let config = Config::load(path)?;
+    println!(
+        "{}: valid, {} listener(s): {}",
+        path.display(),
+        config.listeners.len(),
+        config
+            .listeners
+            .iter()
+            .map(|listener| format!("{} ({})", listener.name, listener.address))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    Ok(())
+}

@@ -1,5 +1,5 @@
 //! Builds the kernel programs (`redirector-ebpf`) for the BPF target and leaves the object in
-//! `$OUT_DIR/redirector`, where `src/datapath.rs` embeds it.
+//! `$OUT_DIR/redirector-ebpf`, where `src/datapath.rs` embeds it.
 
 use anyhow::Context as _;
 

@@ -36,6 +36,25 @@ pub struct Tools {
     pub dns_query: PathBuf,
 }
 
+impl Tools {
+    /// The helpers next to the running executable (how the demo finds them), unless
+    /// `DNS_SERVER_BIN` / `DNS_QUERY_BIN` say otherwise.
+    pub fn beside_current_exe() -> anyhow::Result<Self> {
+        let dir = std::env::current_exe()
+            .context("locating the running executable")?
+            .parent()
+            .context("the executable has a directory")?
+            .to_owned();
+        let pick = |variable: &str, name: &str| {
+            std::env::var_os(variable).map_or_else(|| dir.join(name), PathBuf::from)
+        };
+        Ok(Self {
+            dns_server: pick("DNS_SERVER_BIN", "dns-server"),
+            dns_query: pick("DNS_QUERY_BIN", "dns-query"),
+        })
+    }
+}
+
 /// Which namespace a process runs in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Ns {
@@ -177,6 +196,9 @@ impl Sandbox {
         let scratch = ScratchDir(std::env::temp_dir().join(format!("{PREFIX}-{tag}-files")));
         std::fs::create_dir_all(&scratch.0)
             .with_context(|| format!("creating {}", scratch.0.display()))?;
+        // `cargo xtask sweep` removes a sandbox only once this process is gone.
+        std::fs::write(scratch.0.join("owner"), std::process::id().to_string())
+            .context("recording the sandbox owner")?;
         let bpffs = BpfFs::mount(&std::env::temp_dir().join(format!("{PREFIX}-{tag}-bpffs")))?;
         let node = NetNs::create(&format!("{PREFIX}-{tag}-node"))?;
         let upstream = NetNs::create(&format!("{PREFIX}-{tag}-up"))?;

@@ -44,7 +44,7 @@ pub fn try_translate_peer(ctx: &SockAddrContext, family: Family) -> Outcome {
         // SAFETY: non-null storage of this socket.
         let listener_id = unsafe { (*steered).listener_id };
         count(counter_index(listener_id, protocol), |c| {
-            c.reverse_missed += 1
+            c.reverse_missed += 1;
         });
         return Outcome::Missed;
     };

@@ -29,7 +29,8 @@ use redirector_common::{
 use crate::config::EmptyPoolPolicy;
 
 /// The eBPF object built from `redirector-ebpf` by `build.rs`.
-pub static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/redirector"));
+pub static OBJECT: &[u8] =
+    aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/redirector-ebpf"));
 
 /// Sub-directory of the pin directory holding the maps.
 const PINNED_MAPS_DIR: &str = "maps";

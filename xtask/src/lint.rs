@@ -1,0 +1,55 @@
+//! rustfmt and clippy, warnings denied, on the userspace crates and on the eBPF crate for its
+//! own target.
+
+use std::process::Command;
+
+use anyhow::{Context as _, bail};
+
+/// Runs every lint; fails on the first that reports anything.
+pub fn run() -> anyhow::Result<()> {
+    cargo(
+        &["fmt", "--all", "--", "--check"],
+        "rustfmt found unformatted code: run `cargo fmt --all`",
+    )?;
+    cargo(
+        &["clippy", "--all-targets", "--", "-D", "warnings"],
+        "clippy reported warnings in the userspace crates",
+    )?;
+    let mut ebpf = Command::new("rustup");
+    ebpf.args([
+        "run",
+        "nightly",
+        "cargo",
+        "clippy",
+        "--package",
+        "redirector-ebpf",
+        "--release",
+        "--target",
+        "bpfel-unknown-none",
+        "-Z",
+        "build-std=core",
+        "--",
+        "-D",
+        "warnings",
+    ])
+    .env_remove("RUSTUP_TOOLCHAIN");
+    check(&mut ebpf, "clippy reported warnings in the eBPF crate")
+}
+
+/// Runs `cargo args` with the workspace toolchain.
+pub fn cargo(args: &[&str], failure: &str) -> anyhow::Result<()> {
+    let mut command = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned()));
+    command.args(args);
+    check(&mut command, failure)
+}
+
+/// Runs `command` with inherited output; `failure` is the error when it fails.
+pub fn check(command: &mut Command, failure: &str) -> anyhow::Result<()> {
+    let status = command
+        .status()
+        .with_context(|| format!("running {command:?}"))?;
+    if !status.success() {
+        bail!("{failure} ({status})");
+    }
+    Ok(())
+}

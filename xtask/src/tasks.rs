@@ -1,0 +1,81 @@
+//! build, test and demo.
+
+use std::{path::PathBuf, process::Command, time::Instant};
+
+use anyhow::{Context as _, bail};
+
+use crate::{
+    lint::{self, cargo},
+    sweep,
+};
+
+/// The workspace's target directory.
+fn target_dir() -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR").map_or_else(
+        || PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target"),
+        PathBuf::from,
+    )
+}
+
+fn require_root(task: &str) -> anyhow::Result<()> {
+    if !nix::unistd::geteuid().is_root() {
+        bail!(
+            "`cargo xtask {task}` loads eBPF programs and creates cgroups and network namespaces: \
+             it needs root. Run it as root, or with `sudo -E env PATH=$PATH cargo xtask {task}`"
+        );
+    }
+    Ok(())
+}
+
+/// Builds everything (the eBPF object comes with the `redirector` crate's build script).
+pub fn build() -> anyhow::Result<()> {
+    cargo(&["build", "--all-targets"], "the build failed")
+}
+
+/// Every test. Privileged tests are not optional: without root this fails before running any.
+pub fn test(with_lints: bool, filter: Option<&str>) -> anyhow::Result<()> {
+    require_root("test")?;
+    let started = Instant::now();
+    sweep::run()?;
+    if with_lints {
+        lint::run()?;
+    }
+    // The CLI tests run the real binary.
+    cargo(
+        &["build", "--package", "redirector", "--bins"],
+        "building the redirector binary failed",
+    )?;
+    let binary = target_dir().join("debug/redirector");
+    let mut test = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned()));
+    test.args(["test", "--no-fail-fast"])
+        .env("REDIRECTOR_BIN", &binary);
+    if let Some(filter) = filter {
+        test.args(["--", filter]);
+    }
+    lint::check(&mut test, "tests failed")?;
+    eprintln!("xtask: every test passed in {:.0?}", started.elapsed());
+    Ok(())
+}
+
+/// Builds and runs the demo.
+pub fn demo() -> anyhow::Result<()> {
+    require_root("demo")?;
+    sweep::run()?;
+    cargo(
+        &[
+            "build",
+            "--package",
+            "redirector",
+            "--package",
+            "bpf-tests",
+            "--bins",
+        ],
+        "building the demo failed",
+    )?;
+    let dir = target_dir().join("debug");
+    let mut demo = Command::new(dir.join("demo"));
+    demo.env("REDIRECTOR_BIN", dir.join("redirector"))
+        .env("DNS_SERVER_BIN", dir.join("dns-server"))
+        .env("DNS_QUERY_BIN", dir.join("dns-query"));
+    lint::check(&mut demo, "the demo failed").context("running the demo")
+}

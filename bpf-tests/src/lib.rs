@@ -8,6 +8,7 @@
 pub mod bench;
 pub mod bpffs;
 pub mod cgroup;
+pub mod cli;
 pub mod command;
 pub mod dns;
 pub mod netns;

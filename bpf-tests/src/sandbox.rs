@@ -224,6 +224,16 @@ impl Sandbox {
     fn wire(&self) -> anyhow::Result<()> {
         let tag = &self.tag;
         let (node, pod, up) = (&self.node, &self.pod, &self.upstream);
+        // Before any link exists, so that every interface inherits it: no duplicate address
+        // detection (addresses, link-local ones included, are usable at once, so NDP never waits
+        // on a tentative address), and the node forwards between pod and upstreams.
+        for netns in [node, pod, up] {
+            netns.sysctl("net.ipv6.conf.default.accept_dad", "0")?;
+            netns.sysctl("net.ipv6.conf.all.accept_dad", "0")?;
+        }
+        node.sysctl("net.ipv4.ip_forward", "1")?;
+        node.sysctl("net.ipv6.conf.default.forwarding", "1")?;
+        node.sysctl("net.ipv6.conf.all.forwarding", "1")?;
         // Listener addresses on the node (their own namespace's loopback).
         for address in [
             format!("{NODE_LISTENER}/32"),
@@ -317,9 +327,6 @@ impl Sandbox {
                 "nodad",
             ])?;
         }
-        // After the links exist: `all.forwarding` applies to the interfaces present when set.
-        node.sysctl("net.ipv4.ip_forward", "1")?;
-        node.sysctl("net.ipv6.conf.all.forwarding", "1")?;
         for (peer_ns, gateway_v4, gateway_v6) in [
             (pod, topology::NODE_POD_SIDE_V4, topology::NODE_POD_SIDE_V6),
             (

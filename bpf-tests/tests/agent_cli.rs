@@ -6,7 +6,8 @@ use std::{os::unix::process::CommandExt as _, process::Command, time::Duration};
 
 use bpf_tests::{
     bench::standard_listeners,
-    command::{TestProcess, output_within},
+    cli::{redirector, set_state, start_agent},
+    command::output_within,
     sandbox::{Ns, Query, Sandbox, Tools, Transport, redirector_bin},
     topology::{NODE_LISTENER, dns, who},
 };
@@ -26,18 +27,6 @@ fn answered_by(sandbox: &Sandbox) -> anyhow::Result<&'static str> {
     })
 }
 
-/// Runs `redirector ARGS` to completion: (exit code, stdout, stderr).
-fn redirector(args: &[&str]) -> anyhow::Result<(i32, String, String)> {
-    let mut command = Command::new(redirector_bin());
-    command.args(args);
-    let output = output_within(&mut command, Duration::from_secs(30))?;
-    Ok((
-        output.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&output.stdout).into_owned(),
-        String::from_utf8_lossy(&output.stderr).into_owned(),
-    ))
-}
-
 #[test]
 fn run_steers_until_sigterm_and_state_flips_listeners() -> anyhow::Result<()> {
     let mut sandbox = Sandbox::new(tools())?;
@@ -46,87 +35,50 @@ fn run_steers_until_sigterm_and_state_flips_listeners() -> anyhow::Result<()> {
         "config.toml",
         &sandbox.config_toml(&standard_listeners(&sandbox)),
     )?;
-    let pin_dir = sandbox.pin_dir().display().to_string();
 
-    let (code, stdout, stderr) =
-        redirector(&["check-config", "--config", &config.display().to_string()])?;
-    assert_eq!(code, 0, "{stderr}");
+    let check = redirector(&["check-config", "--config", &config.display().to_string()])?;
+    assert_eq!(check.code, 0, "{check:?}");
     assert!(
-        stdout.contains(
+        check.stdout.contains(
             "valid, 3 listener(s): node (169.254.10.10), cluster (169.254.10.11), v6 (fd00:53::10)"
         ),
-        "{stdout}"
+        "{check:?}"
     );
 
-    let mut command = Command::new(redirector_bin());
-    command.args(["run", "--config", &config.display().to_string()]);
-    let mut agent = TestProcess::start(
-        "redirector run",
-        command,
-        "redirector is steering",
-        Duration::from_secs(30),
-    )?;
+    let mut agent = start_agent(&config)?;
     assert!(!sandbox.attached_programs()?.is_empty());
     assert_eq!(answered_by(&sandbox)?, "cache");
 
-    let (code, stdout, stderr) = redirector(&[
-        "state",
-        "--listener",
-        "node",
-        "--set",
-        "upstream",
-        "--pin-dir",
-        &pin_dir,
-    ])?;
-    assert_eq!(code, 0, "{stderr}");
+    let state = set_state(&sandbox, "node", "upstream")?;
+    assert_eq!(state.code, 0, "{state:?}");
     assert_eq!(
-        stdout.trim(),
+        state.stdout.trim(),
         "listener node (169.254.10.10): mode upstream (was auto); DNS goes to the upstream pool"
     );
     assert_eq!(answered_by(&sandbox)?, "upstream");
 
-    let (code, stdout, stderr) = redirector(&[
-        "state",
-        "--listener",
-        "node",
-        "--set",
-        "auto",
-        "--pin-dir",
-        &pin_dir,
-    ])?;
-    assert_eq!(code, 0, "{stderr}");
+    let state = set_state(&sandbox, "node", "auto")?;
+    assert_eq!(state.code, 0, "{state:?}");
     assert!(
-        stdout.contains("mode auto (was upstream); DNS goes to the cache"),
-        "{stdout}"
+        state
+            .stdout
+            .contains("mode auto (was upstream); DNS goes to the cache"),
+        "{state:?}"
     );
     assert_eq!(answered_by(&sandbox)?, "cache");
 
-    let (code, _, stderr) = redirector(&[
-        "state",
-        "--listener",
-        "nope",
-        "--set",
-        "cache",
-        "--pin-dir",
-        &pin_dir,
-    ])?;
-    assert_eq!(code, 1);
+    let state = set_state(&sandbox, "nope", "cache")?;
+    assert_eq!(state.code, 1);
     assert!(
-        stderr.contains("there is no listener \"nope\"; the running agent has: node, cluster, v6"),
-        "{stderr}"
+        state
+            .stderr
+            .contains("there is no listener \"nope\"; the running agent has: node, cluster, v6"),
+        "{state:?}"
     );
 
     // Leave the listener forced upstream, then stop the agent: once detached, DNS reaches the
     // listener address untouched again (the cache answers), and nothing is left behind.
-    redirector(&[
-        "state",
-        "--listener",
-        "node",
-        "--set",
-        "upstream",
-        "--pin-dir",
-        &pin_dir,
-    ])?;
+    assert_eq!(set_state(&sandbox, "node", "upstream")?.code, 0);
     assert_eq!(answered_by(&sandbox)?, "upstream");
     agent.signal(nix::sys::signal::Signal::SIGTERM)?;
     let status = agent.wait_exit(Duration::from_secs(10))?;
@@ -135,19 +87,13 @@ fn run_steers_until_sigterm_and_state_flips_listeners() -> anyhow::Result<()> {
     assert!(!sandbox.pin_dir().exists(), "pins left behind");
     assert_eq!(answered_by(&sandbox)?, "cache");
 
-    let (code, _, stderr) = redirector(&[
-        "state",
-        "--listener",
-        "node",
-        "--set",
-        "cache",
-        "--pin-dir",
-        &pin_dir,
-    ])?;
-    assert_eq!(code, 1);
+    let state = set_state(&sandbox, "node", "cache")?;
+    assert_eq!(state.code, 1);
     assert!(
-        stderr.contains("is the agent running with this pin directory?"),
-        "{stderr}"
+        state
+            .stderr
+            .contains("is the agent running with this pin directory?"),
+        "{state:?}"
     );
     Ok(())
 }
@@ -192,13 +138,13 @@ fn a_bad_configuration_is_refused_before_anything_is_attached() -> anyhow::Resul
     ];
     for (index, (text, expected)) in cases.iter().enumerate() {
         let config = sandbox.write_file(&format!("bad-{index}.toml"), text)?;
-        let (code, _, stderr) = redirector(&["run", "--config", &config.display().to_string()])?;
-        assert_eq!(code, 1, "case {index} must be refused: {stderr}");
+        let run = redirector(&["run", "--config", &config.display().to_string()])?;
+        assert_eq!(run.code, 1, "case {index} must be refused: {run:?}");
         assert!(
-            stderr.contains(expected),
-            "case {index}: expected {expected:?} in {stderr:?}"
+            run.stderr.contains(expected),
+            "case {index}: expected {expected:?} in {run:?}"
         );
-        assert!(!stderr.contains("panicked"), "{stderr}");
+        assert!(!run.stderr.contains("panicked"), "{run:?}");
         assert_eq!(
             sandbox.attached_programs()?,
             "",

@@ -22,6 +22,29 @@ fn tools() -> Tools {
 
 const TRANSPORTS: [Transport; 3] = [Transport::Udp, Transport::UdpConnected, Transport::Tcp];
 
+/// Every (namespace, query) the transport tests send to `listener`: pod and node, each transport,
+/// from a socket of the listener's family and from a dual-stack socket to the mapped address.
+fn every_client(listener: std::net::Ipv4Addr) -> Vec<(Ns, Query)> {
+    let mut all = Vec::new();
+    for ns in [Ns::Pod, Ns::Node] {
+        for transport in TRANSPORTS {
+            let query = Query::new(dns(listener), transport);
+            all.push((ns, query));
+            all.push((ns, query.mapped()));
+        }
+    }
+    all
+}
+
+/// What a client must see as its peer when it asked `listener`.
+fn listener_as_seen_by(query: &Query, listener: std::net::Ipv4Addr) -> SocketAddr {
+    if query.mapped {
+        mapped(listener)
+    } else {
+        dns(listener)
+    }
+}
+
 fn is_upstream(answer: Option<IpAddr>) -> bool {
     [
         IpAddr::V4(UPSTREAM_A.a),
@@ -43,39 +66,27 @@ fn seen_peer(outcome: &bpf_tests::dns::QueryOutcome) -> Option<SocketAddr> {
 fn cache_answers_every_transport_while_it_serves() -> anyhow::Result<()> {
     let bench = Bench::standard(tools())?;
     let mut decisions = 0;
-    for ns in [Ns::Pod, Ns::Node] {
-        for transport in TRANSPORTS {
-            for query in [
-                Query::new(dns(NODE_LISTENER), transport),
-                Query::new(dns(NODE_LISTENER), transport).mapped(),
-            ] {
-                let outcome = bench.sandbox.query(ns, query)?;
-                assert!(outcome.ok, "{ns:?} {query:?}: {outcome:?}");
-                assert_eq!(
-                    who(outcome.answer()),
-                    "cache",
-                    "{ns:?} {query:?}: {outcome:?}"
-                );
-                let expected = if query.mapped {
-                    mapped(NODE_LISTENER)
-                } else {
-                    dns(NODE_LISTENER)
-                };
-                assert_eq!(
-                    seen_peer(&outcome),
-                    Some(expected),
-                    "{ns:?} {query:?}: {outcome:?}"
-                );
-                // One decision at connect or sendto. A dual-stack socket connected to a mapped
-                // address also passes sendmsg4 on each send, which sees the listener again
-                // because nothing was rewritten.
-                decisions += if query.mapped && transport == Transport::UdpConnected {
-                    2
-                } else {
-                    1
-                };
-            }
-        }
+    for (ns, query) in every_client(NODE_LISTENER) {
+        let outcome = bench.sandbox.query(ns, query)?;
+        assert!(outcome.ok, "{ns:?} {query:?}: {outcome:?}");
+        assert_eq!(
+            who(outcome.answer()),
+            "cache",
+            "{ns:?} {query:?}: {outcome:?}"
+        );
+        assert_eq!(
+            seen_peer(&outcome),
+            Some(listener_as_seen_by(&query, NODE_LISTENER)),
+            "{ns:?} {query:?}: {outcome:?}"
+        );
+        // One decision at connect or sendto. A dual-stack socket connected to a mapped address
+        // also passes sendmsg4 on each send, which sees the listener again because nothing was
+        // rewritten.
+        decisions += if query.mapped && query.transport == Transport::UdpConnected {
+            2
+        } else {
+            1
+        };
     }
     let counters = bench.counters(NODE_ID)?;
     assert_eq!(
@@ -94,32 +105,20 @@ fn upstream_mode_steers_every_transport_and_rewrites_replies() -> anyhow::Result
     let mut bench = Bench::standard(tools())?;
     bench.set_mode(NODE_ID, MODE_UPSTREAM)?;
     let mut queries = 0;
-    for ns in [Ns::Pod, Ns::Node] {
-        for transport in TRANSPORTS {
-            for query in [
-                Query::new(dns(NODE_LISTENER), transport),
-                Query::new(dns(NODE_LISTENER), transport).mapped(),
-            ] {
-                let outcome = bench.sandbox.query(ns, query)?;
-                assert!(outcome.ok, "{ns:?} {query:?}: {outcome:?}");
-                assert!(
-                    is_upstream(outcome.answer()),
-                    "{ns:?} {query:?} answered by {}: {outcome:?}",
-                    who(outcome.answer())
-                );
-                let expected = if query.mapped {
-                    mapped(NODE_LISTENER)
-                } else {
-                    dns(NODE_LISTENER)
-                };
-                assert_eq!(
-                    seen_peer(&outcome),
-                    Some(expected),
-                    "the client must see the listener: {ns:?} {query:?}: {outcome:?}"
-                );
-                queries += 1;
-            }
-        }
+    for (ns, query) in every_client(NODE_LISTENER) {
+        let outcome = bench.sandbox.query(ns, query)?;
+        assert!(outcome.ok, "{ns:?} {query:?}: {outcome:?}");
+        assert!(
+            is_upstream(outcome.answer()),
+            "{ns:?} {query:?} answered by {}: {outcome:?}",
+            who(outcome.answer())
+        );
+        assert_eq!(
+            seen_peer(&outcome),
+            Some(listener_as_seen_by(&query, NODE_LISTENER)),
+            "the client must see the listener: {ns:?} {query:?}: {outcome:?}"
+        );
+        queries += 1;
     }
     let counters = bench.counters(NODE_ID)?;
     // One connect (connected UDP, TCP) or one sendmsg (unconnected UDP) per query.

@@ -64,18 +64,23 @@ pub fn try_steer(ctx: &SockAddrContext, family: Family) -> Result<(), Refused> {
     ) else {
         return Ok(());
     };
-    let target = match route(mode, health) {
+    // The cookie is a helper call: fetched once, and only when a target choice or a reverse
+    // entry needs it.
+    let (target, cookie) = match route(mode, health) {
         Route::Cache => {
             count(counters, |c| c.to_cache += 1);
-            listener.cache
+            (listener.cache, None)
         }
-        Route::Upstream => match pick_upstream(ctx, listener.id) {
-            Some(target) => {
-                count(counters, |c| c.to_upstream += 1);
-                target
+        Route::Upstream => {
+            let cookie = context::socket_cookie(ctx);
+            match pick_upstream(cookie, listener.id) {
+                Some(target) => {
+                    count(counters, |c| c.to_upstream += 1);
+                    (target, Some(cookie))
+                }
+                None => return empty_pool(&listener, counters),
             }
-            None => return empty_pool(&listener, counters),
-        },
+        }
     };
 
     let target_port_be = target.port_be(protocol);
@@ -85,13 +90,21 @@ pub fn try_steer(ctx: &SockAddrContext, family: Family) -> Result<(), Refused> {
     }
     context::set_user_addr(ctx, family, &target.addr);
     context::set_user_port_be(ctx, target_port_be);
-    remember_translation(ctx, &listener, listener_addr, &target.addr, target_port_be);
+    let cookie = cookie.unwrap_or_else(|| context::socket_cookie(ctx));
+    remember_translation(
+        ctx,
+        cookie,
+        &listener,
+        listener_addr,
+        &target.addr,
+        target_port_be,
+    );
     Ok(())
 }
 
-/// The upstream target for this socket, or `None` when the pool is empty.
+/// The upstream target for the socket with `cookie`, or `None` when the pool is empty.
 #[inline(always)]
-fn pick_upstream(ctx: &SockAddrContext, listener_id: u32) -> Option<Target> {
+fn pick_upstream(cookie: u64, listener_id: u32) -> Option<Target> {
     let pool = POOLS.get_ptr(listener_id)?;
     // SAFETY: POOLS is BPF_F_NO_PREALLOC, so the element stays valid (and unchanged) for this
     // RCU read section even if the agent replaces it meanwhile.
@@ -105,7 +118,7 @@ fn pick_upstream(ctx: &SockAddrContext, listener_id: u32) -> Option<Target> {
     } else {
         len
     };
-    let index = pick_index(context::socket_cookie(ctx), len) as usize;
+    let index = pick_index(cookie, len) as usize;
     pool.targets.get(index).copied()
 }
 
@@ -129,12 +142,13 @@ fn empty_pool(listener: &ListenerConfig, counters: u32) -> Result<(), Refused> {
 #[inline(always)]
 fn remember_translation(
     ctx: &SockAddrContext,
+    cookie: u64,
     listener: &ListenerConfig,
     listener_addr: NetAddr,
     target: &NetAddr,
     target_port_be: u16,
 ) {
-    let key = ReverseKey::new(context::socket_cookie(ctx), *target, target_port_be);
+    let key = ReverseKey::new(cookie, *target, target_port_be);
     let value = ReverseValue {
         listener: listener_addr,
         listener_id: listener.id,

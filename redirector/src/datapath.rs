@@ -309,55 +309,40 @@ pub fn target_of(address: SocketAddr) -> Target {
 }
 
 impl Maps {
+    /// Takes the maps out of a freshly loaded object.
     fn take(ebpf: &mut Ebpf) -> Result<Self, DatapathError> {
-        let mut take = |name: &'static str| {
+        Self::from_source(|name| {
             ebpf.take_map(name)
                 .ok_or(DatapathError::MissingMap { name })
-        };
-        let listeners = take(names::MAP_LISTENERS)?;
-        let listener_mode = take(names::MAP_LISTENER_MODE)?;
-        let cache_health = take(names::MAP_CACHE_HEALTH)?;
-        let listener_info = take(names::MAP_LISTENER_INFO)?;
-        let pools = take(names::MAP_POOLS)?;
-        let reverse_nat = take(names::MAP_REVERSE_NAT)?;
-        let counters = take(names::MAP_COUNTERS)?;
-        let skip_cgroups = take(names::MAP_SKIP_CGROUPS)?;
-        let datapath_config = take(names::MAP_DATAPATH_CONFIG)?;
-        Ok(Self {
-            listeners: typed(names::MAP_LISTENERS, listeners)?,
-            listener_mode: typed(names::MAP_LISTENER_MODE, listener_mode)?,
-            cache_health: typed(names::MAP_CACHE_HEALTH, cache_health)?,
-            listener_info: typed(names::MAP_LISTENER_INFO, listener_info)?,
-            pools: typed(names::MAP_POOLS, pools)?,
-            reverse_nat: typed(names::MAP_REVERSE_NAT, reverse_nat)?,
-            counters: typed(names::MAP_COUNTERS, counters)?,
-            skip_cgroups: typed(names::MAP_SKIP_CGROUPS, skip_cgroups)?,
-            datapath_config: typed(names::MAP_DATAPATH_CONFIG, datapath_config)?,
         })
     }
 
     /// Opens the maps a running agent pinned under `pin_dir`.
     pub fn open_pinned(pin_dir: &Path) -> Result<Self, DatapathError> {
         let dir = pin_dir.join(PINNED_MAPS_DIR);
-        let open = |name: &'static str| {
+        Self::from_source(|name| {
             let path = dir.join(name);
             MapData::from_pin(&path)
                 .and_then(Map::from_map_data)
                 .map_err(|source| DatapathError::OpenPin { path, source })
-        };
+        })
+    }
+
+    /// Types every map `source` yields by name.
+    fn from_source(
+        mut source: impl FnMut(&'static str) -> Result<Map, DatapathError>,
+    ) -> Result<Self, DatapathError> {
+        let open = &mut source;
         Ok(Self {
-            listeners: typed(names::MAP_LISTENERS, open(names::MAP_LISTENERS)?)?,
-            listener_mode: typed(names::MAP_LISTENER_MODE, open(names::MAP_LISTENER_MODE)?)?,
-            cache_health: typed(names::MAP_CACHE_HEALTH, open(names::MAP_CACHE_HEALTH)?)?,
-            listener_info: typed(names::MAP_LISTENER_INFO, open(names::MAP_LISTENER_INFO)?)?,
-            pools: typed(names::MAP_POOLS, open(names::MAP_POOLS)?)?,
-            reverse_nat: typed(names::MAP_REVERSE_NAT, open(names::MAP_REVERSE_NAT)?)?,
-            counters: typed(names::MAP_COUNTERS, open(names::MAP_COUNTERS)?)?,
-            skip_cgroups: typed(names::MAP_SKIP_CGROUPS, open(names::MAP_SKIP_CGROUPS)?)?,
-            datapath_config: typed(
-                names::MAP_DATAPATH_CONFIG,
-                open(names::MAP_DATAPATH_CONFIG)?,
-            )?,
+            listeners: typed(open, names::MAP_LISTENERS)?,
+            listener_mode: typed(open, names::MAP_LISTENER_MODE)?,
+            cache_health: typed(open, names::MAP_CACHE_HEALTH)?,
+            listener_info: typed(open, names::MAP_LISTENER_INFO)?,
+            pools: typed(open, names::MAP_POOLS)?,
+            reverse_nat: typed(open, names::MAP_REVERSE_NAT)?,
+            counters: typed(open, names::MAP_COUNTERS)?,
+            skip_cgroups: typed(open, names::MAP_SKIP_CGROUPS)?,
+            datapath_config: typed(open, names::MAP_DATAPATH_CONFIG)?,
         })
     }
 
@@ -561,11 +546,15 @@ impl Maps {
     }
 }
 
-fn typed<T>(name: &'static str, map: Map) -> Result<T, DatapathError>
+/// The map `name` from `source`, as the typed handle `T`.
+fn typed<T>(
+    source: &mut impl FnMut(&'static str) -> Result<Map, DatapathError>,
+    name: &'static str,
+) -> Result<T, DatapathError>
 where
     T: TryFrom<Map, Error = MapError>,
 {
-    T::try_from(map).map_err(|source| DatapathError::MapLayout { name, source })
+    T::try_from(source(name)?).map_err(|source| DatapathError::MapLayout { name, source })
 }
 
 /// Pins every map of the object under `pin_dir/maps/`, replacing pins left by an earlier run.

@@ -1,13 +1,13 @@
 //! `cargo xtask demo`: a throwaway node in namespaces, the real agent, and DNS from a pod through
 //! a listener while it is flipped to the upstreams and back. Prints who answered each step.
 
-use std::{process::Command, time::Duration};
+use std::time::Duration;
 
 use anyhow::bail;
 use bpf_tests::{
     bench::standard_listeners,
-    command::{TestProcess, output_within},
-    sandbox::{Ns, Query, Sandbox, Tools, Transport, redirector_bin},
+    cli::{set_state, start_agent},
+    sandbox::{Ns, Query, Sandbox, Tools, Transport},
     topology::{NODE_LISTENER, UPSTREAM_A_V4, UPSTREAM_B_V4, dns, who},
 };
 
@@ -32,14 +32,7 @@ fn main() -> anyhow::Result<()> {
         "config.toml",
         &sandbox.config_toml(&standard_listeners(&sandbox)),
     )?;
-    let mut command = Command::new(redirector_bin());
-    command.args(["run", "--config", &config.display().to_string()]);
-    let mut agent = TestProcess::start(
-        "redirector run",
-        command,
-        "redirector is steering",
-        Duration::from_secs(30),
-    )?;
+    let mut agent = start_agent(&config)?;
     println!(
         "\nagent started: programs attached to {}",
         sandbox.cgroup().path().display()
@@ -130,22 +123,9 @@ fn main() -> anyhow::Result<()> {
 }
 
 fn set_mode(sandbox: &Sandbox, mode: &str) -> anyhow::Result<()> {
-    let mut command = Command::new(redirector_bin());
-    command.args([
-        "state",
-        "--listener",
-        "node",
-        "--set",
-        mode,
-        "--pin-dir",
-        &sandbox.pin_dir().display().to_string(),
-    ]);
-    let output = output_within(&mut command, Duration::from_secs(10))?;
-    if !output.status.success() {
-        bail!(
-            "redirector state failed: {}",
-            String::from_utf8_lossy(&output.stderr)
-        );
+    let state = set_state(sandbox, "node", mode)?;
+    if state.code != 0 {
+        bail!("redirector state failed: {}", state.stderr);
     }
     Ok(())
 }

@@ -1,0 +1,57 @@
+//! The real `redirector` binary, run against a sandbox.
+
+use std::{process::Command, time::Duration};
+
+use crate::{
+    command::{TestProcess, output_within},
+    sandbox::{Sandbox, redirector_bin},
+};
+
+/// What one `redirector` command printed.
+#[derive(Debug)]
+pub struct CliOutput {
+    /// Exit code (-1 when killed by a signal).
+    pub code: i32,
+    /// Standard output.
+    pub stdout: String,
+    /// Standard error.
+    pub stderr: String,
+}
+
+/// Runs `redirector ARGS` to completion.
+pub fn redirector(args: &[&str]) -> anyhow::Result<CliOutput> {
+    let mut command = Command::new(redirector_bin());
+    command.args(args);
+    let output = output_within(&mut command, Duration::from_secs(30))?;
+    Ok(CliOutput {
+        code: output.status.code().unwrap_or(-1),
+        stdout: String::from_utf8_lossy(&output.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&output.stderr).into_owned(),
+    })
+}
+
+/// `redirector state --listener LISTENER --set MODE` against the sandbox's pins.
+pub fn set_state(sandbox: &Sandbox, listener: &str, mode: &str) -> anyhow::Result<CliOutput> {
+    let pin_dir = sandbox.pin_dir().display().to_string();
+    redirector(&[
+        "state",
+        "--listener",
+        listener,
+        "--set",
+        mode,
+        "--pin-dir",
+        &pin_dir,
+    ])
+}
+
+/// Starts `redirector run --config CONFIG` and waits until it steers.
+pub fn start_agent(config: &std::path::Path) -> anyhow::Result<TestProcess> {
+    let mut command = Command::new(redirector_bin());
+    command.args(["run", "--config", &config.display().to_string()]);
+    TestProcess::start(
+        "redirector run",
+        command,
+        "redirector is steering",
+        Duration::from_secs(30),
+    )
+}

@@ -1,11 +1,17 @@
-//! A sandbox with the standard servers and a running agent (in-process), for the steering tests.
+//! A sandbox with servers and a running agent (in-process, its control loop on a thread of its
+//! own), for the steering and failover tests.
 
-use std::net::{IpAddr, SocketAddr};
+use std::{net::SocketAddr, sync::Arc, thread::JoinHandle, time::Duration};
 
 use anyhow::Context as _;
-use redirector::{agent::Agent, config::Config};
+use redirector::{
+    agent::{Agent, AgentStats},
+    config::Config,
+    datapath::Maps,
+};
 use redirector_common::{
     counters::ListenerCounters,
+    listener::SocketCounts,
     reverse::{ReverseKey, ReverseValue},
 };
 
@@ -15,6 +21,7 @@ use crate::sandbox::{Sandbox, Tools};
 /// - `node` (169.254.10.10): upstreams A and B, its cache's own queries skipped;
 /// - `cluster` (169.254.10.11): no upstreams, `fail` when its cache is down;
 /// - `v6` (fd00:53::10): IPv6 upstreams A and B.
+#[must_use]
 pub fn standard_listeners(sandbox: &Sandbox) -> String {
     format!(
         r#"
@@ -45,57 +52,151 @@ pub const CLUSTER_ID: u32 = 1;
 /// See [`NODE_ID`].
 pub const V6_ID: u32 = 2;
 
-/// A sandbox with the cache and both upstreams serving, and the agent steering. The agent is
-/// declared first so it detaches before the sandbox goes.
+/// An agent running on its own thread; stopped (programs detached, pins removed) on drop.
+#[derive(Debug)]
+pub struct AgentThread {
+    shutdown: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<JoinHandle<()>>,
+    /// What the agent observed.
+    pub stats: Arc<AgentStats>,
+}
+
+impl AgentThread {
+    /// Starts an agent for `config` and runs its control loop until dropped.
+    pub fn start(config: &Config) -> anyhow::Result<Self> {
+        let mut agent = Agent::start(config).context("starting the agent in the sandbox")?;
+        let stats = agent.stats();
+        let (shutdown, stop) = tokio::sync::oneshot::channel::<()>();
+        let thread = std::thread::Builder::new()
+            .name("agent".to_owned())
+            .spawn(move || {
+                let runtime = match tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                {
+                    Ok(runtime) => runtime,
+                    Err(error) => {
+                        eprintln!("agent runtime: {error}");
+                        return;
+                    }
+                };
+                runtime.block_on(agent.run(async {
+                    let _ = stop.await;
+                }));
+                if let Err(error) = agent.stop() {
+                    eprintln!("stopping the agent: {error:#}");
+                }
+            })
+            .context("starting the agent thread")?;
+        Ok(Self {
+            shutdown: Some(shutdown),
+            thread: Some(thread),
+            stats,
+        })
+    }
+}
+
+impl Drop for AgentThread {
+    fn drop(&mut self) {
+        if let Some(shutdown) = self.shutdown.take() {
+            let _ = shutdown.send(());
+        }
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// A sandbox with servers and a running agent. Fields drop in order: the agent first (it
+/// detaches), then the test's own handle on the maps, then the sandbox.
 #[derive(Debug)]
 pub struct Bench {
-    /// The agent (programs attached to the sandbox's cgroup).
-    pub agent: Agent,
+    /// The agent.
+    pub agent: AgentThread,
+    /// The test's handle on the agent's pinned maps (what `redirector state` would open).
+    pub maps: Maps,
     /// The sandbox.
     pub sandbox: Sandbox,
 }
 
 impl Bench {
-    /// Builds a sandbox, starts the standard servers and an agent for `listeners(sandbox)`.
-    pub fn start(tools: Tools, listeners: impl FnOnce(&Sandbox) -> String) -> anyhow::Result<Self> {
+    /// Builds a sandbox, lets `setup` start its servers, then starts an agent for
+    /// `listeners(sandbox)`.
+    pub fn start(
+        tools: Tools,
+        setup: impl FnOnce(&mut Sandbox) -> anyhow::Result<()>,
+        listeners: impl FnOnce(&Sandbox) -> String,
+    ) -> anyhow::Result<Self> {
         let mut sandbox = Sandbox::new(tools)?;
-        sandbox.start_standard_servers()?;
-        let config = Config::parse(&sandbox.config_toml(&listeners(&sandbox)))
-            .context("the test configuration is valid")?;
-        let agent = Agent::start(&config).context("starting the agent in the sandbox")?;
-        Ok(Self { agent, sandbox })
+        setup(&mut sandbox)?;
+        let agent = start_agent(&sandbox, &listeners(&sandbox))?;
+        let maps = Maps::open_pinned(&sandbox.pin_dir())?;
+        Ok(Self {
+            agent,
+            maps,
+            sandbox,
+        })
     }
 
-    /// With `standard_listeners`.
+    /// The standard servers (cache on every listener address, upstreams A and B) and
+    /// `standard_listeners`.
     pub fn standard(tools: Tools) -> anyhow::Result<Self> {
-        Self::start(tools, standard_listeners)
+        Self::start(tools, Sandbox::start_standard_servers, standard_listeners)
     }
 
     /// Sets a listener's mode (`MODE_*`), as `redirector state` does.
     pub fn set_mode(&mut self, id: u32, mode: u32) -> anyhow::Result<()> {
-        Ok(self.agent.maps_mut().set_mode(id, mode)?)
-    }
-
-    /// Sets the agent's verdict on a listener's cache (`HEALTH_*`).
-    pub fn set_health(&mut self, id: u32, verdict: u32) -> anyhow::Result<()> {
-        Ok(self.agent.maps_mut().set_health(id, verdict)?)
+        Ok(self.maps.set_mode(id, mode)?)
     }
 
     /// Replaces a listener's upstream pool.
     pub fn set_pool(&mut self, id: u32, upstreams: &[SocketAddr]) -> anyhow::Result<()> {
-        Ok(self.agent.maps_mut().set_pool(id, upstreams)?)
+        Ok(self.maps.set_pool(id, upstreams)?)
     }
 
     /// A listener's counters, UDP and TCP together.
     pub fn counters(&self, id: u32) -> anyhow::Result<ListenerCounters> {
-        Ok(self.agent.maps().counters(id)?.total())
+        Ok(self.maps.counters(id)?.total())
+    }
+
+    /// The kernel's count of a listener's cache sockets.
+    pub fn sockets(&self, id: u32) -> anyhow::Result<SocketCounts> {
+        Ok(self.maps.socket_counts(id)?)
     }
 
     /// Every entry of the reverse-translation map.
     #[must_use]
     pub fn reverse_entries(&self) -> Vec<(ReverseKey, ReverseValue)> {
-        self.agent.maps().reverse_entries()
+        self.maps.reverse_entries()
     }
+
+    /// Waits until `condition` holds, checking every 20 ms, for at most `limit`; fails with
+    /// `what` otherwise. For states the system must reach, not for timing claims.
+    pub fn wait_until(
+        &self,
+        what: &str,
+        limit: Duration,
+        mut condition: impl FnMut(&Self) -> anyhow::Result<bool>,
+    ) -> anyhow::Result<()> {
+        let deadline = std::time::Instant::now() + limit;
+        loop {
+            if condition(self)? {
+                return Ok(());
+            }
+            anyhow::ensure!(
+                std::time::Instant::now() < deadline,
+                "{what} did not happen within {limit:?}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+/// Starts an in-process agent for the sandbox with `listeners`.
+pub fn start_agent(sandbox: &Sandbox, listeners: &str) -> anyhow::Result<AgentThread> {
+    let config = Config::parse(&sandbox.config_toml(listeners))
+        .context("the test configuration is valid")?;
+    AgentThread::start(&config)
 }
 
 /// Parses `recvfrom`/`getpeername` output of `dns-query`.
@@ -107,5 +208,5 @@ pub fn socket_addr(text: Option<&String>) -> Option<SocketAddr> {
 /// `address:53` as a dual-stack socket shows an IPv4 peer (`[::ffff:a.b.c.d]:53`).
 #[must_use]
 pub fn mapped(address: std::net::Ipv4Addr) -> SocketAddr {
-    SocketAddr::new(IpAddr::V6(address.to_ipv6_mapped()), 53)
+    SocketAddr::new(std::net::IpAddr::V6(address.to_ipv6_mapped()), 53)
 }

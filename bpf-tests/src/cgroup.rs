@@ -40,12 +40,7 @@ impl TestCgroup {
 
     /// `cgroup.procs`, open for writing: hand it to `join_cgroup_before_exec`.
     pub fn procs(&self) -> anyhow::Result<OwnedFd> {
-        let path = self.path.join("cgroup.procs");
-        let file = OpenOptions::new()
-            .write(true)
-            .open(&path)
-            .with_context(|| format!("opening {}", path.display()))?;
-        Ok(file.into())
+        open_procs(&self.path)
     }
 
     fn pids(&self) -> Vec<u32> {
@@ -70,6 +65,16 @@ impl TestCgroup {
         }
         bail!("cgroup {} could not be removed", self.path.display())
     }
+}
+
+/// The `cgroup.procs` file of the cgroup at `path`, open for writing.
+pub fn open_procs(path: &Path) -> anyhow::Result<OwnedFd> {
+    let procs = path.join("cgroup.procs");
+    let file = OpenOptions::new()
+        .write(true)
+        .open(&procs)
+        .with_context(|| format!("opening {}", procs.display()))?;
+    Ok(file.into())
 }
 
 impl Drop for TestCgroup {

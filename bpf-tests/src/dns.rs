@@ -110,3 +110,25 @@ impl QueryOutcome {
         self.answers.first().copied()
     }
 }
+
+/// One query of a `dns-stream` run, printed by it as one JSON line.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StreamRecord {
+    /// When the query was sent, milliseconds since the Unix epoch.
+    pub sent_ms: u64,
+    /// `fresh` (a new connected socket per query, as glibc does) or `long` (one long-lived
+    /// unconnected socket).
+    pub kind: String,
+    /// The first address answered, when answered.
+    pub answer: Option<IpAddr>,
+    /// What failed, when not answered.
+    pub error: Option<String>,
+}
+
+/// Milliseconds since the Unix epoch (the stream's and the tests' shared clock).
+#[must_use]
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |since| u64::try_from(since.as_millis()).unwrap_or(u64::MAX))
+}

@@ -13,4 +13,5 @@ pub mod command;
 pub mod dns;
 pub mod netns;
 pub mod sandbox;
+pub mod stream;
 pub mod topology;

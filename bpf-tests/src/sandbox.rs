@@ -4,7 +4,7 @@
 
 use std::{
     net::{IpAddr, SocketAddr},
-    path::PathBuf,
+    path::{Path, PathBuf},
     process::Command,
     sync::atomic::{AtomicU32, Ordering},
     time::Duration,
@@ -34,6 +34,8 @@ pub struct Tools {
     pub dns_server: PathBuf,
     /// The test DNS client.
     pub dns_query: PathBuf,
+    /// The continuous DNS client.
+    pub dns_stream: PathBuf,
 }
 
 impl Tools {
@@ -51,7 +53,46 @@ impl Tools {
         Ok(Self {
             dns_server: pick("DNS_SERVER_BIN", "dns-server"),
             dns_query: pick("DNS_QUERY_BIN", "dns-query"),
+            dns_stream: pick("DNS_STREAM_BIN", "dns-stream"),
         })
+    }
+}
+
+/// The `dns-server` arguments for answering as `identity` on `listen`.
+fn server_args(listen: &[SocketAddr], identity: Identity) -> Vec<String> {
+    let mut args = Vec::new();
+    for address in listen {
+        args.extend(["--listen".to_owned(), address.to_string()]);
+    }
+    args.extend([
+        "--a".to_owned(),
+        identity.a.to_string(),
+        "--aaaa".to_owned(),
+        identity.aaaa.to_string(),
+    ]);
+    args
+}
+
+/// How a test cache serves.
+#[derive(Clone, Debug)]
+pub struct CacheSpec {
+    /// Addresses it binds (UDP and TCP).
+    pub listen: Vec<SocketAddr>,
+    /// UDP sockets per address (an SO_REUSEPORT group when more than one).
+    pub udp_sockets: u32,
+    /// Milliseconds it stays silent after binding.
+    pub mute_ms: u64,
+}
+
+impl CacheSpec {
+    /// On every listener address, one socket each, answering at once.
+    #[must_use]
+    pub fn standard() -> Self {
+        Self {
+            listen: vec![dns(NODE_LISTENER), dns(CLUSTER_LISTENER), dns(V6_LISTENER)],
+            udp_sockets: 1,
+            mute_ms: 0,
+        }
     }
 }
 
@@ -386,14 +427,22 @@ impl Sandbox {
         &self.tools
     }
 
-    /// An agent configuration for this sandbox: its cgroup and pin directory, then `listeners`
-    /// (TOML `[[listener]]` sections).
+    /// The node namespace's file, for `cache_netns`.
+    #[must_use]
+    pub fn node_netns_path(&self) -> PathBuf {
+        PathBuf::from("/run/netns").join(self.node.name())
+    }
+
+    /// An agent configuration for this sandbox: its cgroup, pin directory and node namespace,
+    /// probes every 250 ms (the defaults' hysteresis), then `listeners` (TOML `[[listener]]`
+    /// sections).
     #[must_use]
     pub fn config_toml(&self, listeners: &str) -> String {
         format!(
-            "cgroup = {:?}\npin_dir = {:?}\n\n{listeners}",
+            "cgroup = {:?}\npin_dir = {:?}\ncache_netns = {:?}\n\n[probe]\ninterval_ms = 250\ntimeout_ms = 200\n\n{listeners}",
             self.cgroup.path().display().to_string(),
             self.pin_dir().display().to_string(),
+            self.node_netns_path().display().to_string(),
         )
     }
 
@@ -406,31 +455,66 @@ impl Sandbox {
         listen: &[SocketAddr],
         identity: Identity,
     ) -> anyhow::Result<()> {
-        let mut command = self
-            .netns(ns)
-            .command(&self.tools.dns_server.display().to_string());
-        for address in listen {
-            command.args(["--listen", &address.to_string()]);
+        let program = self.tools.dns_server.display().to_string();
+        self.start_process(name, ns, None, &program, &server_args(listen, identity), "ready")
+    }
+
+    /// Starts `program args` as `name` in `ns` (and in `cgroup`, when given, before it runs) and
+    /// waits until it prints a line containing `ready`.
+    pub fn start_process(
+        &mut self,
+        name: &str,
+        ns: Ns,
+        cgroup: Option<&Path>,
+        program: &str,
+        args: &[String],
+        ready: &str,
+    ) -> anyhow::Result<()> {
+        let mut command = self.netns(ns).command(program);
+        command.args(args);
+        let procs = cgroup.map(crate::cgroup::open_procs).transpose()?;
+        if let Some(procs) = &procs {
+            join_cgroup_before_exec(&mut command, procs);
         }
-        command.args([
-            "--a",
-            &identity.a.to_string(),
-            "--aaaa",
-            &identity.aaaa.to_string(),
-        ]);
-        let process = TestProcess::start(name, command, "ready", Duration::from_secs(10))?;
+        let process = TestProcess::start(name, command, ready, Duration::from_secs(10))?;
+        drop(procs);
         self.servers.push((name.to_owned(), process));
         Ok(())
     }
 
+    /// Starts a test DNS server as the cache: in the node namespace and in the cache's cgroup
+    /// (below the attach point, so the kernel counts its sockets; skipped, so its own queries are
+    /// never steered).
+    pub fn start_cache(&mut self, name: &str, cache: &CacheSpec) -> anyhow::Result<()> {
+        let mut args = server_args(&cache.listen, CACHE);
+        args.extend([
+            "--udp-sockets".to_owned(),
+            cache.udp_sockets.to_string(),
+            "--mute-ms".to_owned(),
+            cache.mute_ms.to_string(),
+        ]);
+        let program = self.tools.dns_server.display().to_string();
+        let cgroup = self.skipped.path().to_owned();
+        self.start_process(name, Ns::Node, Some(&cgroup), &program, &args, "ready")
+    }
+
+    /// The process started as `name`.
+    pub fn process(&mut self, name: &str) -> anyhow::Result<&mut TestProcess> {
+        self.servers
+            .iter_mut()
+            .find(|(server, _)| server == name)
+            .map(|(_, process)| process)
+            .with_context(|| format!("no process {name} was started"))
+    }
+
     /// Starts the cache (on every listener address, in the node) and upstreams A and B.
     pub fn start_standard_servers(&mut self) -> anyhow::Result<()> {
-        self.start_server(
-            "cache",
-            Ns::Node,
-            &[dns(NODE_LISTENER), dns(CLUSTER_LISTENER), dns(V6_LISTENER)],
-            CACHE,
-        )?;
+        self.start_cache("cache", &CacheSpec::standard())?;
+        self.start_upstreams()
+    }
+
+    /// Starts upstreams A and B.
+    pub fn start_upstreams(&mut self) -> anyhow::Result<()> {
         self.start_server(
             "upstream A",
             Ns::Upstream,

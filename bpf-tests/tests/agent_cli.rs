@@ -16,6 +16,7 @@ fn tools() -> Tools {
     Tools {
         dns_server: env!("CARGO_BIN_EXE_dns-server").into(),
         dns_query: env!("CARGO_BIN_EXE_dns-query").into(),
+        dns_stream: env!("CARGO_BIN_EXE_dns-stream").into(),
     }
 }
 
@@ -53,7 +54,7 @@ fn run_steers_until_sigterm_and_state_flips_listeners() -> anyhow::Result<()> {
     assert_eq!(state.code, 0, "{state:?}");
     assert_eq!(
         state.stdout.trim(),
-        "listener node (169.254.10.10): mode upstream (was auto); DNS goes to the upstream pool"
+        "listener node (169.254.10.10): mode upstream (was auto); DNS goes to the upstream pool (operator override)"
     );
     assert_eq!(answered_by(&sandbox)?, "upstream");
 

@@ -14,8 +14,11 @@ pub struct DatapathConfig {
     pub skip_cgroup_levels: u32,
     /// `LAYOUT_VERSION` of the agent that wrote the maps.
     pub layout_version: u32,
+    /// Cookie of the network namespace the caches run in (the node's): only sockets bound there
+    /// count as a cache's, so a pod's own DNS server on :53 never keeps a listener "alive".
+    pub cache_netns_cookie: u64,
 }
-const _: () = assert!(size_of::<DatapathConfig>() == 8);
+const _: () = assert!(size_of::<DatapathConfig>() == 16);
 
 /// Value of `SKIP_CGROUPS`, keyed by cgroup id (the inode number of its cgroup2 directory).
 #[repr(C)]

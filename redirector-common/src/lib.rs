@@ -11,6 +11,7 @@
 #![no_std]
 
 pub mod addr;
+pub mod binds;
 pub mod counters;
 pub mod datapath;
 pub mod listener;
@@ -26,4 +27,4 @@ pub const DNS_PORT: u16 = 53;
 
 /// Version of the map layout defined in this crate. Bump it whenever a key or value changes
 /// shape or meaning; the agent refuses to adopt pinned maps of another version.
-pub const LAYOUT_VERSION: u32 = 1;
+pub const LAYOUT_VERSION: u32 = 2;

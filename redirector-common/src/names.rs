@@ -10,6 +10,12 @@ pub const MAP_LISTENER_MODE: &str = "LISTENER_MODE";
 pub const MAP_CACHE_HEALTH: &str = "CACHE_HEALTH";
 /// Listener id → `ListenerInfo` (name, address): for the CLI only, the programs never read it.
 pub const MAP_LISTENER_INFO: &str = "LISTENER_INFO";
+/// Listener id → `SocketCounts` of the cache (mmapable; changed with atomic adds only).
+pub const MAP_SOCKET_COUNTS: &str = "SOCKET_COUNTS";
+/// `BindKey` → `BindListeners`: bound sockets that are some listener's cache.
+pub const MAP_CACHE_BINDS: &str = "CACHE_BINDS";
+/// Socket cookie → `CacheSocket`: the counted cache sockets.
+pub const MAP_CACHE_SOCKETS: &str = "CACHE_SOCKETS";
 /// Listener id → `Pool` of upstream targets, replaced whole on every change.
 pub const MAP_POOLS: &str = "POOLS";
 /// `ReverseKey` → `ReverseValue`: what a reply's source must be rewritten to.
@@ -24,10 +30,13 @@ pub const MAP_SKIP_CGROUPS: &str = "SKIP_CGROUPS";
 pub const MAP_DATAPATH_CONFIG: &str = "DATAPATH_CONFIG";
 
 /// Every map in the object.
-pub const ALL_MAPS: [&str; 10] = [
+pub const ALL_MAPS: [&str; 13] = [
     MAP_LISTENERS,
     MAP_LISTENER_MODE,
     MAP_CACHE_HEALTH,
+    MAP_SOCKET_COUNTS,
+    MAP_CACHE_BINDS,
+    MAP_CACHE_SOCKETS,
     MAP_LISTENER_INFO,
     MAP_POOLS,
     MAP_REVERSE_NAT,
@@ -66,13 +75,23 @@ pub const SOCK_ADDR_PROGRAMS: [&str; 8] = [
     PROG_GETPEERNAME6,
 ];
 
+/// `cgroup/post_bind4`: counts sockets bound to a cache's IPv4 address (or the wildcard).
+pub const PROG_POST_BIND4: &str = "dns_post_bind4";
+/// `cgroup/post_bind6`: the same for IPv6 (and IPv4-mapped, and dual-stack wildcard) binds.
+pub const PROG_POST_BIND6: &str = "dns_post_bind6";
+/// `cgroup/sock_release`: uncounts them, and fails the listener over when the last UDP one goes.
+pub const PROG_SOCK_RELEASE: &str = "dns_release";
+
+/// Every `cgroup_sock` program in the object.
+pub const SOCK_PROGRAMS: [&str; 3] = [PROG_POST_BIND4, PROG_POST_BIND6, PROG_SOCK_RELEASE];
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn names_fit_the_kernel_object_name_limit() {
-        for name in ALL_MAPS.iter().chain(SOCK_ADDR_PROGRAMS.iter()) {
+        for name in ALL_MAPS.iter().chain(SOCK_ADDR_PROGRAMS.iter()).chain(SOCK_PROGRAMS.iter()) {
             assert!(
                 name.len() <= 15,
                 "{name} is longer than BPF_OBJ_NAME_LEN - 1"

@@ -2,9 +2,10 @@
 
 use crate::{
     addr::NetAddr,
+    binds::{BindKey, BindListeners, CacheSocket},
     counters::ListenerCounters,
     datapath::{DatapathConfig, SkipCgroup},
-    listener::{CacheHealth, ListenerConfig, ListenerInfo, ListenerMode},
+    listener::{CacheHealth, ListenerConfig, ListenerInfo, ListenerMode, SocketCounts},
     pool::{Pool, Target},
     reverse::{ReverseKey, ReverseValue, SteeredSocket},
 };
@@ -26,6 +27,10 @@ impl_pod!(
     ListenerConfig,
     ListenerMode,
     CacheHealth,
+    SocketCounts,
+    BindKey,
+    BindListeners,
+    CacheSocket,
     ListenerInfo,
     ReverseKey,
     ReverseValue,

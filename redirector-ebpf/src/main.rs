@@ -9,13 +9,20 @@
 //! `try_*` function onto the verdict the kernel expects.
 #![no_std]
 #![no_main]
+#![feature(core_intrinsics)]
+#![expect(internal_features, reason = "atomic add intrinsic, see atomic.rs")]
 
+mod atomic;
 mod context;
+mod liveness;
 mod maps;
 mod reverse;
 mod steer;
 
-use aya_ebpf::{macros::cgroup_sock_addr, programs::SockAddrContext};
+use aya_ebpf::{
+    macros::{cgroup_sock, cgroup_sock_addr},
+    programs::{SockAddrContext, SockContext},
+};
 
 use crate::context::Family;
 
@@ -25,6 +32,9 @@ const VERDICT_ALLOW: i32 = 1;
 /// `cgroup/connect*` and `cgroup/sendmsg*`: fail the syscall (`EPERM`, or the errno set with
 /// `bpf_set_retval`).
 const VERDICT_REJECT: i32 = 0;
+
+/// `cgroup/post_bind*` and `cgroup/sock_release`: let the bind stand, let the close proceed.
+const VERDICT_SOCK_ALLOW: i32 = 1;
 
 /// The verdict of a connect or sendmsg program.
 #[inline(always)]
@@ -79,6 +89,27 @@ pub fn dns_getpeer4(ctx: SockAddrContext) -> i32 {
 #[cgroup_sock_addr(getpeername6)]
 pub fn dns_getpeer6(ctx: SockAddrContext) -> i32 {
     reverse_verdict(reverse::try_translate_peer(&ctx, Family::Ipv6))
+}
+
+/// The verdict of a socket-tracking program: tracking never refuses a bind or a close.
+#[inline(always)]
+fn tracking_verdict(_tracked: Option<()>) -> i32 {
+    VERDICT_SOCK_ALLOW
+}
+
+#[cgroup_sock(post_bind4)]
+pub fn dns_post_bind4(ctx: SockContext) -> i32 {
+    tracking_verdict(liveness::try_count_bind(&ctx, liveness::BindFamily::Ipv4))
+}
+
+#[cgroup_sock(post_bind6)]
+pub fn dns_post_bind6(ctx: SockContext) -> i32 {
+    tracking_verdict(liveness::try_count_bind(&ctx, liveness::BindFamily::Ipv6))
+}
+
+#[cgroup_sock(sock_release)]
+pub fn dns_release(ctx: SockContext) -> i32 {
+    tracking_verdict(liveness::try_uncount_release(&ctx))
 }
 
 #[cfg(not(test))]

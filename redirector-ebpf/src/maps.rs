@@ -1,15 +1,18 @@
 //! The maps, named as `redirector_common::names` says (the statics' names are the map names).
 
 use aya_ebpf::{
-    bindings::BPF_F_NO_PREALLOC,
+    bindings::{BPF_F_MMAPABLE, BPF_F_NO_PREALLOC},
     btf_maps::{Array, HashMap, LruHashMap, PerCpuArray, SkStorage},
     macros::btf_map,
 };
 use redirector_common::{
     addr::NetAddr,
+    binds::{BindKey, BindListeners, CacheSocket, MAX_CACHE_BINDS, MAX_CACHE_SOCKETS},
     counters::{COUNTER_ENTRIES, ListenerCounters},
     datapath::{DatapathConfig, MAX_SKIP_CGROUPS, SkipCgroup},
-    listener::{CacheHealth, ListenerConfig, ListenerInfo, ListenerMode, MAX_LISTENERS},
+    listener::{
+        CacheHealth, ListenerConfig, ListenerInfo, ListenerMode, MAX_LISTENERS, SocketCounts,
+    },
     pool::Pool,
     reverse::{REVERSE_NAT_DEFAULT_ENTRIES, ReverseKey, ReverseValue, SteeredSocket},
 };
@@ -26,6 +29,21 @@ pub static LISTENER_MODE: Array<ListenerMode, MAX_LISTENERS> = Array::new();
 /// Listener id → the agent's verdict on the cache.
 #[btf_map]
 pub static CACHE_HEALTH: Array<CacheHealth, MAX_LISTENERS> = Array::new();
+
+/// Listener id → the cache's live sockets. Mmapable (5.5+) so the agent can correct the counts
+/// with atomic adds that never race the programs' own.
+#[btf_map]
+pub static SOCKET_COUNTS: Array<SocketCounts, MAX_LISTENERS, { BPF_F_MMAPABLE as usize }> =
+    Array::new();
+
+/// Bound address, port and protocol → the listeners whose cache such a socket is.
+#[btf_map]
+pub static CACHE_BINDS: HashMap<BindKey, BindListeners, MAX_CACHE_BINDS> = HashMap::new();
+
+/// Socket cookie → a counted cache socket. `sock_release` cannot read a socket's address (the
+/// verifier allows it only in `post_bind`), so the counted sockets are remembered by cookie.
+#[btf_map]
+pub static CACHE_SOCKETS: HashMap<u64, CacheSocket, MAX_CACHE_SOCKETS> = HashMap::new();
 
 /// Listener id → name and address, for the CLI. Never read here; defined here so that it is
 /// created and pinned with the others.

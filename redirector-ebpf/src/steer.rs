@@ -19,7 +19,7 @@ use crate::{
     context::{self, Family},
     maps::{
         CACHE_HEALTH, COUNTERS, DATAPATH_CONFIG, LISTENER_MODE, LISTENERS, POOLS, REVERSE_NAT,
-        SKIP_CGROUPS, STEERED_SOCKS,
+        SKIP_CGROUPS, SOCKET_COUNTS, STEERED_SOCKS,
     },
 };
 
@@ -58,15 +58,16 @@ pub fn try_steer(ctx: &SockAddrContext, family: Family) -> Result<(), Refused> {
         return Ok(());
     }
 
-    let (Some(mode), Some(health)) = (
+    let (Some(mode), Some(health), Some(sockets)) = (
         LISTENER_MODE.get(listener.id),
         CACHE_HEALTH.get(listener.id),
+        SOCKET_COUNTS.get(listener.id),
     ) else {
         return Ok(());
     };
     // The cookie is a helper call: fetched once, and only when a target choice or a reverse
     // entry needs it.
-    let (target, cookie) = match route(mode, health) {
+    let (target, cookie) = match route(listener.liveness, mode, health, sockets) {
         Route::Cache => {
             count(counters, |c| c.to_cache += 1);
             (listener.cache, None)

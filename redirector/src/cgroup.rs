@@ -32,8 +32,8 @@ pub struct Cgroup2Mount {
 /// Why a cgroup could not be used.
 #[derive(Debug, thiserror::Error)]
 pub enum CgroupError {
-    /// mountinfo could not be read.
-    #[error("cannot read {MOUNTINFO}")]
+    /// mountinfo (or /proc/self/cgroup) could not be read.
+    #[error("cannot read {MOUNTINFO} or /proc/self/cgroup")]
     Mountinfo {
         /// What the OS said.
         #[source]
@@ -146,6 +146,26 @@ pub fn default_attach_cgroup() -> Result<PathBuf, CgroupError> {
         .or_else(|| mounts.first())
         .map(|mount| mount.mount_point.clone())
         .ok_or(CgroupError::NoCgroup2)
+}
+
+/// The cgroup v2 directory this process belongs to (from `/proc/self/cgroup`).
+pub fn own_cgroup() -> Result<Cgroup, CgroupError> {
+    let text = std::fs::read_to_string("/proc/self/cgroup")
+        .map_err(|source| CgroupError::Mountinfo { source })?;
+    let relative = text
+        .lines()
+        .find_map(|line| line.strip_prefix("0::"))
+        .ok_or(CgroupError::NoCgroup2)?;
+    let mounts = mounts()?;
+    let mount = mounts
+        .iter()
+        .find(|mount| mount.root == Path::new("/"))
+        .or_else(|| mounts.first())
+        .ok_or(CgroupError::NoCgroup2)?;
+    let path = mount
+        .mount_point
+        .join(relative.trim().trim_start_matches('/'));
+    Cgroup::resolve_with("the agent's own cgroup", &path, &mounts)
 }
 
 impl Cgroup {

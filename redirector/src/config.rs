@@ -7,6 +7,7 @@ use std::{
     collections::HashMap,
     net::{AddrParseError, IpAddr, SocketAddr},
     path::{Path, PathBuf},
+    time::Duration,
 };
 
 use redirector_common::{
@@ -21,6 +22,11 @@ use serde::Deserialize;
 pub const DEFAULT_PIN_DIR: &str = "/sys/fs/bpf/redirector";
 /// The configuration file the CLI reads unless told otherwise.
 pub const DEFAULT_CONFIG_PATH: &str = "/etc/redirector/config.toml";
+/// What probes ask unless told otherwise: caches answer `localhost` themselves (unbound, dnsmasq
+/// and CoreDNS with its hosts file do), and NXDOMAIN counts as alive anyway.
+pub const DEFAULT_PROBE_NAME: &str = "localhost.";
+/// How often socket counts are reconciled unless told otherwise.
+pub const DEFAULT_SOCKET_RECONCILE_INTERVAL: Duration = Duration::from_secs(5);
 
 /// What a listener does when its cache is down and its upstream pool is empty.
 #[derive(Clone, Copy, PartialEq, Eq, Debug, Default, Deserialize)]
@@ -44,8 +50,54 @@ pub struct Config {
     pub log_level: Option<String>,
     /// Entries of the reverse-translation LRU map.
     pub reverse_nat_entries: u32,
+    /// The network namespace the caches run in (a path such as `/proc/1/ns/net` or
+    /// `/run/netns/NAME`); `None`: the agent's own. Only sockets bound there count as a cache's,
+    /// and probes are sent from there.
+    pub cache_netns: Option<PathBuf>,
+    /// How the caches are probed.
+    pub probe: ProbeSettings,
+    /// How often the kernel's socket counts are compared with the socket tables.
+    pub socket_reconcile_interval: Duration,
     /// The listeners, in file order; a listener's index is its id in the maps.
     pub listeners: Vec<Listener>,
+}
+
+/// How the agent probes caches with real DNS queries.
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub struct ProbeSettings {
+    /// The name asked for (A); any answer or NXDOMAIN means alive.
+    pub name: String,
+    /// Time between probes of one cache.
+    pub interval: Duration,
+    /// How long a probe waits for its answer.
+    pub timeout: Duration,
+    /// Consecutive failures that fail a listener over.
+    pub failures_to_fail_over: u32,
+    /// Consecutive successes that fail it back.
+    pub successes_to_fail_back: u32,
+}
+
+impl Default for ProbeSettings {
+    fn default() -> Self {
+        Self {
+            name: DEFAULT_PROBE_NAME.to_owned(),
+            interval: Duration::from_millis(500),
+            timeout: Duration::from_millis(300),
+            failures_to_fail_over: 2,
+            successes_to_fail_back: 3,
+        }
+    }
+}
+
+/// What judges a listener's cache alive.
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Default, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Liveness {
+    /// Its sockets, counted in the kernel (instant failover on the last close), and probes.
+    #[default]
+    SocketsAndProbes,
+    /// Probes only (the cache's sockets are not in `cache_netns`).
+    Probes,
 }
 
 /// One listener address and where its DNS goes.
@@ -64,6 +116,10 @@ pub struct Listener {
     /// cgroup v2 directories whose processes (and their descendants) are never steered for this
     /// listener: the cache's own queries.
     pub skip_cgroups: Vec<PathBuf>,
+    /// What judges the cache alive.
+    pub liveness: Liveness,
+    /// The probe name for this listener's cache (overrides `probe.name`).
+    pub probe_name: String,
 }
 
 /// Why a configuration was refused.
@@ -202,6 +258,22 @@ pub enum ConfigError {
         /// The limit.
         max: usize,
     },
+    /// Probe or reconcile settings that cannot work.
+    #[error("{key}: {problem}")]
+    BadTiming {
+        /// The offending key.
+        key: &'static str,
+        /// What is wrong and how to fix it.
+        problem: String,
+    },
+    /// A probe name that is not a DNS name.
+    #[error("{key}: {name:?} is not a DNS name (write it like localhost. or health.check.local.)")]
+    BadProbeName {
+        /// The offending key.
+        key: String,
+        /// The text given.
+        name: String,
+    },
     /// A reverse map that cannot work.
     #[error(
         "reverse_nat_entries: {value} is too small; give at least {min} (the default is {default})"
@@ -223,8 +295,22 @@ struct RawConfig {
     pin_dir: Option<PathBuf>,
     log_level: Option<String>,
     reverse_nat_entries: Option<u32>,
+    cache_netns: Option<PathBuf>,
+    socket_reconcile_interval_ms: Option<u64>,
+    #[serde(default)]
+    probe: RawProbe,
     #[serde(default, rename = "listener")]
     listeners: Vec<RawListener>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawProbe {
+    name: Option<String>,
+    interval_ms: Option<u64>,
+    timeout_ms: Option<u64>,
+    failures_to_fail_over: Option<u32>,
+    successes_to_fail_back: Option<u32>,
 }
 
 #[derive(Deserialize)]
@@ -239,6 +325,9 @@ struct RawListener {
     empty_pool: EmptyPoolPolicy,
     #[serde(default)]
     skip_cgroups: Vec<PathBuf>,
+    #[serde(default)]
+    liveness: Liveness,
+    probe_name: Option<String>,
 }
 
 /// Smallest accepted `reverse_nat_entries`.
@@ -291,12 +380,25 @@ impl Config {
             None => REVERSE_NAT_DEFAULT_ENTRIES as u32,
         };
 
+        let probe = validate_probe(raw.probe)?;
+        let socket_reconcile_interval = match raw.socket_reconcile_interval_ms {
+            Some(0) => {
+                return Err(ConfigError::BadTiming {
+                    key: "socket_reconcile_interval_ms",
+                    problem: "0 would reconcile in a busy loop; give milliseconds, e.g. 5000"
+                        .to_owned(),
+                });
+            }
+            Some(ms) => Duration::from_millis(ms),
+            None => DEFAULT_SOCKET_RECONCILE_INTERVAL,
+        };
+
         let mut names: HashMap<String, String> = HashMap::new();
         let mut addresses: HashMap<IpAddr, String> = HashMap::new();
         let mut listeners = Vec::with_capacity(raw.listeners.len());
         for (index, raw_listener) in raw.listeners.into_iter().enumerate() {
             let key = format!("listener[{index}]");
-            let listener = validate_listener(&key, raw_listener)?;
+            let listener = validate_listener(&key, raw_listener, &probe.name)?;
             if let Some(first) = names.get(&listener.name) {
                 return Err(ConfigError::DuplicateName {
                     key: format!("{key}.name"),
@@ -323,6 +425,9 @@ impl Config {
                 .unwrap_or_else(|| PathBuf::from(DEFAULT_PIN_DIR)),
             log_level: raw.log_level,
             reverse_nat_entries,
+            cache_netns: raw.cache_netns,
+            probe,
+            socket_reconcile_interval,
             listeners,
         })
     }
@@ -338,7 +443,83 @@ impl Config {
     }
 }
 
-fn validate_listener(key: &str, raw: RawListener) -> Result<Listener, ConfigError> {
+fn validate_probe(raw: RawProbe) -> Result<ProbeSettings, ConfigError> {
+    let defaults = ProbeSettings::default();
+    let name = match raw.name {
+        Some(name) => checked_dns_name("probe.name", name)?,
+        None => defaults.name,
+    };
+    let interval = raw.interval_ms.map_or(defaults.interval, Duration::from_millis);
+    let timeout = raw.timeout_ms.map_or(defaults.timeout, Duration::from_millis);
+    if timeout.is_zero() {
+        return Err(ConfigError::BadTiming {
+            key: "probe.timeout_ms",
+            problem: "0 would fail every probe; give milliseconds, e.g. 300".to_owned(),
+        });
+    }
+    if interval <= timeout {
+        return Err(ConfigError::BadTiming {
+            key: "probe.interval_ms",
+            problem: format!(
+                "{} ms is not longer than timeout_ms ({} ms): a probe must finish before the next \
+                 starts",
+                interval.as_millis(),
+                timeout.as_millis()
+            ),
+        });
+    }
+    let failures_to_fail_over = raw
+        .failures_to_fail_over
+        .unwrap_or(defaults.failures_to_fail_over);
+    let successes_to_fail_back = raw
+        .successes_to_fail_back
+        .unwrap_or(defaults.successes_to_fail_back);
+    for (key, value) in [
+        ("probe.failures_to_fail_over", failures_to_fail_over),
+        ("probe.successes_to_fail_back", successes_to_fail_back),
+    ] {
+        if value == 0 {
+            return Err(ConfigError::BadTiming {
+                key,
+                problem: "0 would decide without a single probe; give at least 1".to_owned(),
+            });
+        }
+    }
+    Ok(ProbeSettings {
+        name,
+        interval,
+        timeout,
+        failures_to_fail_over,
+        successes_to_fail_back,
+    })
+}
+
+/// A DNS name as probes send it (fully qualified, with the trailing dot).
+fn checked_dns_name(key: &str, name: String) -> Result<String, ConfigError> {
+    let labels_ok = name
+        .trim_end_matches('.')
+        .split('.')
+        .all(|label| {
+            !label.is_empty()
+                && label.len() <= 63
+                && label
+                    .bytes()
+                    .all(|byte| byte.is_ascii_alphanumeric() || byte == b'-' || byte == b'_')
+        });
+    if name.is_empty() || name.len() > 253 || !labels_ok {
+        return Err(ConfigError::BadProbeName {
+            key: key.to_owned(),
+            name,
+        });
+    }
+    Ok(if name.ends_with('.') { name } else { format!("{name}.") })
+}
+
+fn validate_listener(
+    key: &str,
+    raw: RawListener,
+    default_probe_name: &str,
+) -> Result<Listener, ConfigError> {
     if raw.name.is_empty() || raw.name.len() > LISTENER_NAME_MAX {
         return Err(ConfigError::BadName {
             key: format!("{key}.name"),
@@ -376,6 +557,11 @@ fn validate_listener(key: &str, raw: RawListener) -> Result<Listener, ConfigErro
         })
         .collect::<Result<Vec<_>, ConfigError>>()?;
 
+    let probe_name = match raw.probe_name {
+        Some(name) => checked_dns_name(&format!("{key}.probe_name"), name)?,
+        None => default_probe_name.to_owned(),
+    };
+
     Ok(Listener {
         name: raw.name,
         address,
@@ -383,6 +569,8 @@ fn validate_listener(key: &str, raw: RawListener) -> Result<Listener, ConfigErro
         upstreams,
         empty_pool: raw.empty_pool,
         skip_cgroups: raw.skip_cgroups,
+        liveness: raw.liveness,
+        probe_name,
     })
 }
 
@@ -786,6 +974,61 @@ mod tests {
             message.contains("upstreams: 33 upstreams given"),
             "{message}"
         );
+    }
+
+    #[test]
+    fn probe_settings_default_and_override() {
+        let config = Config::parse("[[listener]]\nname = \"n\"\naddress = \"10.0.0.1\"\n").unwrap();
+        assert_eq!(config.probe, ProbeSettings::default());
+        assert_eq!(config.probe.interval, Duration::from_millis(500));
+        assert_eq!(config.probe.timeout, Duration::from_millis(300));
+        assert_eq!(config.probe.failures_to_fail_over, 2);
+        assert_eq!(config.probe.successes_to_fail_back, 3);
+        assert_eq!(config.listeners[0].probe_name, "localhost.");
+        assert_eq!(config.listeners[0].liveness, Liveness::SocketsAndProbes);
+        assert_eq!(config.socket_reconcile_interval, DEFAULT_SOCKET_RECONCILE_INTERVAL);
+
+        let config = Config::parse(
+            r#"
+            cache_netns = "/run/netns/node"
+            socket_reconcile_interval_ms = 1000
+            [probe]
+            name = "health.check.local"
+            interval_ms = 200
+            timeout_ms = 100
+            failures_to_fail_over = 1
+            successes_to_fail_back = 5
+            [[listener]]
+            name = "n"
+            address = "10.0.0.1"
+            liveness = "probes"
+            probe_name = "other.local."
+            "#,
+        )
+        .unwrap();
+        assert_eq!(config.cache_netns, Some(PathBuf::from("/run/netns/node")));
+        assert_eq!(config.probe.name, "health.check.local.");
+        assert_eq!(config.probe.interval, Duration::from_millis(200));
+        assert_eq!(config.listeners[0].liveness, Liveness::Probes);
+        assert_eq!(config.listeners[0].probe_name, "other.local.");
+    }
+
+    #[test]
+    fn refuses_probe_settings_that_cannot_work() {
+        let listener = "[[listener]]\nname = \"n\"\naddress = \"10.0.0.1\"\n";
+        for (probe, expected) in [
+            ("interval_ms = 300\ntimeout_ms = 300", "probe.interval_ms: 300 ms is not longer than timeout_ms"),
+            ("timeout_ms = 0", "probe.timeout_ms: 0 would fail every probe"),
+            ("failures_to_fail_over = 0", "probe.failures_to_fail_over: 0"),
+            ("successes_to_fail_back = 0", "probe.successes_to_fail_back: 0"),
+            ("name = \"bad name\"", "probe.name: \"bad name\" is not a DNS name"),
+            ("name = \"a..b\"", "probe.name: \"a..b\" is not a DNS name"),
+        ] {
+            let message = refusal(&format!("[probe]\n{probe}\n{listener}"));
+            assert!(message.starts_with(expected), "{probe}: {message}");
+        }
+        let message = refusal(&format!("{listener}probe_name = \"x y\"\n"));
+        assert!(message.starts_with("listener[0] (\"n\").probe_name"), "{message}");
     }
 
     #[test]

@@ -8,3 +8,5 @@ pub mod agent;
 pub mod cgroup;
 pub mod config;
 pub mod datapath;
+pub mod liveness;
+pub mod netns;

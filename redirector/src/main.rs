@@ -9,7 +9,9 @@ use redirector::{
     config::{Config, DEFAULT_CONFIG_PATH, DEFAULT_PIN_DIR},
     datapath::Maps,
 };
-use redirector_common::listener::{MODE_AUTO, MODE_CACHE, MODE_UPSTREAM, Route, route};
+use redirector_common::listener::{
+    LIVENESS_SOCKETS_AND_PROBES, MODE_AUTO, MODE_CACHE, MODE_UPSTREAM, Reason, Route, explain,
+};
 use tracing_subscriber::EnvFilter;
 
 #[derive(Parser, Debug)]
@@ -141,21 +143,21 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         .build()
         .context("cannot start the async runtime")?;
     runtime.block_on(async {
-        let agent = Agent::start(&config)?;
-        let signal = wait_for_shutdown().await?;
-        tracing::info!(signal, "shutting down");
+        use tokio::signal::unix::{SignalKind, signal};
+        let mut terminate = signal(SignalKind::terminate()).context("cannot watch SIGTERM")?;
+        let mut interrupt = signal(SignalKind::interrupt()).context("cannot watch SIGINT")?;
+        let mut agent = Agent::start(&config)?;
+        agent
+            .run(async {
+                let signal = tokio::select! {
+                    _ = terminate.recv() => "SIGTERM",
+                    _ = interrupt.recv() => "SIGINT",
+                };
+                tracing::info!(signal, "shutting down");
+            })
+            .await;
         agent.stop()?;
         Ok(())
-    })
-}
-
-async fn wait_for_shutdown() -> anyhow::Result<&'static str> {
-    use tokio::signal::unix::{SignalKind, signal};
-    let mut terminate = signal(SignalKind::terminate()).context("cannot watch SIGTERM")?;
-    let mut interrupt = signal(SignalKind::interrupt()).context("cannot watch SIGINT")?;
-    Ok(tokio::select! {
-        _ = terminate.recv() => "SIGTERM",
-        _ = interrupt.recv() => "SIGINT",
     })
 }
 
@@ -173,22 +175,37 @@ fn set_state(args: &StateArgs) -> anyhow::Result<()> {
             known.join(", ")
         );
     };
+    let address = std::net::IpAddr::from(info.addr);
     let previous = maps.mode(id)?;
     maps.set_mode(id, args.set.raw())?;
     let mode = maps.mode(id)?;
-    let health = maps.health(id)?;
-    let target = match route(&mode, &health) {
+    let liveness = maps
+        .listener_config(address)?
+        .map_or(LIVENESS_SOCKETS_AND_PROBES, |config| config.liveness);
+    let (route, reason) = explain(liveness, &mode, &maps.health(id)?, &maps.socket_counts(id)?);
+    let target = match route {
         Route::Cache => "the cache",
         Route::Upstream => "the upstream pool",
     };
     println!(
-        "listener {} ({}): mode {} (was {}); DNS goes to {target}",
+        "listener {} ({address}): mode {} (was {}); DNS goes to {target} ({})",
         args.listener,
-        std::net::IpAddr::from(info.addr),
         Mode::name_of(mode.mode),
         Mode::name_of(previous.mode),
+        reason_text(reason),
     );
     Ok(())
+}
+
+/// A reason as the CLI prints it.
+fn reason_text(reason: Reason) -> &'static str {
+    match reason {
+        Reason::Override => "operator override",
+        Reason::NoSockets => "the cache has no socket",
+        Reason::ProbesFailing => "the cache fails its probes",
+        Reason::AwaitingConfirmation => "the cache is back, awaiting its probes",
+        Reason::Healthy => "the cache is healthy",
+    }
 }
 
 fn check_config(path: &std::path::Path) -> anyhow::Result<()> {

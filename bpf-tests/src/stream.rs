@@ -1,0 +1,124 @@
+//! A continuous query stream through a failover event, and what it shows: who answered when,
+//! the gap between the last cache answer and the first upstream answer, and what was lost.
+
+use std::{net::SocketAddr, time::Duration};
+
+use anyhow::Context as _;
+
+use crate::{
+    command::TestProcess,
+    dns::StreamRecord,
+    sandbox::{Ns, Sandbox},
+    topology::who,
+};
+
+/// A running `dns-stream` (fresh sockets and one long-lived socket).
+#[derive(Debug)]
+pub struct Stream {
+    process: TestProcess,
+}
+
+impl Stream {
+    /// Starts a stream from `ns`, in the sandbox's cgroup, to `server`, for `duration`.
+    pub fn start(sandbox: &Sandbox, ns: Ns, server: SocketAddr, duration: Duration) -> anyhow::Result<Self> {
+        let (mut command, procs) = sandbox.client_command(
+            ns,
+            sandbox.cgroup(),
+            &sandbox.tools().dns_stream.display().to_string(),
+        )?;
+        command.args([
+            "--server",
+            &server.to_string(),
+            "--duration-ms",
+            &duration.as_millis().to_string(),
+        ]);
+        let process = TestProcess::start("dns-stream", command, "ready", Duration::from_secs(10))?;
+        drop(procs);
+        Ok(Self { process })
+    }
+
+    /// Waits for the stream to end and returns its records.
+    pub fn finish(mut self) -> anyhow::Result<StreamReport> {
+        let status = self.process.wait_exit(Duration::from_secs(120))?;
+        anyhow::ensure!(status.success(), "dns-stream failed: {status}");
+        // The reader threads deliver the last lines right after the exit.
+        std::thread::sleep(Duration::from_millis(50));
+        let records = self
+            .process
+            .drain()
+            .iter()
+            .filter(|line| line.starts_with('{'))
+            .map(|line| serde_json::from_str(line).with_context(|| format!("bad record {line:?}")))
+            .collect::<anyhow::Result<Vec<StreamRecord>>>()?;
+        Ok(StreamReport { records })
+    }
+}
+
+/// The records of one stream.
+#[derive(Clone, Debug)]
+pub struct StreamReport {
+    /// Every query, in completion order.
+    pub records: Vec<StreamRecord>,
+}
+
+impl StreamReport {
+    /// Who answered a record: "cache", "upstream A", ..., or "failed".
+    #[must_use]
+    pub fn answered_by(record: &StreamRecord) -> &'static str {
+        if record.error.is_some() { "failed" } else { who(record.answer) }
+    }
+
+    fn is_upstream(record: &StreamRecord) -> bool {
+        Self::answered_by(record).starts_with("upstream")
+    }
+
+    /// Records sent in `[from, to)` (milliseconds since the epoch).
+    pub fn between(&self, from: u64, to: u64) -> impl Iterator<Item = &StreamRecord> {
+        self.records
+            .iter()
+            .filter(move |record| record.sent_ms >= from && record.sent_ms < to)
+    }
+
+    /// The last record answered by the cache that was sent before `before`.
+    #[must_use]
+    pub fn last_cache_answer(&self, before: u64) -> Option<&StreamRecord> {
+        self.records
+            .iter()
+            .filter(|record| record.sent_ms < before && Self::answered_by(record) == "cache")
+            .max_by_key(|record| record.sent_ms)
+    }
+
+    /// The first record answered by an upstream sent at or after `after`.
+    #[must_use]
+    pub fn first_upstream_answer(&self, after: u64) -> Option<&StreamRecord> {
+        self.records
+            .iter()
+            .filter(|record| record.sent_ms >= after && Self::is_upstream(record))
+            .min_by_key(|record| record.sent_ms)
+    }
+
+    /// The first record answered by the cache sent at or after `after`.
+    #[must_use]
+    pub fn first_cache_answer(&self, after: u64) -> Option<&StreamRecord> {
+        self.records
+            .iter()
+            .filter(|record| record.sent_ms >= after && Self::answered_by(record) == "cache")
+            .min_by_key(|record| record.sent_ms)
+    }
+
+    /// How many queries sent in `[from, to)` got no answer.
+    #[must_use]
+    pub fn failures_between(&self, from: u64, to: u64) -> usize {
+        self.between(from, to).filter(|record| record.error.is_some()).count()
+    }
+
+    /// A one-line summary of who answered, for test output.
+    #[must_use]
+    pub fn summary(&self) -> String {
+        let mut counts = std::collections::BTreeMap::new();
+        for record in &self.records {
+            *counts.entry(Self::answered_by(record)).or_insert(0) += 1;
+        }
+        format!("{} queries: {counts:?}", self.records.len())
+    }
+}

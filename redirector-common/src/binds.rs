@@ -1,0 +1,89 @@
+//! Which bound sockets are a listener's cache: the key the `post_bind` and `sock_release`
+//! programs look up for every socket bound to an address, and the agent fills.
+
+use crate::{addr::NetAddr, listener::MAX_LISTENERS};
+
+/// Entries of `CACHE_BINDS`: per listener an exact and up to two wildcard keys, for UDP and TCP.
+pub const MAX_CACHE_BINDS: usize = MAX_LISTENERS * 6;
+
+/// Key of `CACHE_BINDS`: a socket bound to this address and port with this protocol.
+#[repr(C)]
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, Default)]
+pub struct BindKey {
+    /// The bound address (IPv4 stored mapped; the unspecified address for a wildcard bind).
+    pub addr: NetAddr,
+    /// The bound port, network byte order.
+    pub port_be: u16,
+    /// `PROTOCOL_UDP` or `PROTOCOL_TCP`.
+    pub protocol: u8,
+    /// Zero.
+    pub _padding: u8,
+}
+const _: () = assert!(size_of::<BindKey>() == 20);
+
+impl BindKey {
+    /// The key for a socket bound to `addr:port` (network order) with `protocol`.
+    #[inline(always)]
+    #[must_use]
+    pub const fn new(addr: NetAddr, port_be: u16, protocol: u32) -> Self {
+        Self {
+            addr,
+            port_be,
+            protocol: protocol as u8,
+            _padding: 0,
+        }
+    }
+}
+
+/// Value of `CACHE_BINDS`: the listeners whose cache such a socket is (bit `id`, see
+/// `datapath::listener_bit`).
+#[repr(C)]
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
+pub struct BindListeners {
+    /// Listener bitmask.
+    pub listeners: u64,
+}
+const _: () = assert!(size_of::<BindListeners>() == 8);
+
+/// Entries of `CACHE_SOCKETS`: live sockets of all caches together.
+pub const MAX_CACHE_SOCKETS: usize = 16_384;
+
+/// Value of `CACHE_SOCKETS`, keyed by socket cookie: a counted cache socket. Inserted by
+/// `post_bind` (or by the agent for sockets that existed before it), removed by `sock_release`
+/// (or by the agent for sockets gone unseen). Whoever removes the entry uncounts the socket, so
+/// no socket is ever counted twice or uncounted twice.
+#[repr(C)]
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
+pub struct CacheSocket {
+    /// The listeners whose cache it is (see `datapath::listener_bit`).
+    pub listeners: u64,
+    /// `PROTOCOL_UDP` or `PROTOCOL_TCP`.
+    pub protocol: u32,
+    /// Zero.
+    pub _padding: u32,
+}
+const _: () = assert!(size_of::<CacheSocket>() == 16);
+
+/// `0.0.0.0` in the shared representation (IPv4-mapped).
+pub const IPV4_UNSPECIFIED: NetAddr = NetAddr::from_ipv4_be(0);
+/// `::`.
+pub const IPV6_UNSPECIFIED: NetAddr = NetAddr { words_be: [0; 4] };
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn wildcards_of_the_two_families_differ() {
+        assert_ne!(IPV4_UNSPECIFIED, IPV6_UNSPECIFIED);
+        assert!(IPV4_UNSPECIFIED.is_ipv4());
+        assert!(!IPV6_UNSPECIFIED.is_ipv4());
+    }
+
+    #[test]
+    fn key_carries_protocol_and_zero_padding() {
+        let key = BindKey::new(IPV4_UNSPECIFIED, 53u16.to_be(), crate::counters::PROTOCOL_TCP);
+        assert_eq!(key.protocol, 1);
+        assert_eq!(key._padding, 0);
+    }
+}

@@ -1,0 +1,154 @@
+//! post_bind4/6 and sock_release: count each listener's cache sockets in the kernel, and fail the
+//! listener over in the moment its last UDP socket goes (`kill -9`, crash, clean exit alike), with
+//! no userspace in the path.
+//!
+//! cgroup `sock` hooks: `post_bind4`/`post_bind6` since 4.17, `sock_release` since 5.9;
+//! `bpf_get_netns_cookie` and `bpf_get_socket_cookie` for them since 5.7 and 5.10.
+
+use core::ptr::{addr_of, addr_of_mut, read_volatile};
+
+use aya_ebpf::{
+    EbpfContext as _,
+    bindings::BPF_NOEXIST,
+    helpers::{bpf_get_netns_cookie, bpf_get_socket_cookie},
+    programs::SockContext,
+};
+use redirector_common::{
+    addr::NetAddr,
+    binds::{BindKey, CacheSocket},
+    counters::{PROTOCOL_TCP, PROTOCOL_UDP},
+    datapath::listener_bit,
+    listener::MAX_LISTENERS,
+};
+
+use crate::{
+    atomic::{add_i64, add_u64},
+    maps::{CACHE_BINDS, CACHE_SOCKETS, DATAPATH_CONFIG, SOCKET_COUNTS},
+};
+
+/// `IPPROTO_UDP`.
+const IPPROTO_UDP: u32 = 17;
+/// `IPPROTO_TCP`.
+const IPPROTO_TCP: u32 = 6;
+
+/// The address family of the `post_bind` hook (the verifier lets each read only its own family's
+/// address field).
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum BindFamily {
+    /// `post_bind4`: `src_ip4`.
+    Ipv4,
+    /// `post_bind6`: `src_ip6` (which may be IPv4-mapped).
+    Ipv6,
+}
+
+/// The counter row of a socket's protocol; `None` for anything but UDP and TCP.
+#[inline(always)]
+fn protocol(ctx: &SockContext) -> Option<u32> {
+    // SAFETY: `sock` is the context the kernel passed; one whole field.
+    match unsafe { read_volatile(addr_of!((*ctx.sock).protocol)) } {
+        IPPROTO_UDP => Some(PROTOCOL_UDP),
+        IPPROTO_TCP => Some(PROTOCOL_TCP),
+        _ => None,
+    }
+}
+
+/// `post_bind`: counts a socket just bound to a listener's cache address (or the wildcard) and
+/// port, in the caches' network namespace. Binds are rare; every other socket costs one lookup.
+#[inline(always)]
+pub fn try_count_bind(ctx: &SockContext, family: BindFamily) -> Option<()> {
+    let sock = ctx.sock;
+    let protocol = protocol(ctx)?;
+    // SAFETY: as in `protocol`; each read is one whole field valid in this hook.
+    let (port, addr) = unsafe {
+        let port = read_volatile(addr_of!((*sock).src_port));
+        let addr = match family {
+            BindFamily::Ipv4 => NetAddr::from_ipv4_be(read_volatile(addr_of!((*sock).src_ip4))),
+            BindFamily::Ipv6 => NetAddr {
+                words_be: [
+                    read_volatile(addr_of!((*sock).src_ip6[0])),
+                    read_volatile(addr_of!((*sock).src_ip6[1])),
+                    read_volatile(addr_of!((*sock).src_ip6[2])),
+                    read_volatile(addr_of!((*sock).src_ip6[3])),
+                ],
+            },
+        };
+        (port, addr)
+    };
+    // `src_port` is in host byte order, unlike `bpf_sock_addr.user_port`.
+    let key = BindKey::new(addr, (port as u16).to_be(), protocol);
+    let listeners = CACHE_BINDS.get_ptr(key)?;
+    // SAFETY: entries are written whole by the agent.
+    let listeners = unsafe { (*listeners).listeners };
+
+    // Sockets of other namespaces (a pod's own DNS server on :53) are not the cache's.
+    let config = DATAPATH_CONFIG.get(0)?;
+    // SAFETY: plain helper calls on the program's context.
+    let (netns, cookie) = unsafe {
+        (
+            bpf_get_netns_cookie(ctx.as_ptr()),
+            bpf_get_socket_cookie(ctx.as_ptr()),
+        )
+    };
+    if netns != config.cache_netns_cookie {
+        return None;
+    }
+    let entry = CacheSocket {
+        listeners,
+        protocol,
+        _padding: 0,
+    };
+    // Whoever inserts the entry counts the socket (the agent may have seen it first).
+    CACHE_SOCKETS
+        .insert(cookie, entry, u64::from(BPF_NOEXIST))
+        .ok()?;
+    add_to_counts(&entry, 1);
+    Some(())
+}
+
+/// `sock_release`: uncounts a counted cache socket; when it was a listener's last UDP socket, the
+/// listener is in failover from the next syscall on. Runs for every socket closed on the node:
+/// one field read, one helper call and one lookup for the others.
+#[inline(always)]
+pub fn try_uncount_release(ctx: &SockContext) -> Option<()> {
+    protocol(ctx)?;
+    // SAFETY: plain helper call on the program's context.
+    let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
+    let entry = CACHE_SOCKETS.get_ptr(cookie)?;
+    // SAFETY: entries are written whole; copied before the entry goes.
+    let entry = unsafe { *entry };
+    // Whoever removes the entry uncounts the socket (the agent removes sockets gone unseen).
+    CACHE_SOCKETS.remove(cookie).ok()?;
+    add_to_counts(&entry, -1);
+    Some(())
+}
+
+/// Adds `delta` to the counts of every listener of `entry`, and records the cache going away for
+/// those whose UDP count reached zero.
+#[inline(always)]
+fn add_to_counts(entry: &CacheSocket, delta: i64) {
+    let mut id = 0;
+    while id < MAX_LISTENERS as u32 {
+        if entry.listeners & listener_bit(id) != 0
+            && let Some(counts) = SOCKET_COUNTS.get_ptr(id)
+        {
+            let counts = counts.cast_mut();
+            // SAFETY: an element of an array map, valid for the program's lifetime and 8-byte
+            // aligned; shared with other CPUs and with the agent's mmap, hence atomic adds only.
+            unsafe {
+                let count = if entry.protocol == PROTOCOL_UDP {
+                    addr_of_mut!((*counts).udp)
+                } else {
+                    addr_of_mut!((*counts).tcp)
+                };
+                add_i64(count, delta);
+                if delta < 0 && entry.protocol == PROTOCOL_UDP && read_volatile(count) <= 0 {
+                    // The last UDP socket is gone: from the next syscall on the listener is in
+                    // failover, and only a probe-confirmed verdict in this new epoch brings it
+                    // back. Two releases racing here may both bump: only "changed" matters.
+                    add_u64(addr_of_mut!((*counts).down_epoch), 1);
+                }
+            }
+        }
+        id += 1;
+    }
+}

@@ -1,0 +1,102 @@
+//! What the agent observed: route transitions with their causes, and probe results. Shared with
+//! whoever watches the agent (tests now, metrics later).
+
+use std::{
+    collections::HashMap,
+    sync::Mutex,
+    time::{Duration, SystemTime},
+};
+
+use redirector_common::listener::{Reason, Route};
+
+/// Transitions kept in memory (the oldest are dropped beyond this).
+const TRANSITION_LOG: usize = 4096;
+
+/// A change of a listener's route.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Transition {
+    /// The listener's name.
+    pub listener: String,
+    /// The route before.
+    pub from: Route,
+    /// The route after.
+    pub to: Route,
+    /// Why it changed.
+    pub reason: Reason,
+    /// When the agent saw it (kernel-side flips happen earlier, at the last socket's close).
+    pub at: SystemTime,
+}
+
+/// Counters and logs of one agent.
+#[derive(Debug, Default)]
+pub struct AgentStats {
+    transitions: Mutex<Vec<Transition>>,
+    by_reason: Mutex<HashMap<(String, Reason), u64>>,
+    probes: Mutex<HashMap<(String, bool), (u64, Duration)>>,
+}
+
+impl AgentStats {
+    /// Records a transition.
+    pub fn record_transition(&self, transition: Transition) {
+        if let Ok(mut counts) = self.by_reason.lock() {
+            *counts
+                .entry((transition.listener.clone(), transition.reason))
+                .or_default() += 1;
+        }
+        if let Ok(mut log) = self.transitions.lock() {
+            if log.len() == TRANSITION_LOG {
+                log.remove(0);
+            }
+            log.push(transition);
+        }
+    }
+
+    /// Records a probe result (and its latency when it succeeded).
+    pub fn record_probe(&self, listener: &str, alive: bool, latency: Duration) {
+        if let Ok(mut probes) = self.probes.lock() {
+            let entry = probes.entry((listener.to_owned(), alive)).or_default();
+            entry.0 += 1;
+            entry.1 += latency;
+        }
+    }
+
+    /// Every transition of `listener` still in the log, oldest first.
+    #[must_use]
+    pub fn transitions(&self, listener: &str) -> Vec<Transition> {
+        self.transitions
+            .lock()
+            .map(|log| {
+                log.iter()
+                    .filter(|transition| transition.listener == listener)
+                    .cloned()
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// How many transitions of `listener` had `reason`.
+    #[must_use]
+    pub fn transitions_by(&self, listener: &str, reason: Reason) -> u64 {
+        self.by_reason
+            .lock()
+            .ok()
+            .and_then(|counts| counts.get(&(listener.to_owned(), reason)).copied())
+            .unwrap_or(0)
+    }
+
+    /// (successful, failed) probes of `listener`.
+    #[must_use]
+    pub fn probes(&self, listener: &str) -> (u64, u64) {
+        self.probes
+            .lock()
+            .map(|probes| {
+                let count = |alive| {
+                    probes
+                        .get(&(listener.to_owned(), alive))
+                        .map_or(0, |(count, _)| *count)
+                };
+                (count(true), count(false))
+            })
+            .unwrap_or((0, 0))
+    }
+}

@@ -1,0 +1,177 @@
+//! What can go wrong between the agent and the kernel.
+
+use std::path::{Path, PathBuf};
+
+use aya::{EbpfError, maps::MapError, pin::PinError, programs::ProgramError};
+use redirector_common::listener::MAX_LISTENERS;
+
+/// Why the datapath could not be set up or used.
+#[derive(Debug, thiserror::Error)]
+pub enum DatapathError {
+    /// The object could not be loaded (maps created); usually missing privileges or BTF.
+    #[error(
+        "loading the eBPF object failed; redirector needs root (CAP_BPF, CAP_NET_ADMIN and \
+         CAP_SYS_ADMIN) and a kernel with BTF and cgroup v2 BPF support"
+    )]
+    Load {
+        /// What aya reported.
+        #[source]
+        source: EbpfError,
+    },
+    /// The object lacks a program this build expects: a build mismatch.
+    #[error("the embedded eBPF object has no program {name}; rebuild redirector")]
+    MissingProgram {
+        /// The program.
+        name: &'static str,
+    },
+    /// The object lacks a map this build expects: a build mismatch.
+    #[error("the eBPF object has no map {name}; rebuild redirector")]
+    MissingMap {
+        /// The map.
+        name: &'static str,
+    },
+    /// A program is not of the expected type.
+    #[error("the eBPF program {name} is not of the type this build expects; rebuild redirector")]
+    ProgramType {
+        /// The program.
+        name: &'static str,
+    },
+    /// An attachment could not be turned into a pinnable link.
+    #[error("the attachment of {name} is not a bpf_link (kernel before 5.7?); redirector needs bpf_link attachments")]
+    Link {
+        /// The program.
+        name: &'static str,
+        /// What aya reported.
+        #[source]
+        source: aya::programs::links::LinkError,
+    },
+    /// The verifier refused a program.
+    #[error("the kernel refused the eBPF program {name} (the cause holds the verifier's log)")]
+    Verify {
+        /// The program.
+        name: &'static str,
+        /// What aya reported, with the verifier log.
+        #[source]
+        source: ProgramError,
+    },
+    /// The attach cgroup could not be opened.
+    #[error("cannot open the cgroup directory {path}")]
+    OpenCgroup {
+        /// The directory.
+        path: PathBuf,
+        /// What the OS said.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Attaching a program failed.
+    #[error("attaching the eBPF program {name} to the cgroup {path} failed")]
+    Attach {
+        /// The program.
+        name: &'static str,
+        /// The cgroup.
+        path: PathBuf,
+        /// What aya reported.
+        #[source]
+        source: ProgramError,
+    },
+    /// Pinning an attachment failed.
+    #[error("pinning the attachment of {name} at {path} failed")]
+    PinLink {
+        /// The program.
+        name: &'static str,
+        /// The pin.
+        path: PathBuf,
+        /// What aya reported.
+        #[source]
+        source: PinError,
+    },
+    /// A map is of an unexpected type or size.
+    #[error("the map {name} does not have the layout this build expects; rebuild redirector or remove stale pins")]
+    MapLayout {
+        /// The map.
+        name: &'static str,
+        /// What aya reported.
+        #[source]
+        source: MapError,
+    },
+    /// A map read or write failed.
+    #[error("{action} the map {name} failed")]
+    MapAccess {
+        /// What was being done.
+        action: &'static str,
+        /// The map.
+        name: &'static str,
+        /// What aya reported.
+        #[source]
+        source: MapError,
+    },
+    /// The socket counts could not be mapped into memory.
+    #[error("mapping the {name} map into memory failed")]
+    Mmap {
+        /// The map.
+        name: &'static str,
+        /// What the OS said.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A pinned map could not be opened.
+    #[error(
+        "cannot open the pinned map {path}; is the agent running with this pin directory? \
+         (start it with `redirector run`, or pass the agent's --pin-dir)"
+    )]
+    OpenPin {
+        /// The pin.
+        path: PathBuf,
+        /// What aya reported.
+        #[source]
+        source: MapError,
+    },
+    /// A map could not be pinned.
+    #[error("pinning the map {name} at {path} failed; is {dir} on a bpf filesystem?", dir = parent(path))]
+    Pin {
+        /// The map.
+        name: &'static str,
+        /// The pin.
+        path: PathBuf,
+        /// What aya reported.
+        #[source]
+        source: PinError,
+    },
+    /// The pin directory could not be prepared.
+    #[error("cannot prepare the pin directory {path}")]
+    PinDir {
+        /// The directory.
+        path: PathBuf,
+        /// What the OS said.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A listener id past the maps' size.
+    #[error("listener id {id} is out of range (at most {max} listeners)", max = MAX_LISTENERS)]
+    ListenerId {
+        /// The id.
+        id: u32,
+    },
+}
+
+fn parent(path: &Path) -> String {
+    path.parent().map(|dir| dir.display().to_string()).unwrap_or_default()
+}
+
+/// Maps a failed write of `name`.
+pub(super) fn write(name: &'static str) -> impl FnOnce(MapError) -> DatapathError {
+    move |source| DatapathError::MapAccess {
+        action: "writing",
+        name,
+        source,
+    }
+}
+
+/// Maps a failed read of `name`.
+pub(super) fn read(name: &'static str) -> impl FnOnce(MapError) -> DatapathError {
+    move |source| DatapathError::MapAccess {
+        action: "reading",
+        name,
+        source,
+    }
+}

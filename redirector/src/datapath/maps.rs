@@ -1,0 +1,469 @@
+//! Typed handles on the maps, for the agent (freshly loaded) and the CLI (pinned by an agent).
+
+use std::{
+    collections::HashMap as StdHashMap,
+    net::{IpAddr, SocketAddr},
+    path::Path,
+};
+
+use aya::{
+    Ebpf,
+    maps::{Array, HashMap, Map, MapData, MapError, PerCpuArray},
+};
+use redirector_common::{
+    addr::{NetAddr, port_be},
+    binds::{BindKey, BindListeners, CacheSocket},
+    datapath::listener_bit,
+    counters::{ListenerCounters, PROTOCOL_TCP, PROTOCOL_UDP, counter_index},
+    datapath::{DatapathConfig, SkipCgroup, level_mask},
+    listener::{
+        CacheHealth, EMPTY_POOL_FAIL, EMPTY_POOL_PASS, LISTENER_NAME_MAX,
+        LIVENESS_PROBES, LIVENESS_SOCKETS_AND_PROBES, ListenerConfig, ListenerInfo, ListenerMode,
+        MAX_LISTENERS, SocketCounts,
+    },
+    names,
+    pool::{Pool, Target},
+    reverse::{ReverseKey, ReverseValue},
+};
+
+use super::{
+    PINNED_MAPS_DIR,
+    error::{DatapathError, read, write},
+    socket_counts::SharedSocketCounts,
+};
+use crate::config::{EmptyPoolPolicy, Liveness};
+
+/// `BPF_NOEXIST`: insert only if the key is absent.
+const BPF_NOEXIST: u64 = 1;
+
+/// Typed handles on every map userspace reads or writes.
+pub struct Maps {
+    listeners: HashMap<MapData, NetAddr, ListenerConfig>,
+    listener_mode: Array<MapData, ListenerMode>,
+    cache_health: Array<MapData, CacheHealth>,
+    socket_counts: SharedSocketCounts,
+    cache_binds: HashMap<MapData, BindKey, BindListeners>,
+    cache_sockets: HashMap<MapData, u64, CacheSocket>,
+    listener_info: Array<MapData, ListenerInfo>,
+    pools: HashMap<MapData, u32, Pool>,
+    reverse_nat: HashMap<MapData, ReverseKey, ReverseValue>,
+    counters: PerCpuArray<MapData, ListenerCounters>,
+    skip_cgroups: HashMap<MapData, u64, SkipCgroup>,
+    datapath_config: Array<MapData, DatapathConfig>,
+}
+
+impl std::fmt::Debug for Maps {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Maps").finish_non_exhaustive()
+    }
+}
+
+/// What one listener is, for writing it into the maps.
+#[derive(Clone, Debug)]
+pub struct ListenerEntry<'a> {
+    /// Its id (index in the per-listener maps).
+    pub id: u32,
+    /// Its name.
+    pub name: &'a str,
+    /// Its address.
+    pub address: IpAddr,
+    /// Its cache.
+    pub cache: SocketAddr,
+    /// Its empty-pool policy.
+    pub empty_pool: EmptyPoolPolicy,
+    /// What judges its cache alive.
+    pub liveness: Liveness,
+}
+
+/// A skipped cgroup as the maps hold it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SkipEntry {
+    /// cgroup id.
+    pub id: u64,
+    /// cgroup level.
+    pub level: u32,
+    /// Listener bitmask (`listener_bit`).
+    pub listeners: u64,
+}
+
+/// Counters of one listener, summed over CPUs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ListenerTotals {
+    /// UDP row.
+    pub udp: ListenerCounters,
+    /// TCP row.
+    pub tcp: ListenerCounters,
+}
+
+impl ListenerTotals {
+    /// Both protocols together.
+    #[must_use]
+    pub fn total(&self) -> ListenerCounters {
+        self.udp.add(&self.tcp)
+    }
+}
+
+/// A `Target` for a socket address (one port for UDP and TCP).
+#[must_use]
+pub fn target_of(address: SocketAddr) -> Target {
+    Target {
+        addr: NetAddr::from(address.ip()),
+        udp_port_be: port_be(address.port()),
+        tcp_port_be: port_be(address.port()),
+    }
+}
+
+impl Maps {
+    /// Takes the maps out of a freshly loaded object.
+    pub(super) fn take(ebpf: &mut Ebpf) -> Result<Self, DatapathError> {
+        Self::from_source(|name| {
+            ebpf.take_map(name)
+                .ok_or(DatapathError::MissingMap { name })
+        })
+    }
+
+    /// Opens the maps a running agent pinned under `pin_dir`.
+    pub fn open_pinned(pin_dir: &Path) -> Result<Self, DatapathError> {
+        let dir = pin_dir.join(PINNED_MAPS_DIR);
+        Self::from_source(|name| {
+            let path = dir.join(name);
+            MapData::from_pin(&path)
+                .and_then(Map::from_map_data)
+                .map_err(|source| DatapathError::OpenPin { path, source })
+        })
+    }
+
+    /// Types every map `source` yields by name.
+    fn from_source(
+        mut source: impl FnMut(&'static str) -> Result<Map, DatapathError>,
+    ) -> Result<Self, DatapathError> {
+        let open = &mut source;
+        Ok(Self {
+            listeners: typed(open, names::MAP_LISTENERS)?,
+            listener_mode: typed(open, names::MAP_LISTENER_MODE)?,
+            cache_health: typed(open, names::MAP_CACHE_HEALTH)?,
+            socket_counts: SharedSocketCounts::new(open(names::MAP_SOCKET_COUNTS)?)?,
+            cache_binds: typed(open, names::MAP_CACHE_BINDS)?,
+            cache_sockets: typed(open, names::MAP_CACHE_SOCKETS)?,
+            listener_info: typed(open, names::MAP_LISTENER_INFO)?,
+            pools: typed(open, names::MAP_POOLS)?,
+            reverse_nat: typed(open, names::MAP_REVERSE_NAT)?,
+            counters: typed(open, names::MAP_COUNTERS)?,
+            skip_cgroups: typed(open, names::MAP_SKIP_CGROUPS)?,
+            datapath_config: typed(open, names::MAP_DATAPATH_CONFIG)?,
+        })
+    }
+
+    /// Writes everything the programs need to know about one listener, its address entry last:
+    /// a listener becomes visible to the programs only once complete.
+    pub fn install_listener(
+        &mut self,
+        listener: &ListenerEntry<'_>,
+        upstreams: &[SocketAddr],
+    ) -> Result<(), DatapathError> {
+        let id = checked_id(listener.id)?;
+        let mut name = [0u8; LISTENER_NAME_MAX];
+        let bytes = listener.name.as_bytes();
+        let len = bytes.len().min(LISTENER_NAME_MAX);
+        name[..len].copy_from_slice(&bytes[..len]);
+        let address = NetAddr::from(listener.address);
+        self.listener_info
+            .set(id, ListenerInfo { name, addr: address, in_use: 1 }, 0)
+            .map_err(write(names::MAP_LISTENER_INFO))?;
+        self.set_mode(id, ListenerMode::default().mode)?;
+        self.set_pool(id, upstreams)?;
+        let config = ListenerConfig {
+            id,
+            empty_pool_policy: match listener.empty_pool {
+                EmptyPoolPolicy::Pass => EMPTY_POOL_PASS,
+                EmptyPoolPolicy::Fail => EMPTY_POOL_FAIL,
+            },
+            cache: target_of(listener.cache),
+            liveness: match listener.liveness {
+                Liveness::SocketsAndProbes => LIVENESS_SOCKETS_AND_PROBES,
+                Liveness::Probes => LIVENESS_PROBES,
+            },
+        };
+        self.listeners
+            .insert(address, config, 0)
+            .map_err(write(names::MAP_LISTENERS))
+    }
+
+    /// A listener's configuration as the programs see it.
+    pub fn listener_config(&self, address: IpAddr) -> Result<Option<ListenerConfig>, DatapathError> {
+        match self.listeners.get(&NetAddr::from(address), 0) {
+            Ok(config) => Ok(Some(config)),
+            Err(MapError::KeyNotFound) => Ok(None),
+            Err(source) => Err(read(names::MAP_LISTENERS)(source)),
+        }
+    }
+
+    /// Replaces a listener's upstream pool in one update.
+    pub fn set_pool(&mut self, id: u32, upstreams: &[SocketAddr]) -> Result<(), DatapathError> {
+        let id = checked_id(id)?;
+        let targets: Vec<Target> = upstreams.iter().copied().map(target_of).collect();
+        self.pools
+            .insert(id, Pool::from_targets(&targets), 0)
+            .map_err(write(names::MAP_POOLS))
+    }
+
+    /// A listener's upstream pool.
+    pub fn pool(&self, id: u32) -> Result<Pool, DatapathError> {
+        let id = checked_id(id)?;
+        match self.pools.get(&id, 0) {
+            Ok(pool) => Ok(pool),
+            Err(MapError::KeyNotFound) => Ok(Pool::EMPTY),
+            Err(source) => Err(read(names::MAP_POOLS)(source)),
+        }
+    }
+
+    /// Sets the operator's override of a listener (`MODE_*`).
+    pub fn set_mode(&mut self, id: u32, mode: u32) -> Result<(), DatapathError> {
+        let id = checked_id(id)?;
+        self.listener_mode
+            .set(id, ListenerMode { mode }, 0)
+            .map_err(write(names::MAP_LISTENER_MODE))
+    }
+
+    /// The operator's override of a listener.
+    pub fn mode(&self, id: u32) -> Result<ListenerMode, DatapathError> {
+        let id = checked_id(id)?;
+        self.listener_mode
+            .get(&id, 0)
+            .map_err(read(names::MAP_LISTENER_MODE))
+    }
+
+    /// Sets the agent's verdict on a listener's cache.
+    pub fn set_health(&mut self, id: u32, health: CacheHealth) -> Result<(), DatapathError> {
+        let id = checked_id(id)?;
+        self.cache_health
+            .set(id, health, 0)
+            .map_err(write(names::MAP_CACHE_HEALTH))
+    }
+
+    /// The agent's verdict on a listener's cache.
+    pub fn health(&self, id: u32) -> Result<CacheHealth, DatapathError> {
+        let id = checked_id(id)?;
+        self.cache_health
+            .get(&id, 0)
+            .map_err(read(names::MAP_CACHE_HEALTH))
+    }
+
+    /// The kernel's count of a listener's cache sockets.
+    pub fn socket_counts(&self, id: u32) -> Result<SocketCounts, DatapathError> {
+        Ok(self.socket_counts.get(checked_id(id)?))
+    }
+
+    /// Every counted cache socket: (cookie, entry).
+    #[must_use]
+    pub fn cache_sockets(&self) -> Vec<(u64, CacheSocket)> {
+        self.cache_sockets.iter().filter_map(Result::ok).collect()
+    }
+
+    /// Counts a cache socket the programs did not see bind (it existed before them): inserts its
+    /// entry and, unless the programs inserted it first, adds it to its listeners' counts.
+    /// Returns whether it was counted here.
+    pub fn count_cache_socket(
+        &mut self,
+        cookie: u64,
+        entry: CacheSocket,
+    ) -> Result<bool, DatapathError> {
+        match self
+            .cache_sockets
+            .insert(cookie, entry, BPF_NOEXIST)
+        {
+            Ok(()) => {
+                self.add_to_counts(&entry, 1);
+                Ok(true)
+            }
+            Err(MapError::SyscallError(error))
+                if error.io_error.raw_os_error() == Some(libc::EEXIST) =>
+            {
+                Ok(false)
+            }
+            Err(source) => Err(write(names::MAP_CACHE_SOCKETS)(source)),
+        }
+    }
+
+    /// Uncounts a cache socket that is gone without the programs seeing it close: removes its
+    /// entry and, unless the programs removed it first, takes it off its listeners' counts (a
+    /// listener left without UDP sockets enters a new epoch, as in the kernel). Returns whether
+    /// it was uncounted here.
+    pub fn uncount_cache_socket(&mut self, cookie: u64) -> Result<bool, DatapathError> {
+        let entry = match self.cache_sockets.get(&cookie, 0) {
+            Ok(entry) => entry,
+            Err(MapError::KeyNotFound) => return Ok(false),
+            Err(source) => return Err(read(names::MAP_CACHE_SOCKETS)(source)),
+        };
+        match self.cache_sockets.remove(&cookie) {
+            Ok(()) => {
+                self.add_to_counts(&entry, -1);
+                Ok(true)
+            }
+            Err(MapError::SyscallError(error))
+                if error.io_error.raw_os_error() == Some(libc::ENOENT) =>
+            {
+                Ok(false)
+            }
+            Err(source) => Err(write(names::MAP_CACHE_SOCKETS)(source)),
+        }
+    }
+
+    fn add_to_counts(&self, entry: &CacheSocket, delta: i64) {
+        for id in 0..MAX_LISTENERS as u32 {
+            if entry.listeners & listener_bit(id) != 0 {
+                self.socket_counts.add(id, entry.protocol, delta);
+            }
+        }
+    }
+
+    /// Replaces the table of cache binds.
+    pub fn set_cache_binds(
+        &mut self,
+        binds: &StdHashMap<BindKey, u64>,
+    ) -> Result<(), DatapathError> {
+        for (key, listeners) in binds {
+            self.cache_binds
+                .insert(key, BindListeners { listeners: *listeners }, 0)
+                .map_err(write(names::MAP_CACHE_BINDS))?;
+        }
+        let stale: Vec<BindKey> = self
+            .cache_binds
+            .keys()
+            .filter_map(Result::ok)
+            .filter(|key| !binds.contains_key(key))
+            .collect();
+        for key in stale {
+            self.cache_binds
+                .remove(&key)
+                .map_err(write(names::MAP_CACHE_BINDS))?;
+        }
+        Ok(())
+    }
+
+    /// Every listener in use: id and what `LISTENER_INFO` says of it.
+    pub fn listeners(&self) -> Result<Vec<(u32, ListenerInfo)>, DatapathError> {
+        let mut found = Vec::new();
+        for id in 0..MAX_LISTENERS as u32 {
+            let info = self
+                .listener_info
+                .get(&id, 0)
+                .map_err(read(names::MAP_LISTENER_INFO))?;
+            if info.in_use != 0 {
+                found.push((id, info));
+            }
+        }
+        Ok(found)
+    }
+
+    /// The listener called `name`.
+    pub fn listener_by_name(
+        &self,
+        name: &str,
+    ) -> Result<Option<(u32, ListenerInfo)>, DatapathError> {
+        Ok(self
+            .listeners()?
+            .into_iter()
+            .find(|(_, info)| info.name() == Some(name)))
+    }
+
+    /// Replaces the skipped cgroups (removing those no longer configured) and the datapath-wide
+    /// settings.
+    pub fn configure(
+        &mut self,
+        skips: &[SkipEntry],
+        cache_netns_cookie: u64,
+    ) -> Result<(), DatapathError> {
+        for entry in skips {
+            self.skip_cgroups
+                .insert(
+                    entry.id,
+                    SkipCgroup {
+                        listeners: entry.listeners,
+                        level: entry.level,
+                        _padding: 0,
+                    },
+                    0,
+                )
+                .map_err(write(names::MAP_SKIP_CGROUPS))?;
+        }
+        let stale: Vec<u64> = self
+            .skip_cgroups
+            .keys()
+            .filter_map(Result::ok)
+            .filter(|id| !skips.iter().any(|entry| entry.id == *id))
+            .collect();
+        for id in stale {
+            self.skip_cgroups
+                .remove(&id)
+                .map_err(write(names::MAP_SKIP_CGROUPS))?;
+        }
+        let config = DatapathConfig {
+            skip_cgroup_levels: level_mask(skips.iter().map(|entry| entry.level)),
+            layout_version: redirector_common::LAYOUT_VERSION,
+            cache_netns_cookie,
+        };
+        self.datapath_config
+            .set(0, config, 0)
+            .map_err(write(names::MAP_DATAPATH_CONFIG))
+    }
+
+    /// A listener's counters since the maps were created, summed over CPUs.
+    pub fn counters(&self, id: u32) -> Result<ListenerTotals, DatapathError> {
+        let id = checked_id(id)?;
+        let row = |protocol| -> Result<ListenerCounters, DatapathError> {
+            let values = self
+                .counters
+                .get(&counter_index(id, protocol), 0)
+                .map_err(read(names::MAP_COUNTERS))?;
+            Ok(values
+                .iter()
+                .fold(ListenerCounters::default(), ListenerCounters::add))
+        };
+        Ok(ListenerTotals {
+            udp: row(PROTOCOL_UDP)?,
+            tcp: row(PROTOCOL_TCP)?,
+        })
+    }
+
+    /// Entries in the reverse-translation map (walks the whole map: for tests and status).
+    #[must_use]
+    pub fn reverse_entries(&self) -> Vec<(ReverseKey, ReverseValue)> {
+        self.reverse_nat.iter().filter_map(Result::ok).collect()
+    }
+}
+
+/// The map `name` from `source`, as the typed handle `T`.
+fn typed<T>(
+    source: &mut impl FnMut(&'static str) -> Result<Map, DatapathError>,
+    name: &'static str,
+) -> Result<T, DatapathError>
+where
+    T: TryFrom<Map, Error = MapError>,
+{
+    T::try_from(source(name)?).map_err(|source| DatapathError::MapLayout { name, source })
+}
+
+fn checked_id(id: u32) -> Result<u32, DatapathError> {
+    if (id as usize) < MAX_LISTENERS {
+        Ok(id)
+    } else {
+        Err(DatapathError::ListenerId { id })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn targets_carry_one_port_for_both_protocols() {
+        let target = target_of("10.0.0.1:5353".parse().unwrap());
+        assert_eq!(target.udp_port_be, 5353u16.to_be());
+        assert_eq!(target.tcp_port_be, 5353u16.to_be());
+        assert_eq!(
+            IpAddr::from(target.addr),
+            "10.0.0.1".parse::<IpAddr>().unwrap()
+        );
+    }
+}

@@ -1,0 +1,8 @@
+//! Is a listener's cache alive? Its sockets (counted in the kernel, seeded and reconciled from
+//! the socket tables here) and real DNS probes decide.
+
+pub mod binds;
+pub mod health;
+pub mod probe;
+pub mod reconcile;
+pub mod sockdiag;

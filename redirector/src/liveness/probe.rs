@@ -1,0 +1,150 @@
+//! Health probes: a real DNS query to the cache, from the cache's network namespace. Any answer
+//! (NOERROR, NXDOMAIN) means the cache serves; a timeout, SERVFAIL, REFUSED or a socket error
+//! means it does not.
+
+use std::{
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
+    path::{Path, PathBuf},
+    time::{Duration, Instant},
+};
+
+use hickory_proto::{
+    op::{Message, MessageType, OpCode, Query, ResponseCode},
+    rr::{Name, RecordType},
+};
+
+use crate::netns;
+
+/// What one probe found.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ProbeOutcome {
+    /// The cache answered (with NOERROR or NXDOMAIN) after this long.
+    Alive {
+        /// Time to the answer.
+        latency: Duration,
+    },
+    /// The cache did not serve.
+    Failed {
+        /// Why: "timeout", "refused", "SERVFAIL", ...
+        reason: String,
+    },
+}
+
+impl ProbeOutcome {
+    /// True for `Alive`.
+    #[must_use]
+    pub fn is_alive(&self) -> bool {
+        matches!(self, Self::Alive { .. })
+    }
+}
+
+/// Probes one cache.
+#[derive(Clone, Debug)]
+pub struct Prober {
+    target: SocketAddr,
+    query_name: Name,
+    timeout: Duration,
+    netns: Option<PathBuf>,
+}
+
+impl Prober {
+    /// A prober of `target`, asking for `name` (A), waiting `timeout`, from the network namespace
+    /// `netns` (or the agent's own).
+    pub fn new(
+        target: SocketAddr,
+        name: &str,
+        timeout: Duration,
+        netns: Option<&Path>,
+    ) -> Result<Self, hickory_proto::ProtoError> {
+        Ok(Self {
+            target,
+            query_name: Name::from_ascii(name)?,
+            timeout,
+            netns: netns.map(Path::to_owned),
+        })
+    }
+
+    /// The probed cache.
+    #[must_use]
+    pub fn target(&self) -> SocketAddr {
+        self.target
+    }
+
+    /// Sends one query and judges the answer.
+    pub async fn probe(&self) -> ProbeOutcome {
+        let started = Instant::now();
+        match tokio::time::timeout(self.timeout, self.ask()).await {
+            Err(_) => ProbeOutcome::Failed {
+                reason: "timeout".to_owned(),
+            },
+            Ok(Err(reason)) => ProbeOutcome::Failed { reason },
+            Ok(Ok(code)) if code == ResponseCode::NoError || code == ResponseCode::NXDomain => {
+                ProbeOutcome::Alive {
+                    latency: started.elapsed(),
+                }
+            }
+            Ok(Ok(code)) => ProbeOutcome::Failed {
+                reason: code.to_string(),
+            },
+        }
+    }
+
+    async fn ask(&self) -> Result<ResponseCode, String> {
+        let id: u16 = rand_id();
+        let mut message = Message::new();
+        message
+            .set_id(id)
+            .set_message_type(MessageType::Query)
+            .set_op_code(OpCode::Query)
+            .set_recursion_desired(true)
+            .add_query(Query::query(self.query_name.clone(), RecordType::A));
+        let request = message.to_vec().map_err(|error| error.to_string())?;
+
+        let local = if self.target.is_ipv4() {
+            SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0)
+        } else {
+            SocketAddr::new(IpAddr::V6(Ipv6Addr::UNSPECIFIED), 0)
+        };
+        let target = self.target;
+        let netns = self.netns.clone();
+        // A fresh socket per probe, created in the caches' namespace, connected so that an ICMP
+        // "port unreachable" from a dead cache fails the probe at once.
+        let socket = tokio::task::spawn_blocking(move || {
+            netns::run_in(netns.as_deref(), "creating a probe socket", move || {
+                let socket = std::net::UdpSocket::bind(local)?;
+                socket.connect(target)?;
+                socket.set_nonblocking(true)?;
+                Ok(socket)
+            })
+        })
+        .await
+        .map_err(|error| error.to_string())?
+        .map_err(|error| format!("{error:#}"))?;
+        let socket = tokio::net::UdpSocket::from_std(socket).map_err(|error| error.to_string())?;
+        socket.send(&request).await.map_err(io_reason)?;
+        let mut buffer = [0u8; 4096];
+        loop {
+            let len = socket.recv(&mut buffer).await.map_err(io_reason)?;
+            let Ok(response) = Message::from_vec(&buffer[..len]) else {
+                continue;
+            };
+            if response.id() == id && response.message_type() == MessageType::Response {
+                return Ok(response.response_code());
+            }
+        }
+    }
+}
+
+fn io_reason(error: std::io::Error) -> String {
+    if error.kind() == std::io::ErrorKind::ConnectionRefused {
+        "refused (nothing listens)".to_owned()
+    } else {
+        error.to_string()
+    }
+}
+
+/// A query id that differs between probes (uniqueness is all that matters here).
+fn rand_id() -> u16 {
+    use std::hash::{BuildHasher as _, RandomState};
+    (RandomState::new().hash_one(Instant::now()) & 0xffff) as u16
+}

@@ -1,0 +1,187 @@
+//! The kernel's socket tables, read with netlink `sock_diag` (`NETLINK_SOCK_DIAG`, inet_diag):
+//! the cache's sockets as they are, to seed and reconcile the kernel programs' counts.
+
+use std::path::Path;
+
+use netlink_packet_core::{
+    NLM_F_DUMP, NLM_F_REQUEST, NetlinkHeader, NetlinkMessage, NetlinkPayload,
+};
+use netlink_packet_sock_diag::{
+    SockDiagMessage,
+    constants::{AF_INET, AF_INET6, IPPROTO_TCP, IPPROTO_UDP},
+    inet::{ExtensionFlags, InetRequest, SocketId, StateFlags},
+};
+use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_SOCK_DIAG};
+use redirector_common::{
+    addr::NetAddr,
+    counters::{PROTOCOL_TCP, PROTOCOL_UDP},
+};
+
+use crate::netns::{self, NetnsError};
+
+/// A socket bound to an address and port.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BoundSocket {
+    /// `PROTOCOL_UDP` or `PROTOCOL_TCP`.
+    pub protocol: u32,
+    /// The bound address (IPv4 stored mapped).
+    pub addr: NetAddr,
+    /// The bound port.
+    pub port: u16,
+    /// The socket's cookie (what `bpf_get_socket_cookie` returns for it).
+    pub cookie: u64,
+}
+
+/// Why the socket tables could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum SockDiagError {
+    /// The netlink socket could not be opened in the cache's namespace.
+    #[error("cannot open a sock_diag netlink socket")]
+    Open(#[source] NetnsError),
+    /// A request or its answer failed.
+    #[error("the sock_diag dump failed")]
+    Dump(#[source] std::io::Error),
+    /// The kernel answered something unexpected.
+    #[error("the sock_diag answer could not be decoded: {what}")]
+    Decode {
+        /// What was wrong.
+        what: String,
+    },
+}
+
+/// A netlink socket in the caches' network namespace, reused for every dump.
+#[derive(Debug)]
+pub struct SocketTable {
+    socket: Socket,
+}
+
+impl SocketTable {
+    /// Opens the table of the network namespace at `netns` (or the agent's own).
+    pub fn open(netns: Option<&Path>) -> Result<Self, SockDiagError> {
+        let socket = netns::run_in(netns, "opening a sock_diag socket", || {
+            let mut socket = Socket::new(NETLINK_SOCK_DIAG)?;
+            socket.bind_auto()?;
+            socket.connect(&SocketAddr::new(0, 0))?;
+            Ok(socket)
+        })
+        .map_err(SockDiagError::Open)?;
+        Ok(Self { socket })
+    }
+
+    /// Every UDP socket bound to a port, and every listening TCP socket, IPv4 and IPv6.
+    pub fn bound_sockets(&mut self) -> Result<Vec<BoundSocket>, SockDiagError> {
+        let mut sockets = Vec::new();
+        for family in [AF_INET, AF_INET6] {
+            self.dump(family, IPPROTO_UDP, StateFlags::all(), &mut sockets)?;
+            self.dump(family, IPPROTO_TCP, StateFlags::LISTEN, &mut sockets)?;
+        }
+        Ok(sockets)
+    }
+
+    fn dump(
+        &mut self,
+        family: u8,
+        protocol: u8,
+        states: StateFlags,
+        into: &mut Vec<BoundSocket>,
+    ) -> Result<(), SockDiagError> {
+        let mut header = NetlinkHeader::default();
+        header.flags = NLM_F_REQUEST | NLM_F_DUMP;
+        let socket_id = if family == AF_INET {
+            SocketId::new_v4()
+        } else {
+            SocketId::new_v6()
+        };
+        let mut request = NetlinkMessage::new(
+            header,
+            SockDiagMessage::InetRequest(InetRequest {
+                family,
+                protocol,
+                extensions: ExtensionFlags::empty(),
+                states,
+                socket_id,
+            })
+            .into(),
+        );
+        request.finalize();
+        let mut buffer = vec![0u8; request.buffer_len()];
+        request.serialize(&mut buffer);
+        self.socket.send(&buffer, 0).map_err(SockDiagError::Dump)?;
+
+        let protocol = if protocol == IPPROTO_UDP { PROTOCOL_UDP } else { PROTOCOL_TCP };
+        let mut receive = vec![0u8; 65_536];
+        loop {
+            let size = self
+                .socket
+                .recv(&mut &mut receive[..], 0)
+                .map_err(SockDiagError::Dump)?;
+            let mut offset = 0;
+            while offset < size {
+                let message = NetlinkMessage::<SockDiagMessage>::deserialize(&receive[offset..size])
+                    .map_err(|error| SockDiagError::Decode {
+                        what: error.to_string(),
+                    })?;
+                let length = message.header.length as usize;
+                match message.payload {
+                    NetlinkPayload::InnerMessage(SockDiagMessage::InetResponse(response)) => {
+                        let id = &response.header.socket_id;
+                        if id.source_port != 0 {
+                            into.push(BoundSocket {
+                                protocol,
+                                addr: NetAddr::from(id.source_address),
+                                port: id.source_port,
+                                cookie: u64::from_ne_bytes(id.cookie),
+                            });
+                        }
+                    }
+                    NetlinkPayload::Done(_) => return Ok(()),
+                    NetlinkPayload::Error(error) => {
+                        return Err(SockDiagError::Dump(error.to_io()));
+                    }
+                    _ => {}
+                }
+                if length == 0 {
+                    break;
+                }
+                offset += length;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn finds_a_socket_this_test_bound() {
+        let socket = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        let port = socket.local_addr().unwrap().port();
+        let mut table = SocketTable::open(None).unwrap();
+        let sockets = table.bound_sockets().unwrap();
+        let found: Vec<&BoundSocket> = sockets
+            .iter()
+            .filter(|socket| {
+                socket.protocol == PROTOCOL_UDP
+                    && socket.addr == NetAddr::from(std::net::Ipv4Addr::LOCALHOST)
+                    && socket.port == port
+            })
+            .collect();
+        assert_eq!(found.len(), 1, "{port} among {} sockets", sockets.len());
+        assert_ne!(found[0].cookie, 0, "sock_diag reports the socket cookie");
+    }
+
+    #[test]
+    fn lists_listening_tcp_but_not_unbound_sockets() {
+        let listener = std::net::TcpListener::bind("[::1]:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let mut table = SocketTable::open(None).unwrap();
+        let sockets = table.bound_sockets().unwrap();
+        assert!(sockets.iter().any(|socket| {
+            socket.protocol == PROTOCOL_TCP
+                && socket.addr == NetAddr::from(std::net::Ipv6Addr::LOCALHOST)
+                && socket.port == port
+        }));
+        assert!(sockets.iter().all(|socket| socket.port != 0));
+    }
+}

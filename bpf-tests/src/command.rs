@@ -125,22 +125,27 @@ impl TestProcess {
         self.lines.try_iter().collect()
     }
 
-    /// Waits until the process prints a line containing `needle`; returns that line.
+    /// Waits until the process prints a line containing `needle`; returns that line. On failure
+    /// the error quotes what it printed.
     pub fn wait_for_line(&mut self, needle: &str, limit: Duration) -> anyhow::Result<String> {
         let deadline = std::time::Instant::now() + limit;
+        let mut seen = Vec::new();
         loop {
             let left = deadline.saturating_duration_since(std::time::Instant::now());
             match self.lines.recv_timeout(left) {
                 Ok(line) if line.contains(needle) => return Ok(line),
-                Ok(_) => {}
-                Err(mpsc::RecvTimeoutError::Timeout) => {
-                    bail!("{} did not print {needle:?} within {limit:?}", self.name)
-                }
+                Ok(line) => seen.push(line),
+                Err(mpsc::RecvTimeoutError::Timeout) => bail!(
+                    "{} did not print {needle:?} within {limit:?}; it printed:\n{}",
+                    self.name,
+                    seen.join("\n")
+                ),
                 Err(mpsc::RecvTimeoutError::Disconnected) => {
                     let status = self.child.wait().ok();
                     bail!(
-                        "{} exited ({status:?}) before printing {needle:?}",
-                        self.name
+                        "{} exited ({status:?}) before printing {needle:?}; it printed:\n{}",
+                        self.name,
+                        seen.join("\n")
                     )
                 }
             }

@@ -7,6 +7,7 @@
 
 pub mod bench;
 pub mod bpffs;
+pub mod caches;
 pub mod cgroup;
 pub mod cli;
 pub mod command;

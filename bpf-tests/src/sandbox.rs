@@ -456,21 +456,32 @@ impl Sandbox {
         identity: Identity,
     ) -> anyhow::Result<()> {
         let program = self.tools.dns_server.display().to_string();
-        self.start_process(name, ns, None, &program, &server_args(listen, identity), "ready")
+        self.start_process(
+            name,
+            Some(ns),
+            None,
+            &program,
+            &server_args(listen, identity),
+            "ready",
+        )
     }
 
-    /// Starts `program args` as `name` in `ns` (and in `cgroup`, when given, before it runs) and
-    /// waits until it prints a line containing `ready`.
+    /// Starts `program args` as `name` in `ns` (`None`: the test's own namespace, where /sys
+    /// shows the cgroup hierarchy, which `ip netns exec` hides), and in `cgroup` when given
+    /// (joined before it runs), and waits until it prints a line containing `ready`.
     pub fn start_process(
         &mut self,
         name: &str,
-        ns: Ns,
+        ns: Option<Ns>,
         cgroup: Option<&Path>,
         program: &str,
         args: &[String],
         ready: &str,
     ) -> anyhow::Result<()> {
-        let mut command = self.netns(ns).command(program);
+        let mut command = match ns {
+            Some(ns) => self.netns(ns).command(program),
+            None => Command::new(program),
+        };
         command.args(args);
         let procs = cgroup.map(crate::cgroup::open_procs).transpose()?;
         if let Some(procs) = &procs {
@@ -495,7 +506,14 @@ impl Sandbox {
         ]);
         let program = self.tools.dns_server.display().to_string();
         let cgroup = self.skipped.path().to_owned();
-        self.start_process(name, Ns::Node, Some(&cgroup), &program, &args, "ready")
+        self.start_process(
+            name,
+            Some(Ns::Node),
+            Some(&cgroup),
+            &program,
+            &args,
+            "ready",
+        )
     }
 
     /// The process started as `name`.

@@ -20,7 +20,12 @@ pub struct Stream {
 
 impl Stream {
     /// Starts a stream from `ns`, in the sandbox's cgroup, to `server`, for `duration`.
-    pub fn start(sandbox: &Sandbox, ns: Ns, server: SocketAddr, duration: Duration) -> anyhow::Result<Self> {
+    pub fn start(
+        sandbox: &Sandbox,
+        ns: Ns,
+        server: SocketAddr,
+        duration: Duration,
+    ) -> anyhow::Result<Self> {
         let (mut command, procs) = sandbox.client_command(
             ns,
             sandbox.cgroup(),
@@ -65,7 +70,11 @@ impl StreamReport {
     /// Who answered a record: "cache", "upstream A", ..., or "failed".
     #[must_use]
     pub fn answered_by(record: &StreamRecord) -> &'static str {
-        if record.error.is_some() { "failed" } else { who(record.answer) }
+        if record.error.is_some() {
+            "failed"
+        } else {
+            who(record.answer)
+        }
     }
 
     fn is_upstream(record: &StreamRecord) -> bool {
@@ -109,7 +118,9 @@ impl StreamReport {
     /// How many queries sent in `[from, to)` got no answer.
     #[must_use]
     pub fn failures_between(&self, from: u64, to: u64) -> usize {
-        self.between(from, to).filter(|record| record.error.is_some()).count()
+        self.between(from, to)
+            .filter(|record| record.error.is_some())
+            .count()
     }
 
     /// A one-line summary of who answered, for test output.

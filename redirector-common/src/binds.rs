@@ -82,7 +82,11 @@ mod tests {
 
     #[test]
     fn key_carries_protocol_and_zero_padding() {
-        let key = BindKey::new(IPV4_UNSPECIFIED, 53u16.to_be(), crate::counters::PROTOCOL_TCP);
+        let key = BindKey::new(
+            IPV4_UNSPECIFIED,
+            53u16.to_be(),
+            crate::counters::PROTOCOL_TCP,
+        );
         assert_eq!(key.protocol, 1);
         assert_eq!(key._padding, 0);
     }

@@ -232,22 +232,67 @@ mod tests {
         let alive = sockets(2, 5);
         let dead = sockets(0, 6);
         let cases = [
-            (mode(MODE_CACHE), health(HEALTH_DOWN, 0), dead, Route::Cache, Reason::Override),
-            (mode(MODE_UPSTREAM), health(HEALTH_UP, 5), alive, Route::Upstream, Reason::Override),
-            (mode(MODE_AUTO), health(HEALTH_UP, 5), dead, Route::Upstream, Reason::NoSockets),
-            (mode(MODE_AUTO), health(HEALTH_DOWN, 5), alive, Route::Upstream, Reason::ProbesFailing),
-            (mode(MODE_AUTO), health(HEALTH_UP, 4), alive, Route::Upstream, Reason::AwaitingConfirmation),
-            (mode(MODE_AUTO), health(HEALTH_UP, 5), alive, Route::Cache, Reason::Healthy),
+            (
+                mode(MODE_CACHE),
+                health(HEALTH_DOWN, 0),
+                dead,
+                Route::Cache,
+                Reason::Override,
+            ),
+            (
+                mode(MODE_UPSTREAM),
+                health(HEALTH_UP, 5),
+                alive,
+                Route::Upstream,
+                Reason::Override,
+            ),
+            (
+                mode(MODE_AUTO),
+                health(HEALTH_UP, 5),
+                dead,
+                Route::Upstream,
+                Reason::NoSockets,
+            ),
+            (
+                mode(MODE_AUTO),
+                health(HEALTH_DOWN, 5),
+                alive,
+                Route::Upstream,
+                Reason::ProbesFailing,
+            ),
+            (
+                mode(MODE_AUTO),
+                health(HEALTH_UP, 4),
+                alive,
+                Route::Upstream,
+                Reason::AwaitingConfirmation,
+            ),
+            (
+                mode(MODE_AUTO),
+                health(HEALTH_UP, 5),
+                alive,
+                Route::Cache,
+                Reason::Healthy,
+            ),
         ];
         for (mode, health, sockets, route, reason) in cases {
-            assert_eq!(explain(SOCKETS, &mode, &health, &sockets), (route, reason), "{mode:?} {health:?} {sockets:?}");
+            assert_eq!(
+                explain(SOCKETS, &mode, &health, &sockets),
+                (route, reason),
+                "{mode:?} {health:?} {sockets:?}"
+            );
         }
     }
 
     #[test]
     fn negative_counts_mean_no_sockets() {
         assert_eq!(
-            explain(SOCKETS, &mode(MODE_AUTO), &health(HEALTH_UP, 0), &sockets(-1, 0)),
+            explain(
+                SOCKETS,
+                &mode(MODE_AUTO),
+                &health(HEALTH_UP, 0),
+                &sockets(-1, 0)
+            ),
             (Route::Upstream, Reason::NoSockets)
         );
     }
@@ -256,11 +301,21 @@ mod tests {
     fn probes_only_liveness_ignores_sockets_and_epochs() {
         let nothing = sockets(0, 9);
         assert_eq!(
-            explain(LIVENESS_PROBES, &mode(MODE_AUTO), &health(HEALTH_UP, 0), &nothing),
+            explain(
+                LIVENESS_PROBES,
+                &mode(MODE_AUTO),
+                &health(HEALTH_UP, 0),
+                &nothing
+            ),
             (Route::Cache, Reason::Healthy)
         );
         assert_eq!(
-            explain(LIVENESS_PROBES, &mode(MODE_AUTO), &health(HEALTH_DOWN, 0), &nothing),
+            explain(
+                LIVENESS_PROBES,
+                &mode(MODE_AUTO),
+                &health(HEALTH_DOWN, 0),
+                &nothing
+            ),
             (Route::Upstream, Reason::ProbesFailing)
         );
     }
@@ -281,7 +336,12 @@ mod tests {
     fn a_fresh_listener_without_sockets_goes_upstream() {
         // Zeroed maps: nothing counted yet means no cache to send to.
         assert_eq!(
-            explain(SOCKETS, &ListenerMode::default(), &CacheHealth::default(), &SocketCounts::default()),
+            explain(
+                SOCKETS,
+                &ListenerMode::default(),
+                &CacheHealth::default(),
+                &SocketCounts::default()
+            ),
             (Route::Upstream, Reason::NoSockets)
         );
     }

@@ -91,7 +91,11 @@ mod tests {
 
     #[test]
     fn names_fit_the_kernel_object_name_limit() {
-        for name in ALL_MAPS.iter().chain(SOCK_ADDR_PROGRAMS.iter()).chain(SOCK_PROGRAMS.iter()) {
+        for name in ALL_MAPS
+            .iter()
+            .chain(SOCK_ADDR_PROGRAMS.iter())
+            .chain(SOCK_PROGRAMS.iter())
+        {
             assert!(
                 name.len() <= 15,
                 "{name} is longer than BPF_OBJ_NAME_LEN - 1"

@@ -449,8 +449,12 @@ fn validate_probe(raw: RawProbe) -> Result<ProbeSettings, ConfigError> {
         Some(name) => checked_dns_name("probe.name", name)?,
         None => defaults.name,
     };
-    let interval = raw.interval_ms.map_or(defaults.interval, Duration::from_millis);
-    let timeout = raw.timeout_ms.map_or(defaults.timeout, Duration::from_millis);
+    let interval = raw
+        .interval_ms
+        .map_or(defaults.interval, Duration::from_millis);
+    let timeout = raw
+        .timeout_ms
+        .map_or(defaults.timeout, Duration::from_millis);
     if timeout.is_zero() {
         return Err(ConfigError::BadTiming {
             key: "probe.timeout_ms",
@@ -496,23 +500,24 @@ fn validate_probe(raw: RawProbe) -> Result<ProbeSettings, ConfigError> {
 
 /// A DNS name as probes send it (fully qualified, with the trailing dot).
 fn checked_dns_name(key: &str, name: String) -> Result<String, ConfigError> {
-    let labels_ok = name
-        .trim_end_matches('.')
-        .split('.')
-        .all(|label| {
-            !label.is_empty()
-                && label.len() <= 63
-                && label
-                    .bytes()
-                    .all(|byte| byte.is_ascii_alphanumeric() || byte == b'-' || byte == b'_')
-        });
+    let labels_ok = name.trim_end_matches('.').split('.').all(|label| {
+        !label.is_empty()
+            && label.len() <= 63
+            && label
+                .bytes()
+                .all(|byte| byte.is_ascii_alphanumeric() || byte == b'-' || byte == b'_')
+    });
     if name.is_empty() || name.len() > 253 || !labels_ok {
         return Err(ConfigError::BadProbeName {
             key: key.to_owned(),
             name,
         });
     }
-    Ok(if name.ends_with('.') { name } else { format!("{name}.") })
+    Ok(if name.ends_with('.') {
+        name
+    } else {
+        format!("{name}.")
+    })
 }
 
 fn validate_listener(
@@ -986,7 +991,10 @@ mod tests {
         assert_eq!(config.probe.successes_to_fail_back, 3);
         assert_eq!(config.listeners[0].probe_name, "localhost.");
         assert_eq!(config.listeners[0].liveness, Liveness::SocketsAndProbes);
-        assert_eq!(config.socket_reconcile_interval, DEFAULT_SOCKET_RECONCILE_INTERVAL);
+        assert_eq!(
+            config.socket_reconcile_interval,
+            DEFAULT_SOCKET_RECONCILE_INTERVAL
+        );
 
         let config = Config::parse(
             r#"
@@ -1017,18 +1025,36 @@ mod tests {
     fn refuses_probe_settings_that_cannot_work() {
         let listener = "[[listener]]\nname = \"n\"\naddress = \"10.0.0.1\"\n";
         for (probe, expected) in [
-            ("interval_ms = 300\ntimeout_ms = 300", "probe.interval_ms: 300 ms is not longer than timeout_ms"),
-            ("timeout_ms = 0", "probe.timeout_ms: 0 would fail every probe"),
-            ("failures_to_fail_over = 0", "probe.failures_to_fail_over: 0"),
-            ("successes_to_fail_back = 0", "probe.successes_to_fail_back: 0"),
-            ("name = \"bad name\"", "probe.name: \"bad name\" is not a DNS name"),
+            (
+                "interval_ms = 300\ntimeout_ms = 300",
+                "probe.interval_ms: 300 ms is not longer than timeout_ms",
+            ),
+            (
+                "timeout_ms = 0",
+                "probe.timeout_ms: 0 would fail every probe",
+            ),
+            (
+                "failures_to_fail_over = 0",
+                "probe.failures_to_fail_over: 0",
+            ),
+            (
+                "successes_to_fail_back = 0",
+                "probe.successes_to_fail_back: 0",
+            ),
+            (
+                "name = \"bad name\"",
+                "probe.name: \"bad name\" is not a DNS name",
+            ),
             ("name = \"a..b\"", "probe.name: \"a..b\" is not a DNS name"),
         ] {
             let message = refusal(&format!("[probe]\n{probe}\n{listener}"));
             assert!(message.starts_with(expected), "{probe}: {message}");
         }
         let message = refusal(&format!("{listener}probe_name = \"x y\"\n"));
-        assert!(message.starts_with("listener[0] (\"n\").probe_name"), "{message}");
+        assert!(
+            message.starts_with("listener[0] (\"n\").probe_name"),
+            "{message}"
+        );
     }
 
     #[test]

@@ -14,7 +14,9 @@ const SO_NETNS_COOKIE: libc::c_int = 71;
 #[derive(Debug, thiserror::Error)]
 pub enum NetnsError {
     /// The namespace file could not be opened.
-    #[error("cannot open the network namespace {path}; give a path such as /proc/1/ns/net or /run/netns/NAME")]
+    #[error(
+        "cannot open the network namespace {path}; give a path such as /proc/1/ns/net or /run/netns/NAME"
+    )]
     Open {
         /// The path.
         path: PathBuf,
@@ -127,6 +129,9 @@ mod tests {
     #[test]
     fn a_missing_namespace_file_is_named() {
         let error = cookie(Some(Path::new("/run/netns/no-such-namespace"))).unwrap_err();
-        assert!(error.to_string().contains("/run/netns/no-such-namespace"), "{error}");
+        assert!(
+            error.to_string().contains("/run/netns/no-such-namespace"),
+            "{error}"
+        );
     }
 }

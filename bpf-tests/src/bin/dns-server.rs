@@ -43,10 +43,14 @@ fn main() -> anyhow::Result<()> {
         for _ in 0..args.udp_sockets {
             let udp = bind_udp(*address, args.udp_sockets > 1)
                 .with_context(|| format!("binding udp {address}"))?;
-            workers.push(thread::spawn(move || serve_udp(&udp, &identity, serve_from)));
+            workers.push(thread::spawn(move || {
+                serve_udp(&udp, &identity, serve_from)
+            }));
         }
         let tcp = TcpListener::bind(address).with_context(|| format!("binding tcp {address}"))?;
-        workers.push(thread::spawn(move || serve_tcp(&tcp, &identity, serve_from)));
+        workers.push(thread::spawn(move || {
+            serve_tcp(&tcp, &identity, serve_from)
+        }));
     }
     println!(
         "ready {}",
@@ -67,12 +71,20 @@ fn bind_udp(address: SocketAddr, shared: bool) -> anyhow::Result<UdpSocket> {
     use nix::sys::socket::{
         AddressFamily, SockFlag, SockType, SockaddrStorage, bind, setsockopt, socket, sockopt,
     };
-    let family = if address.is_ipv4() { AddressFamily::Inet } else { AddressFamily::Inet6 };
+    let family = if address.is_ipv4() {
+        AddressFamily::Inet
+    } else {
+        AddressFamily::Inet6
+    };
     let fd = socket(family, SockType::Datagram, SockFlag::empty(), None).context("socket")?;
     if shared {
         setsockopt(&fd, sockopt::ReusePort, &true).context("SO_REUSEPORT")?;
     }
-    bind(std::os::fd::AsRawFd::as_raw_fd(&fd), &SockaddrStorage::from(address)).context("bind")?;
+    bind(
+        std::os::fd::AsRawFd::as_raw_fd(&fd),
+        &SockaddrStorage::from(address),
+    )
+    .context("bind")?;
     Ok(UdpSocket::from(fd))
 }
 

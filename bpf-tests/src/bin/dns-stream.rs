@@ -52,7 +52,11 @@ fn main() -> anyhow::Result<()> {
             }
         })
     };
-    let local: SocketAddr = if server.is_ipv4() { "0.0.0.0:0".parse()? } else { "[::]:0".parse()? };
+    let local: SocketAddr = if server.is_ipv4() {
+        "0.0.0.0:0".parse()?
+    } else {
+        "[::]:0".parse()?
+    };
     let socket = UdpSocket::bind(local).context("binding the long-lived socket")?;
     socket.set_read_timeout(Some(timeout)).context("timeout")?;
     let mut id = 0x8000u16;
@@ -67,7 +71,12 @@ fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
-fn emit(out: &Mutex<std::io::Stdout>, sent_ms: u64, kind: &str, result: anyhow::Result<std::net::IpAddr>) {
+fn emit(
+    out: &Mutex<std::io::Stdout>,
+    sent_ms: u64,
+    kind: &str,
+    result: anyhow::Result<std::net::IpAddr>,
+) {
     let (answer, error) = match result {
         Ok(answer) => (Some(answer), None),
         Err(error) => (None, Some(format!("{error:#}"))),
@@ -85,18 +94,31 @@ fn emit(out: &Mutex<std::io::Stdout>, sent_ms: u64, kind: &str, result: anyhow::
 }
 
 fn fresh_query(server: SocketAddr, id: u16, timeout: Duration) -> anyhow::Result<std::net::IpAddr> {
-    let local: SocketAddr = if server.is_ipv4() { "0.0.0.0:0".parse()? } else { "[::]:0".parse()? };
+    let local: SocketAddr = if server.is_ipv4() {
+        "0.0.0.0:0".parse()?
+    } else {
+        "[::]:0".parse()?
+    };
     let socket = UdpSocket::bind(local).context("bind")?;
     socket.set_read_timeout(Some(timeout)).context("timeout")?;
     socket.connect(server).context("connect")?;
-    socket.send(&query(id, PROBE_NAME, RecordType::A)?).context("send")?;
+    socket
+        .send(&query(id, PROBE_NAME, RecordType::A)?)
+        .context("send")?;
     let mut buffer = [0u8; 4096];
     let len = socket.recv(&mut buffer).context("recv")?;
     first_answer(id, &buffer[..len])
 }
 
-fn long_query(socket: &UdpSocket, server: SocketAddr, id: u16, timeout: Duration) -> anyhow::Result<std::net::IpAddr> {
-    socket.send_to(&query(id, PROBE_NAME, RecordType::A)?, server).context("sendto")?;
+fn long_query(
+    socket: &UdpSocket,
+    server: SocketAddr,
+    id: u16,
+    timeout: Duration,
+) -> anyhow::Result<std::net::IpAddr> {
+    socket
+        .send_to(&query(id, PROBE_NAME, RecordType::A)?, server)
+        .context("sendto")?;
     let deadline = Instant::now() + timeout;
     let mut buffer = [0u8; 4096];
     loop {

@@ -15,9 +15,7 @@ use std::{
 
 use redirector_common::{
     datapath::{MAX_CGROUP_LEVEL, listener_bit},
-    listener::{
-        LIVENESS_PROBES, LIVENESS_SOCKETS_AND_PROBES, Reason, Route, explain,
-    },
+    listener::{LIVENESS_PROBES, LIVENESS_SOCKETS_AND_PROBES, Reason, Route, explain},
 };
 pub use stats::{AgentStats, Transition};
 use tracing::{info, warn};
@@ -139,12 +137,17 @@ impl Agent {
         };
         let mut probers = Vec::with_capacity(config.listeners.len());
         for (id, listener) in config.listeners.iter().enumerate() {
-            let prober = Prober::new(listener.cache, &listener.probe_name, config.probe.timeout, netns)
-                .map_err(|source| AgentError::ProbeName {
-                    key: format!("listener[{id}] ({:?}).probe_name", listener.name),
-                    name: listener.probe_name.clone(),
-                    source,
-                })?;
+            let prober = Prober::new(
+                listener.cache,
+                &listener.probe_name,
+                config.probe.timeout,
+                netns,
+            )
+            .map_err(|source| AgentError::ProbeName {
+                key: format!("listener[{id}] ({:?}).probe_name", listener.name),
+                name: listener.probe_name.clone(),
+                source,
+            })?;
             probers.push(prober);
         }
 
@@ -183,7 +186,9 @@ impl Agent {
         // Seed the counts from the socket tables before the programs see any traffic, so a
         // cache that started before the agent is alive from the first steered syscall.
         let mut reconciler = Reconciler::new(socket_table, binds);
-        reconciler.reconcile(&mut maps, true).map_err(AgentError::Seed)?;
+        reconciler
+            .reconcile(&mut maps, true)
+            .map_err(AgentError::Seed)?;
         let mut listeners = Vec::with_capacity(config.listeners.len());
         for ((id, listener), prober) in config.listeners.iter().enumerate().zip(probers) {
             let id = id as u32;
@@ -203,7 +208,9 @@ impl Agent {
 
         datapath.attach(&attach.path)?;
         // Binds and releases that raced the attach are caught here.
-        reconciler.reconcile(&mut maps, true).map_err(AgentError::Seed)?;
+        reconciler
+            .reconcile(&mut maps, true)
+            .map_err(AgentError::Seed)?;
 
         let mut agent = Self {
             datapath,
@@ -324,8 +331,8 @@ fn skip_entries(config: &Config, attach: &Cgroup) -> Result<Vec<SkipEntry>, Agen
     }
     match cgroup::own_cgroup() {
         Ok(own) if own.path.starts_with(&attach.path) && own.level > attach.level => {
-            let every_listener = (0..config.listeners.len() as u32)
-                .fold(0, |bits, id| bits | listener_bit(id));
+            let every_listener =
+                (0..config.listeners.len() as u32).fold(0, |bits, id| bits | listener_bit(id));
             add(&own, every_listener, "the agent's own cgroup")?;
         }
         Ok(own) if own.path == attach.path => warn!(

@@ -37,7 +37,9 @@ pub enum DatapathError {
         name: &'static str,
     },
     /// An attachment could not be turned into a pinnable link.
-    #[error("the attachment of {name} is not a bpf_link (kernel before 5.7?); redirector needs bpf_link attachments")]
+    #[error(
+        "the attachment of {name} is not a bpf_link (kernel before 5.7?); redirector needs bpf_link attachments"
+    )]
     Link {
         /// The program.
         name: &'static str,
@@ -86,7 +88,9 @@ pub enum DatapathError {
         source: PinError,
     },
     /// A map is of an unexpected type or size.
-    #[error("the map {name} does not have the layout this build expects; rebuild redirector or remove stale pins")]
+    #[error(
+        "the map {name} does not have the layout this build expects; rebuild redirector or remove stale pins"
+    )]
     MapLayout {
         /// The map.
         name: &'static str,
@@ -155,7 +159,9 @@ pub enum DatapathError {
 }
 
 fn parent(path: &Path) -> String {
-    path.parent().map(|dir| dir.display().to_string()).unwrap_or_default()
+    path.parent()
+        .map(|dir| dir.display().to_string())
+        .unwrap_or_default()
 }
 
 /// Maps a failed write of `name`.

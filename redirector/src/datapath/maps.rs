@@ -13,13 +13,13 @@ use aya::{
 use redirector_common::{
     addr::{NetAddr, port_be},
     binds::{BindKey, BindListeners, CacheSocket},
-    datapath::listener_bit,
     counters::{ListenerCounters, PROTOCOL_TCP, PROTOCOL_UDP, counter_index},
+    datapath::listener_bit,
     datapath::{DatapathConfig, SkipCgroup, level_mask},
     listener::{
-        CacheHealth, EMPTY_POOL_FAIL, EMPTY_POOL_PASS, LISTENER_NAME_MAX,
-        LIVENESS_PROBES, LIVENESS_SOCKETS_AND_PROBES, ListenerConfig, ListenerInfo, ListenerMode,
-        MAX_LISTENERS, SocketCounts,
+        CacheHealth, EMPTY_POOL_FAIL, EMPTY_POOL_PASS, LISTENER_NAME_MAX, LIVENESS_PROBES,
+        LIVENESS_SOCKETS_AND_PROBES, ListenerConfig, ListenerInfo, ListenerMode, MAX_LISTENERS,
+        SocketCounts,
     },
     names,
     pool::{Pool, Target},
@@ -168,7 +168,15 @@ impl Maps {
         name[..len].copy_from_slice(&bytes[..len]);
         let address = NetAddr::from(listener.address);
         self.listener_info
-            .set(id, ListenerInfo { name, addr: address, in_use: 1 }, 0)
+            .set(
+                id,
+                ListenerInfo {
+                    name,
+                    addr: address,
+                    in_use: 1,
+                },
+                0,
+            )
             .map_err(write(names::MAP_LISTENER_INFO))?;
         self.set_mode(id, ListenerMode::default().mode)?;
         self.set_pool(id, upstreams)?;
@@ -190,7 +198,10 @@ impl Maps {
     }
 
     /// A listener's configuration as the programs see it.
-    pub fn listener_config(&self, address: IpAddr) -> Result<Option<ListenerConfig>, DatapathError> {
+    pub fn listener_config(
+        &self,
+        address: IpAddr,
+    ) -> Result<Option<ListenerConfig>, DatapathError> {
         match self.listeners.get(&NetAddr::from(address), 0) {
             Ok(config) => Ok(Some(config)),
             Err(MapError::KeyNotFound) => Ok(None),
@@ -268,10 +279,7 @@ impl Maps {
         cookie: u64,
         entry: CacheSocket,
     ) -> Result<bool, DatapathError> {
-        match self
-            .cache_sockets
-            .insert(cookie, entry, BPF_NOEXIST)
-        {
+        match self.cache_sockets.insert(cookie, entry, BPF_NOEXIST) {
             Ok(()) => {
                 self.add_to_counts(&entry, 1);
                 Ok(true)
@@ -324,7 +332,13 @@ impl Maps {
     ) -> Result<(), DatapathError> {
         for (key, listeners) in binds {
             self.cache_binds
-                .insert(key, BindListeners { listeners: *listeners }, 0)
+                .insert(
+                    key,
+                    BindListeners {
+                        listeners: *listeners,
+                    },
+                    0,
+                )
                 .map_err(write(names::MAP_CACHE_BINDS))?;
         }
         let stale: Vec<BindKey> = self

@@ -129,9 +129,9 @@ impl Datapath {
             };
             let path = links_dir.join(name);
             remove_file_if_present(&path)?;
-            let pinned = link
-                .pin(&path)
-                .map_err(|source| DatapathError::PinLink { name, path, source })?;
+            let pinned =
+                link.pin(&path)
+                    .map_err(|source| DatapathError::PinLink { name, path, source })?;
             self.links.push(pinned);
         }
         self.attached_to = Some(cgroup.to_owned());

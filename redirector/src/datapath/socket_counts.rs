@@ -41,14 +41,11 @@ impl std::fmt::Debug for SharedSocketCounts {
 impl SharedSocketCounts {
     /// Maps `map` (the `SOCKET_COUNTS` array) read-write.
     pub(super) fn new(map: Map) -> Result<Self, DatapathError> {
-        let data = match map {
-            Map::Array(data) => data,
-            _ => {
-                return Err(DatapathError::MapLayout {
-                    name: names::MAP_SOCKET_COUNTS,
-                    source: aya::maps::MapError::InvalidMapType { map_type: 0 },
-                });
-            }
+        let Map::Array(data) = map else {
+            return Err(DatapathError::MapLayout {
+                name: names::MAP_SOCKET_COUNTS,
+                source: aya::maps::MapError::InvalidMapType { map_type: 0 },
+            });
         };
         let len = MAX_LISTENERS;
         let bytes = len * size_of::<SocketCounts>();

@@ -50,20 +50,33 @@ mod tests {
     /// The listeners a socket bound to `address` with `protocol` counts for.
     fn listeners(binds: &HashMap<BindKey, u64>, protocol: u32, address: &str) -> u64 {
         let address: SocketAddr = address.parse().unwrap();
-        let key = BindKey::new(NetAddr::from(address.ip()), port_be(address.port()), protocol);
+        let key = BindKey::new(
+            NetAddr::from(address.ip()),
+            port_be(address.port()),
+            protocol,
+        );
         binds.get(&key).copied().unwrap_or(0)
     }
 
     #[test]
     fn specific_wildcard_and_dual_stack_binds_count() {
         let binds = cache_binds(&[
-            TrackedCache { id: 0, cache: "169.254.10.10:53".parse().unwrap() },
-            TrackedCache { id: 1, cache: "[fd00::10]:53".parse().unwrap() },
+            TrackedCache {
+                id: 0,
+                cache: "169.254.10.10:53".parse().unwrap(),
+            },
+            TrackedCache {
+                id: 1,
+                cache: "[fd00::10]:53".parse().unwrap(),
+            },
         ]);
         assert_eq!(listeners(&binds, PROTOCOL_UDP, "169.254.10.10:53"), 0b01);
         assert_eq!(listeners(&binds, PROTOCOL_TCP, "169.254.10.10:53"), 0b01);
         // The mapped form of the v4 cache is the same key.
-        assert_eq!(listeners(&binds, PROTOCOL_UDP, "[::ffff:169.254.10.10]:53"), 0b01);
+        assert_eq!(
+            listeners(&binds, PROTOCOL_UDP, "[::ffff:169.254.10.10]:53"),
+            0b01
+        );
         assert_eq!(listeners(&binds, PROTOCOL_UDP, "0.0.0.0:53"), 0b01);
         // A dual-stack [::] socket serves both caches.
         assert_eq!(listeners(&binds, PROTOCOL_UDP, "[::]:53"), 0b11);
@@ -76,15 +89,27 @@ mod tests {
     #[test]
     fn two_listeners_on_one_cache_share_its_sockets() {
         let binds = cache_binds(&[
-            TrackedCache { id: 3, cache: "169.254.20.10:53".parse().unwrap() },
-            TrackedCache { id: 5, cache: "169.254.20.10:53".parse().unwrap() },
+            TrackedCache {
+                id: 3,
+                cache: "169.254.20.10:53".parse().unwrap(),
+            },
+            TrackedCache {
+                id: 5,
+                cache: "169.254.20.10:53".parse().unwrap(),
+            },
         ]);
-        assert_eq!(listeners(&binds, PROTOCOL_UDP, "169.254.20.10:53"), (1 << 3) | (1 << 5));
+        assert_eq!(
+            listeners(&binds, PROTOCOL_UDP, "169.254.20.10:53"),
+            (1 << 3) | (1 << 5)
+        );
     }
 
     #[test]
     fn the_cache_port_decides() {
-        let binds = cache_binds(&[TrackedCache { id: 0, cache: "127.0.0.1:5353".parse().unwrap() }]);
+        let binds = cache_binds(&[TrackedCache {
+            id: 0,
+            cache: "127.0.0.1:5353".parse().unwrap(),
+        }]);
         assert_eq!(listeners(&binds, PROTOCOL_UDP, "127.0.0.1:53"), 0);
         assert_eq!(listeners(&binds, PROTOCOL_UDP, "127.0.0.1:5353"), 1);
     }

@@ -90,7 +90,11 @@ mod tests {
         assert_eq!(tracker.record(false, 0), None);
         let changed = tracker.record(false, 0).expect("second failure decides");
         assert_eq!(changed.verdict, HEALTH_DOWN);
-        assert_eq!(tracker.record(false, 0), None, "no change while it stays down");
+        assert_eq!(
+            tracker.record(false, 0),
+            None,
+            "no change while it stays down"
+        );
     }
 
     #[test]
@@ -101,7 +105,9 @@ mod tests {
         assert_eq!(tracker.record(false, 0), None);
         assert_eq!(tracker.record(true, 0), None);
         assert_eq!(tracker.record(true, 0), None);
-        let changed = tracker.record(true, 0).expect("third success in a row decides");
+        let changed = tracker
+            .record(true, 0)
+            .expect("third success in a row decides");
         assert_eq!(changed.verdict, HEALTH_UP);
     }
 
@@ -111,7 +117,11 @@ mod tests {
         assert_eq!(tracker.record(true, 4), None);
         assert_eq!(tracker.record(true, 4), None);
         // The cache died and came back between probes: the kernel is at epoch 5.
-        assert_eq!(tracker.record(true, 5), None, "1st success in the new epoch");
+        assert_eq!(
+            tracker.record(true, 5),
+            None,
+            "1st success in the new epoch"
+        );
         assert_eq!(tracker.record(true, 5), None, "2nd");
         let changed = tracker.record(true, 5).expect("3rd confirms");
         assert_eq!((changed.verdict, changed.confirmed_epoch), (HEALTH_UP, 5));
@@ -122,8 +132,15 @@ mod tests {
         let mut tracker = HealthTracker::new(DEFAULTS, false, 0);
         tracker.record(true, 0);
         tracker.record(true, 0);
-        assert_eq!(tracker.record(true, 1), None, "the streak restarts in epoch 1");
+        assert_eq!(
+            tracker.record(true, 1),
+            None,
+            "the streak restarts in epoch 1"
+        );
         assert_eq!(tracker.record(true, 1), None);
-        assert_eq!(tracker.record(true, 1).map(|health| health.confirmed_epoch), Some(1));
+        assert_eq!(
+            tracker.record(true, 1).map(|health| health.confirmed_epoch),
+            Some(1)
+        );
     }
 }

@@ -56,7 +56,11 @@ impl Reconciler {
 
     /// One pass. With `seed` (start-up, nothing counted yet by anyone else), a counted socket
     /// that is gone is uncounted at once.
-    pub fn reconcile(&mut self, maps: &mut Maps, seed: bool) -> Result<ReconcileReport, ReconcileError> {
+    pub fn reconcile(
+        &mut self,
+        maps: &mut Maps,
+        seed: bool,
+    ) -> Result<ReconcileReport, ReconcileError> {
         let counted: HashMap<u64, CacheSocket> = maps.cache_sockets().into_iter().collect();
         let live: HashMap<u64, CacheSocket> = self
             .table
@@ -106,7 +110,10 @@ impl Reconciler {
                 "corrected the count of cache sockets (the programs did not see these bind or close)"
             );
         } else if seed && report.counted > 0 {
-            info!(sockets = report.counted, "counted cache sockets that existed before the agent");
+            info!(
+                sockets = report.counted,
+                "counted cache sockets that existed before the agent"
+            );
         }
         Ok(report)
     }

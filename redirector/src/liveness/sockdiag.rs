@@ -108,7 +108,11 @@ impl SocketTable {
         request.serialize(&mut buffer);
         self.socket.send(&buffer, 0).map_err(SockDiagError::Dump)?;
 
-        let protocol = if protocol == IPPROTO_UDP { PROTOCOL_UDP } else { PROTOCOL_TCP };
+        let protocol = if protocol == IPPROTO_UDP {
+            PROTOCOL_UDP
+        } else {
+            PROTOCOL_TCP
+        };
         let mut receive = vec![0u8; 65_536];
         loop {
             let size = self
@@ -117,10 +121,11 @@ impl SocketTable {
                 .map_err(SockDiagError::Dump)?;
             let mut offset = 0;
             while offset < size {
-                let message = NetlinkMessage::<SockDiagMessage>::deserialize(&receive[offset..size])
-                    .map_err(|error| SockDiagError::Decode {
-                        what: error.to_string(),
-                    })?;
+                let message =
+                    NetlinkMessage::<SockDiagMessage>::deserialize(&receive[offset..size])
+                        .map_err(|error| SockDiagError::Decode {
+                            what: error.to_string(),
+                        })?;
                 let length = message.header.length as usize;
                 match message.payload {
                     NetlinkPayload::InnerMessage(SockDiagMessage::InetResponse(response)) => {

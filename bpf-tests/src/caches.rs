@@ -1,0 +1,94 @@
+//! Real caches for the failover tests: our test server, dnsmasq and unbound from Debian, each run
+//! in the node namespace and the cache's cgroup, serving the node listener's address.
+
+use std::net::SocketAddr;
+
+use crate::{
+    sandbox::{CacheSpec, Ns, Sandbox},
+    topology::{CACHE, NODE_LISTENER, dns},
+};
+
+/// Which program serves as the cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CacheKind {
+    /// `dns-server` (one UDP and one TCP socket per address).
+    TestServer,
+    /// dnsmasq (Debian's dnsmasq-base).
+    Dnsmasq,
+    /// unbound (Debian's unbound).
+    Unbound,
+}
+
+impl CacheKind {
+    /// Every kind.
+    pub const ALL: [Self; 3] = [Self::TestServer, Self::Dnsmasq, Self::Unbound];
+}
+
+/// Starts `kind` as process `name`, serving `NODE_LISTENER:53` and answering the probe names
+/// (`localhost.` and the test name) with the cache's identity.
+pub fn start_cache(sandbox: &mut Sandbox, kind: CacheKind, name: &str) -> anyhow::Result<()> {
+    let address: SocketAddr = dns(NODE_LISTENER);
+    let cgroup = sandbox.skipped_cgroup().path().to_owned();
+    match kind {
+        CacheKind::TestServer => sandbox.start_cache(
+            name,
+            &CacheSpec {
+                listen: vec![address],
+                ..CacheSpec::standard()
+            },
+        ),
+        CacheKind::Dnsmasq => {
+            let args: Vec<String> = [
+                "--keep-in-foreground",
+                "--conf-file=/dev/null",
+                "--no-resolv",
+                "--no-hosts",
+                "--bind-interfaces",
+                "--user=root",
+                "--pid-file=",
+                "--log-facility=-",
+                "--cache-size=0",
+            ]
+            .iter()
+            .map(|arg| (*arg).to_owned())
+            .chain([
+                format!("--listen-address={}", address.ip()),
+                format!("--port={}", address.port()),
+                format!("--address=/#/{}", CACHE.a),
+            ])
+            .collect();
+            sandbox.start_process(
+                name,
+                Some(Ns::Node),
+                Some(&cgroup),
+                "dnsmasq",
+                &args,
+                "started",
+            )
+        }
+        CacheKind::Unbound => {
+            let config = sandbox.write_file(
+                &format!("unbound-{name}.conf"),
+                &format!(
+                    "server:\n  interface: {ip}\n  port: {port}\n  do-daemonize: no\n  username: \"\"\n  chroot: \"\"\n  directory: \"/tmp\"\n  pidfile: \"\"\n  use-syslog: no\n  logfile: \"\"\n  verbosity: 1\n  num-threads: 1\n  access-control: 0.0.0.0/0 allow\n  local-zone: \"test.\" static\n  local-data: \"probe.redirector.test. 0 IN A {a}\"\nremote-control:\n  control-enable: no\n",
+                    ip = address.ip(),
+                    port = address.port(),
+                    a = CACHE.a,
+                ),
+            )?;
+            let args = vec![
+                "-d".to_owned(),
+                "-c".to_owned(),
+                config.display().to_string(),
+            ];
+            sandbox.start_process(
+                name,
+                Some(Ns::Node),
+                Some(&cgroup),
+                "unbound",
+                &args,
+                "start of service",
+            )
+        }
+    }
+}

@@ -1,0 +1,541 @@
+//! Failover when the cache dies, hangs or restarts, with real caches (our test server, dnsmasq,
+//! unbound) and a continuous query stream from a pod: fresh sockets (as glibc uses) and one
+//! long-lived unconnected socket. The tests assert who answered and that no answer is missing
+//! after the flip; the timing figures they print belong to the benchmark, not to assertions.
+
+use std::time::Duration;
+
+use bpf_tests::{
+    bench::{Bench, CLUSTER_ID, NODE_ID, V6_ID, standard_listeners},
+    caches::{CacheKind, start_cache},
+    cli::{set_state, start_agent},
+    dns::now_ms,
+    sandbox::{CacheSpec, Ns, Query, Sandbox, Tools, Transport},
+    stream::{Stream, StreamReport},
+    topology::{NODE_LISTENER, dns, who},
+};
+use nix::sys::signal::Signal;
+use redirector_common::listener::{HEALTH_UP, Reason, Route};
+
+fn tools() -> Tools {
+    Tools {
+        dns_server: env!("CARGO_BIN_EXE_dns-server").into(),
+        dns_query: env!("CARGO_BIN_EXE_dns-query").into(),
+        dns_stream: env!("CARGO_BIN_EXE_dns-stream").into(),
+    }
+}
+
+/// A bench whose only cache is `kind` on the node listener, and both upstreams.
+fn bench_with(kind: CacheKind) -> anyhow::Result<Bench> {
+    Bench::start(
+        tools(),
+        |sandbox| {
+            start_cache(sandbox, kind, "cache")?;
+            sandbox.start_upstreams()
+        },
+        standard_listeners,
+    )
+}
+
+/// Who answers the node listener right now, from the pod.
+fn answered_by(sandbox: &Sandbox) -> anyhow::Result<&'static str> {
+    let outcome = sandbox.query(Ns::Pod, Query::new(dns(NODE_LISTENER), Transport::Udp))?;
+    Ok(who(outcome.answer()))
+}
+
+fn stream(bench: &Bench, seconds: u64) -> anyhow::Result<Stream> {
+    Stream::start(
+        &bench.sandbox,
+        Ns::Pod,
+        dns(NODE_LISTENER),
+        Duration::from_secs(seconds),
+    )
+}
+
+/// Asserts the failover shape around an event at `event_ms`, prints the figures, and returns the
+/// time of the first upstream answer.
+fn assert_failed_over(report: &StreamReport, started_ms: u64, event_ms: u64, what: &str) -> u64 {
+    let before: Vec<_> = report
+        .between(started_ms, event_ms.saturating_sub(350))
+        .collect();
+    assert!(
+        !before.is_empty(),
+        "{what}: no queries before the event: {}",
+        report.summary()
+    );
+    for record in &before {
+        assert_eq!(
+            StreamReport::answered_by(record),
+            "cache",
+            "{what}: before the event: {record:?}"
+        );
+    }
+    let first_upstream = report
+        .first_upstream_answer(event_ms)
+        .unwrap_or_else(|| {
+            panic!(
+                "{what}: no upstream answered after the event: {}",
+                report.summary()
+            )
+        })
+        .sent_ms;
+    let last_cache = report
+        .last_cache_answer(first_upstream)
+        .map_or(0, |record| record.sent_ms);
+    let lost = report.failures_between(started_ms, first_upstream);
+    println!(
+        "{what}: last cache answer {} ms before the event, first upstream answer {} ms after it: \
+         gap {} ms, {lost} queries failed ({})",
+        event_ms.saturating_sub(last_cache),
+        first_upstream.saturating_sub(event_ms),
+        first_upstream.saturating_sub(last_cache),
+        report.summary()
+    );
+    first_upstream
+}
+
+fn kill_9_fails_over_in_the_kernel(kind: CacheKind) -> anyhow::Result<()> {
+    let mut bench = bench_with(kind)?;
+    assert_eq!(answered_by(&bench.sandbox)?, "cache");
+    let epoch = bench.sockets(NODE_ID)?.down_epoch;
+    let started = now_ms();
+    let stream = stream(&bench, 3)?;
+    std::thread::sleep(Duration::from_millis(1000));
+    let killed = now_ms();
+    bench.sandbox.stop_server("cache")?;
+    let report = stream.finish()?;
+
+    let first_upstream =
+        assert_failed_over(&report, started, killed, &format!("kill -9 of {kind:?}"));
+    assert_eq!(
+        report.failures_between(first_upstream, u64::MAX),
+        0,
+        "an answer went missing after the flip: {}",
+        report.summary()
+    );
+    assert!(
+        report
+            .between(first_upstream, u64::MAX)
+            .all(|record| StreamReport::answered_by(record).starts_with("upstream")),
+        "a dead cache answered? {}",
+        report.summary()
+    );
+    let sockets = bench.sockets(NODE_ID)?;
+    assert!(sockets.udp <= 0, "{sockets:?}");
+    assert_eq!(
+        sockets.down_epoch,
+        epoch + 1,
+        "the kernel saw the cache go, once"
+    );
+    Ok(())
+}
+
+#[test]
+fn kill_9_of_the_test_server_fails_over_in_the_kernel() -> anyhow::Result<()> {
+    kill_9_fails_over_in_the_kernel(CacheKind::TestServer)
+}
+
+#[test]
+fn kill_9_of_dnsmasq_fails_over_in_the_kernel() -> anyhow::Result<()> {
+    kill_9_fails_over_in_the_kernel(CacheKind::Dnsmasq)
+}
+
+#[test]
+fn kill_9_of_unbound_fails_over_in_the_kernel() -> anyhow::Result<()> {
+    kill_9_fails_over_in_the_kernel(CacheKind::Unbound)
+}
+
+fn clean_stop_and_restart(kind: CacheKind) -> anyhow::Result<()> {
+    let mut bench = bench_with(kind)?;
+    let started = now_ms();
+    let stream = stream(&bench, 5)?;
+    std::thread::sleep(Duration::from_millis(1000));
+    let stopped = now_ms();
+    bench.sandbox.process("cache")?.signal(Signal::SIGTERM)?;
+    bench
+        .sandbox
+        .process("cache")?
+        .wait_exit(Duration::from_secs(5))?;
+    std::thread::sleep(Duration::from_millis(800));
+    bench.sandbox.stop_server("cache")?;
+    let restarted = now_ms();
+    start_cache(&mut bench.sandbox, kind, "cache")?;
+    let report = stream.finish()?;
+
+    let first_upstream =
+        assert_failed_over(&report, started, stopped, &format!("SIGTERM of {kind:?}"));
+    let back = report.first_cache_answer(restarted).unwrap_or_else(|| {
+        panic!(
+            "the restarted cache never got DNS back: {}",
+            report.summary()
+        )
+    });
+    println!(
+        "{kind:?} restarted: cache answers again {} ms later",
+        back.sent_ms - restarted
+    );
+    assert_eq!(
+        report.failures_between(first_upstream, u64::MAX),
+        0,
+        "{}",
+        report.summary()
+    );
+    // Back on the cache only once the probes confirmed it.
+    let transitions = bench.agent.stats.transitions("node");
+    assert!(
+        transitions
+            .iter()
+            .any(|t| t.to == Route::Upstream && t.reason == Reason::NoSockets),
+        "{transitions:?}"
+    );
+    assert_eq!(
+        transitions.last().map(|t| (t.to, t.reason)),
+        Some((Route::Cache, Reason::Healthy)),
+        "{transitions:?}"
+    );
+    Ok(())
+}
+
+#[test]
+fn sigterm_and_restart_of_the_test_server_fail_over_and_back() -> anyhow::Result<()> {
+    clean_stop_and_restart(CacheKind::TestServer)
+}
+
+#[test]
+fn sigterm_and_restart_of_dnsmasq_fail_over_and_back() -> anyhow::Result<()> {
+    clean_stop_and_restart(CacheKind::Dnsmasq)
+}
+
+#[test]
+fn sigterm_and_restart_of_unbound_fail_over_and_back() -> anyhow::Result<()> {
+    clean_stop_and_restart(CacheKind::Unbound)
+}
+
+fn hang_and_resume(kind: CacheKind) -> anyhow::Result<()> {
+    let mut bench = bench_with(kind)?;
+    let started = now_ms();
+    let stream = stream(&bench, 6)?;
+    std::thread::sleep(Duration::from_millis(1000));
+    let stopped = now_ms();
+    bench.sandbox.process("cache")?.signal(Signal::SIGSTOP)?;
+    std::thread::sleep(Duration::from_millis(2500));
+    let resumed = now_ms();
+    bench.sandbox.process("cache")?.signal(Signal::SIGCONT)?;
+    let report = stream.finish()?;
+
+    let first_upstream =
+        assert_failed_over(&report, started, stopped, &format!("SIGSTOP of {kind:?}"));
+    assert!(
+        first_upstream < resumed,
+        "the hang was not noticed before SIGCONT: {}",
+        report.summary()
+    );
+    let back = report
+        .first_cache_answer(resumed)
+        .unwrap_or_else(|| panic!("the resumed cache never got DNS back: {}", report.summary()));
+    println!(
+        "{kind:?} resumed: cache answers again {} ms later",
+        back.sent_ms - resumed
+    );
+    assert_eq!(
+        report.failures_between(first_upstream, u64::MAX),
+        0,
+        "{}",
+        report.summary()
+    );
+    let transitions = bench.agent.stats.transitions("node");
+    assert!(
+        transitions
+            .iter()
+            .any(|t| t.to == Route::Upstream && t.reason == Reason::ProbesFailing),
+        "{transitions:?}"
+    );
+    // The hung cache kept its sockets: the kernel never saw it go.
+    assert!(bench.sockets(NODE_ID)?.udp > 0);
+    Ok(())
+}
+
+#[test]
+fn sigstop_of_the_test_server_fails_over_by_probes_and_sigcont_back() -> anyhow::Result<()> {
+    hang_and_resume(CacheKind::TestServer)
+}
+
+#[test]
+fn sigstop_of_dnsmasq_fails_over_by_probes_and_sigcont_back() -> anyhow::Result<()> {
+    hang_and_resume(CacheKind::Dnsmasq)
+}
+
+#[test]
+fn sigstop_of_unbound_fails_over_by_probes_and_sigcont_back() -> anyhow::Result<()> {
+    hang_and_resume(CacheKind::Unbound)
+}
+
+#[test]
+fn a_crash_loop_flaps_no_more_than_its_crashes_and_ends_on_the_cache() -> anyhow::Result<()> {
+    let mut bench = bench_with(CacheKind::TestServer)?;
+    let epoch = bench.sockets(NODE_ID)?.down_epoch;
+    for _ in 0..10 {
+        bench.sandbox.stop_server("cache")?;
+        start_cache(&mut bench.sandbox, CacheKind::TestServer, "cache")?;
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    bench.wait_until(
+        "failback after the crash loop",
+        Duration::from_secs(15),
+        |bench| Ok(answered_by(&bench.sandbox)? == "cache"),
+    )?;
+    let sockets = bench.sockets(NODE_ID)?;
+    assert_eq!(
+        sockets.down_epoch,
+        epoch + 10,
+        "one epoch per crash: {sockets:?}"
+    );
+    let transitions = bench.agent.stats.transitions("node");
+    let to_upstream = transitions
+        .iter()
+        .filter(|t| t.to == Route::Upstream)
+        .count();
+    let to_cache = transitions.iter().filter(|t| t.to == Route::Cache).count();
+    println!("crash loop: 10 crashes, {to_upstream} failovers and {to_cache} failbacks observed");
+    assert!(
+        to_upstream <= 10 && to_cache <= to_upstream,
+        "{transitions:?}"
+    );
+    assert!(to_upstream >= 1, "{transitions:?}");
+    Ok(())
+}
+
+#[test]
+fn a_cache_that_binds_before_it_answers_gets_no_dns() -> anyhow::Result<()> {
+    let mut bench = bench_with(CacheKind::TestServer)?;
+    bench.sandbox.stop_server("cache")?;
+    bench.wait_until("failover", Duration::from_secs(5), |bench| {
+        Ok(answered_by(&bench.sandbox)?.starts_with("upstream"))
+    })?;
+    let started = now_ms();
+    let stream = stream(&bench, 4)?;
+    std::thread::sleep(Duration::from_millis(300));
+    let bound = now_ms();
+    bench.sandbox.start_cache(
+        "cache",
+        &CacheSpec {
+            listen: vec![dns(NODE_LISTENER)],
+            mute_ms: 1500,
+            ..CacheSpec::standard()
+        },
+    )?;
+    let report = stream.finish()?;
+    assert!(
+        bench.sockets(NODE_ID)?.udp > 0,
+        "the cache's socket is counted"
+    );
+    assert_eq!(
+        report.failures_between(started, u64::MAX),
+        0,
+        "a query reached the muted cache: {}",
+        report.summary()
+    );
+    let back = report
+        .first_cache_answer(bound)
+        .expect("the cache got DNS back once it answered");
+    println!(
+        "muted cache: DNS back {} ms after it bound (muted for 1500 ms)",
+        back.sent_ms - bound
+    );
+    assert!(
+        back.sent_ms >= bound + 1500,
+        "DNS reached the cache before it answered"
+    );
+    Ok(())
+}
+
+#[test]
+fn wildcard_and_reuseport_sockets_are_counted_one_by_one() -> anyhow::Result<()> {
+    let mut bench = Bench::start(
+        tools(),
+        |sandbox| {
+            sandbox.start_cache(
+                "cache",
+                &CacheSpec {
+                    listen: vec!["0.0.0.0:53".parse()?],
+                    udp_sockets: 4,
+                    mute_ms: 0,
+                },
+            )?;
+            sandbox.start_upstreams()
+        },
+        standard_listeners,
+    )?;
+    // 0.0.0.0:53 serves both IPv4 listeners, not the IPv6 one.
+    for id in [NODE_ID, CLUSTER_ID] {
+        let sockets = bench.sockets(id)?;
+        assert_eq!(
+            (sockets.udp, sockets.tcp),
+            (4, 1),
+            "listener {id}: {sockets:?}"
+        );
+    }
+    assert_eq!(bench.sockets(V6_ID)?.udp, 0);
+    assert_eq!(answered_by(&bench.sandbox)?, "cache");
+    bench.sandbox.stop_server("cache")?;
+    for id in [NODE_ID, CLUSTER_ID] {
+        let sockets = bench.sockets(id)?;
+        assert_eq!(
+            (sockets.udp, sockets.tcp, sockets.down_epoch),
+            (0, 0, 1),
+            "listener {id}: {sockets:?}"
+        );
+    }
+    assert!(answered_by(&bench.sandbox)?.starts_with("upstream"));
+
+    // A dual-stack [::]:53 socket serves every listener.
+    bench.sandbox.start_cache(
+        "cache",
+        &CacheSpec {
+            listen: vec!["[::]:53".parse()?],
+            udp_sockets: 1,
+            mute_ms: 0,
+        },
+    )?;
+    for id in [NODE_ID, CLUSTER_ID, V6_ID] {
+        assert_eq!(bench.sockets(id)?.udp, 1, "listener {id}");
+    }
+    Ok(())
+}
+
+#[test]
+fn a_dns_server_in_another_namespace_does_not_keep_the_listener_alive() -> anyhow::Result<()> {
+    let mut bench = Bench::start(tools(), Sandbox::start_upstreams, standard_listeners)?;
+    // A pod runs its own DNS server on :53, in the cgroup the programs watch.
+    let cgroup = bench.sandbox.cgroup().path().to_owned();
+    let program = bench.sandbox.tools().dns_server.display().to_string();
+    let args: Vec<String> = [
+        "--listen",
+        "0.0.0.0:53",
+        "--a",
+        "192.0.2.77",
+        "--aaaa",
+        "2001:db8::77",
+    ]
+    .iter()
+    .map(|arg| (*arg).to_owned())
+    .collect();
+    bench.sandbox.start_process(
+        "pod dns",
+        Some(Ns::Pod),
+        Some(&cgroup),
+        &program,
+        &args,
+        "ready",
+    )?;
+    assert_eq!(bench.sockets(NODE_ID)?.udp, 0);
+    assert!(answered_by(&bench.sandbox)?.starts_with("upstream"));
+    Ok(())
+}
+
+#[test]
+fn an_agent_started_after_the_cache_sees_it_alive_and_one_started_before_waits_for_it()
+-> anyhow::Result<()> {
+    // After: the standard bench starts the cache first.
+    let mut bench = Bench::standard(tools())?;
+    let sockets = bench.sockets(NODE_ID)?;
+    assert_eq!(
+        (sockets.udp, sockets.tcp),
+        (1, 1),
+        "seeded from the socket tables"
+    );
+    assert_eq!(answered_by(&bench.sandbox)?, "cache");
+    // The seeded socket is uncounted by the kernel when it closes.
+    bench.sandbox.stop_server("cache")?;
+    assert_eq!(bench.sockets(NODE_ID)?.udp, 0);
+    assert!(answered_by(&bench.sandbox)?.starts_with("upstream"));
+
+    // Before: no cache yet.
+    let mut bench = Bench::start(tools(), Sandbox::start_upstreams, standard_listeners)?;
+    assert!(answered_by(&bench.sandbox)?.starts_with("upstream"));
+    bench.sandbox.start_cache("cache", &CacheSpec::standard())?;
+    bench.wait_until(
+        "the new cache confirmed by probes",
+        Duration::from_secs(5),
+        |bench| Ok(answered_by(&bench.sandbox)? == "cache"),
+    )?;
+    Ok(())
+}
+
+#[test]
+fn the_kernel_fails_over_alone_after_the_agent_is_killed() -> anyhow::Result<()> {
+    let mut sandbox = Sandbox::new(tools())?;
+    sandbox.start_standard_servers()?;
+    let config = sandbox.write_file(
+        "config.toml",
+        &sandbox.config_toml(&standard_listeners(&sandbox)),
+    )?;
+    let agent = start_agent(&config)?;
+    assert_eq!(answered_by(&sandbox)?, "cache");
+    drop(agent); // SIGKILL: no chance to detach
+    assert!(
+        !sandbox.attached_programs()?.is_empty(),
+        "the pinned programs outlive the agent"
+    );
+
+    let started = now_ms();
+    let stream = Stream::start(
+        &sandbox,
+        Ns::Pod,
+        dns(NODE_LISTENER),
+        Duration::from_secs(3),
+    )?;
+    std::thread::sleep(Duration::from_millis(1000));
+    let killed = now_ms();
+    sandbox.stop_server("cache")?;
+    let report = stream.finish()?;
+    let first_upstream =
+        assert_failed_over(&report, started, killed, "kill -9 of the cache, agent dead");
+    assert_eq!(
+        report.failures_between(first_upstream, u64::MAX),
+        0,
+        "{}",
+        report.summary()
+    );
+    Ok(())
+}
+
+#[test]
+fn the_agents_probes_are_never_steered() -> anyhow::Result<()> {
+    // The agent runs inside the cgroup the programs attach to (as on a node, where they attach to
+    // the root): its own cgroup must be skipped, or its probes would follow the listener.
+    let mut sandbox = Sandbox::new(tools())?;
+    sandbox.start_cache("cache", &CacheSpec::standard())?;
+    // No upstream runs: a steered probe would fail.
+    let agent_cgroup = sandbox.cgroup().child("agent")?;
+    let config = sandbox.write_file(
+        "config.toml",
+        &sandbox.config_toml(&standard_listeners(&sandbox)),
+    )?;
+    let program = bpf_tests::sandbox::redirector_bin().display().to_string();
+    let args = vec![
+        "run".to_owned(),
+        "--config".to_owned(),
+        config.display().to_string(),
+    ];
+    // In the test's own namespace: `ip netns exec` would hide the cgroup hierarchy from it.
+    sandbox.start_process(
+        "agent",
+        None,
+        Some(agent_cgroup.path()),
+        &program,
+        &args,
+        "redirector is steering",
+    )?;
+    assert_eq!(set_state(&sandbox, "node", "upstream")?.code, 0);
+    std::thread::sleep(Duration::from_millis(1500));
+    let maps = redirector::datapath::Maps::open_pinned(&sandbox.pin_dir())?;
+    assert_eq!(
+        maps.health(NODE_ID)?.verdict,
+        HEALTH_UP,
+        "the agent's probes reached the cache"
+    );
+    sandbox.stop_server("agent")?;
+    drop(agent_cgroup);
+    Ok(())
+}

@@ -434,12 +434,12 @@ impl Sandbox {
     }
 
     /// An agent configuration for this sandbox: its cgroup, pin directory and node namespace,
-    /// probes every 250 ms (the defaults' hysteresis), then `listeners` (TOML `[[listener]]`
-    /// sections).
+    /// probes every 250 ms (the defaults' hysteresis), socket counts reconciled every 500 ms,
+    /// then `listeners` (TOML `[[listener]]` sections).
     #[must_use]
     pub fn config_toml(&self, listeners: &str) -> String {
         format!(
-            "cgroup = {:?}\npin_dir = {:?}\ncache_netns = {:?}\n\n[probe]\ninterval_ms = 250\ntimeout_ms = 200\n\n{listeners}",
+            "cgroup = {:?}\npin_dir = {:?}\ncache_netns = {:?}\nsocket_reconcile_interval_ms = 500\n\n[probe]\ninterval_ms = 250\ntimeout_ms = 200\n\n{listeners}",
             self.cgroup.path().display().to_string(),
             self.pin_dir().display().to_string(),
             self.node_netns_path().display().to_string(),

@@ -539,3 +539,49 @@ fn the_agents_probes_are_never_steered() -> anyhow::Result<()> {
     drop(agent_cgroup);
     Ok(())
 }
+
+#[test]
+fn a_miscount_heals_on_the_next_reconciles() -> anyhow::Result<()> {
+    let mut bench = Bench::standard(tools())?;
+    let counted = bench.maps.cache_sockets();
+    let (cookie, _) = *counted
+        .iter()
+        .find(|(_, entry)| {
+            entry.listeners & 1 != 0 && entry.protocol == redirector_common::counters::PROTOCOL_UDP
+        })
+        .expect("the cache's UDP socket is counted");
+
+    // Lose the count of a live socket: the listener falls over, then the reconcile finds the
+    // socket again and the probes bring the cache back.
+    assert!(bench.maps.uncount_cache_socket(cookie)?);
+    assert_eq!(bench.sockets(NODE_ID)?.udp, 0);
+    assert!(answered_by(&bench.sandbox)?.starts_with("upstream"));
+    bench.wait_until(
+        "the lost socket counted again",
+        Duration::from_secs(5),
+        |bench| Ok(bench.sockets(NODE_ID)?.udp == 1),
+    )?;
+    bench.wait_until("failback", Duration::from_secs(5), |bench| {
+        Ok(answered_by(&bench.sandbox)? == "cache")
+    })?;
+
+    // Count a socket that does not exist: removed once absent on two passes.
+    let phantom = redirector_common::binds::CacheSocket {
+        listeners: 1,
+        protocol: redirector_common::counters::PROTOCOL_UDP,
+        _padding: 0,
+    };
+    assert!(bench.maps.count_cache_socket(u64::MAX - 7, phantom)?);
+    assert_eq!(bench.sockets(NODE_ID)?.udp, 2);
+    bench.wait_until(
+        "the phantom socket uncounted",
+        Duration::from_secs(5),
+        |bench| Ok(bench.sockets(NODE_ID)?.udp == 1),
+    )?;
+    assert_eq!(
+        answered_by(&bench.sandbox)?,
+        "cache",
+        "the live cache kept DNS throughout"
+    );
+    Ok(())
+}

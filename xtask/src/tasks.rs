@@ -76,6 +76,7 @@ pub fn demo() -> anyhow::Result<()> {
     let mut demo = Command::new(dir.join("demo"));
     demo.env("REDIRECTOR_BIN", dir.join("redirector"))
         .env("DNS_SERVER_BIN", dir.join("dns-server"))
-        .env("DNS_QUERY_BIN", dir.join("dns-query"));
+        .env("DNS_QUERY_BIN", dir.join("dns-query"))
+        .env("DNS_STREAM_BIN", dir.join("dns-stream"));
     lint::check(&mut demo, "the demo failed").context("running the demo")
 }

@@ -38,6 +38,19 @@ pub struct Tools {
     pub dns_stream: PathBuf,
 }
 
+/// The helper binaries of the calling test crate (`env!("CARGO_BIN_EXE_...")`, which cargo sets
+/// for integration tests of this package).
+#[macro_export]
+macro_rules! tools {
+    () => {
+        $crate::sandbox::Tools {
+            dns_server: env!("CARGO_BIN_EXE_dns-server").into(),
+            dns_query: env!("CARGO_BIN_EXE_dns-query").into(),
+            dns_stream: env!("CARGO_BIN_EXE_dns-stream").into(),
+        }
+    };
+}
+
 impl Tools {
     /// The helpers next to the running executable (how the demo finds them), unless
     /// `DNS_SERVER_BIN` / `DNS_QUERY_BIN` say otherwise.

@@ -13,11 +13,7 @@ use bpf_tests::{
 };
 
 fn tools() -> Tools {
-    Tools {
-        dns_server: env!("CARGO_BIN_EXE_dns-server").into(),
-        dns_query: env!("CARGO_BIN_EXE_dns-query").into(),
-        dns_stream: env!("CARGO_BIN_EXE_dns-stream").into(),
-    }
+    bpf_tests::tools!()
 }
 
 fn answered_by(sandbox: &Sandbox) -> anyhow::Result<&'static str> {

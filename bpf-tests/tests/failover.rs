@@ -18,11 +18,7 @@ use nix::sys::signal::Signal;
 use redirector_common::listener::{HEALTH_UP, Reason, Route};
 
 fn tools() -> Tools {
-    Tools {
-        dns_server: env!("CARGO_BIN_EXE_dns-server").into(),
-        dns_query: env!("CARGO_BIN_EXE_dns-query").into(),
-        dns_stream: env!("CARGO_BIN_EXE_dns-stream").into(),
-    }
+    bpf_tests::tools!()
 }
 
 /// A bench whose only cache is `kind` on the node listener, and both upstreams.

@@ -14,11 +14,7 @@ use bpf_tests::{
 use redirector_common::listener::{MODE_AUTO, MODE_CACHE, MODE_UPSTREAM};
 
 fn tools() -> Tools {
-    Tools {
-        dns_server: env!("CARGO_BIN_EXE_dns-server").into(),
-        dns_query: env!("CARGO_BIN_EXE_dns-query").into(),
-        dns_stream: env!("CARGO_BIN_EXE_dns-stream").into(),
-    }
+    bpf_tests::tools!()
 }
 
 const TRANSPORTS: [Transport; 3] = [Transport::Udp, Transport::UdpConnected, Transport::Tcp];

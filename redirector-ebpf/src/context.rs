@@ -8,15 +8,7 @@
 use core::ptr::{addr_of, addr_of_mut, read_volatile, write_volatile};
 
 use aya_ebpf::{EbpfContext as _, helpers::bpf_get_socket_cookie, programs::SockAddrContext};
-use redirector_common::{
-    addr::NetAddr,
-    counters::{PROTOCOL_TCP, PROTOCOL_UDP},
-};
-
-/// `IPPROTO_UDP`.
-const IPPROTO_UDP: u32 = 17;
-/// `IPPROTO_TCP`.
-const IPPROTO_TCP: u32 = 6;
+use redirector_common::{addr::NetAddr, counters::protocol_row};
 
 /// The address family of the hook a program is attached to (`*4` or `*6`).
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -32,12 +24,7 @@ pub enum Family {
 #[inline(always)]
 pub fn protocol(ctx: &SockAddrContext) -> Option<u32> {
     // SAFETY: `sock_addr` is the context pointer the kernel passed to the program.
-    let protocol = unsafe { read_volatile(addr_of!((*ctx.sock_addr).protocol)) };
-    match protocol {
-        IPPROTO_UDP => Some(PROTOCOL_UDP),
-        IPPROTO_TCP => Some(PROTOCOL_TCP),
-        _ => None,
-    }
+    protocol_row(unsafe { read_volatile(addr_of!((*ctx.sock_addr).protocol)) })
 }
 
 /// `user_port`: the port the application named (connect, sendmsg) or is shown (recvmsg,

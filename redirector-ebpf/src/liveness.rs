@@ -16,7 +16,7 @@ use aya_ebpf::{
 use redirector_common::{
     addr::NetAddr,
     binds::{BindKey, CacheSocket},
-    counters::{PROTOCOL_TCP, PROTOCOL_UDP},
+    counters::{PROTOCOL_UDP, protocol_row},
     datapath::listener_bit,
     listener::MAX_LISTENERS,
 };
@@ -25,11 +25,6 @@ use crate::{
     atomic::{add_i64, add_u64},
     maps::{CACHE_BINDS, CACHE_SOCKETS, DATAPATH_CONFIG, SOCKET_COUNTS},
 };
-
-/// `IPPROTO_UDP`.
-const IPPROTO_UDP: u32 = 17;
-/// `IPPROTO_TCP`.
-const IPPROTO_TCP: u32 = 6;
 
 /// The address family of the `post_bind` hook (the verifier lets each read only its own family's
 /// address field).
@@ -45,11 +40,7 @@ pub enum BindFamily {
 #[inline(always)]
 fn protocol(ctx: &SockContext) -> Option<u32> {
     // SAFETY: `sock` is the context the kernel passed; one whole field.
-    match unsafe { read_volatile(addr_of!((*ctx.sock).protocol)) } {
-        IPPROTO_UDP => Some(PROTOCOL_UDP),
-        IPPROTO_TCP => Some(PROTOCOL_TCP),
-        _ => None,
-    }
+    protocol_row(unsafe { read_volatile(addr_of!((*ctx.sock).protocol)) })
 }
 
 /// `post_bind`: counts a socket just bound to a listener's cache address (or the wildcard) and

@@ -52,12 +52,7 @@ fn main() -> anyhow::Result<()> {
             }
         })
     };
-    let local: SocketAddr = if server.is_ipv4() {
-        "0.0.0.0:0".parse()?
-    } else {
-        "[::]:0".parse()?
-    };
-    let socket = UdpSocket::bind(local).context("binding the long-lived socket")?;
+    let socket = UdpSocket::bind(any_port(server)).context("binding the long-lived socket")?;
     socket.set_read_timeout(Some(timeout)).context("timeout")?;
     let mut id = 0x8000u16;
     while Instant::now() < deadline {
@@ -94,12 +89,7 @@ fn emit(
 }
 
 fn fresh_query(server: SocketAddr, id: u16, timeout: Duration) -> anyhow::Result<std::net::IpAddr> {
-    let local: SocketAddr = if server.is_ipv4() {
-        "0.0.0.0:0".parse()?
-    } else {
-        "[::]:0".parse()?
-    };
-    let socket = UdpSocket::bind(local).context("bind")?;
+    let socket = UdpSocket::bind(any_port(server)).context("bind")?;
     socket.set_read_timeout(Some(timeout)).context("timeout")?;
     socket.connect(server).context("connect")?;
     socket
@@ -132,6 +122,16 @@ fn long_query(
             anyhow::bail!("no answer to query {id}");
         }
     }
+}
+
+/// Any local port of `server`'s family.
+fn any_port(server: SocketAddr) -> SocketAddr {
+    let unspecified = if server.is_ipv4() {
+        std::net::IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED)
+    } else {
+        std::net::IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED)
+    };
+    SocketAddr::new(unspecified, 0)
 }
 
 fn first_answer(id: u16, reply: &[u8]) -> anyhow::Result<std::net::IpAddr> {

@@ -1,23 +1,83 @@
 //! Builds the kernel programs (`redirector-ebpf`) for the BPF target and leaves the object in
-//! `$OUT_DIR/redirector-ebpf`, where `src/datapath.rs` embeds it.
+//! `$OUT_DIR/redirector-ebpf`, where `src/datapath/mod.rs` embeds it.
+//!
+//! This does what `aya-build` does, with two differences: it passes `-C target-cpu=v3` (the v3
+//! ISA, kernel 5.1+: 32-bit jumps and subregisters; measured here, connect4 and sendmsg4 shrink
+//! from 392 to 360 instructions), and it stays quiet unless the build fails, instead of relaying
+//! every line of the nested cargo as a warning.
 
-use anyhow::Context as _;
+use std::{
+    env,
+    path::{Path, PathBuf},
+    process::Command,
+};
+
+use anyhow::{Context as _, bail};
+
+/// The eBPF crate's package and binary name.
+const EBPF_PACKAGE: &str = "redirector-ebpf";
 
 fn main() -> anyhow::Result<()> {
-    let ebpf_dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+    let manifest_dir = PathBuf::from(env::var("CARGO_MANIFEST_DIR").context("CARGO_MANIFEST_DIR")?);
+    let workspace = manifest_dir
         .parent()
-        .context("the redirector crate sits inside the workspace")?
-        .join("redirector-ebpf");
-    let ebpf_dir = ebpf_dir
-        .to_str()
-        .context("the workspace path is not UTF-8")?;
-    let package = aya_build::Package {
-        name: "redirector-ebpf",
-        root_dir: ebpf_dir,
-        ..Default::default()
+        .context("the redirector crate sits inside the workspace")?;
+    for input in ["redirector-ebpf", "redirector-common"] {
+        println!(
+            "cargo::rerun-if-changed={}",
+            workspace.join(input).display()
+        );
+    }
+    println!("cargo::rerun-if-env-changed=REDIRECTOR_EBPF_TOOLCHAIN");
+
+    let out_dir = PathBuf::from(env::var("OUT_DIR").context("OUT_DIR")?);
+    let target = match env::var("CARGO_CFG_TARGET_ENDIAN").as_deref() {
+        Ok("big") => "bpfeb-unknown-none",
+        _ => "bpfel-unknown-none",
     };
-    aya_build::build_ebpf([package], aya_build::Toolchain::Nightly).context(
-        "building the eBPF object failed; it needs the nightly toolchain with rust-src and \
-         bpf-linker: run `cargo xtask setup`, which installs what is missing",
-    )
+    let arch = env::var("CARGO_CFG_TARGET_ARCH").context("CARGO_CFG_TARGET_ARCH")?;
+    let toolchain = env::var("REDIRECTOR_EBPF_TOOLCHAIN").unwrap_or_else(|_| "nightly".to_owned());
+    let target_dir = out_dir.join("ebpf-target");
+
+    let rustflags = [
+        format!("--cfg=bpf_target_arch=\"{arch}\""),
+        "-Cdebuginfo=2".to_owned(),
+        "-Clink-arg=--btf".to_owned(),
+        "-Ctarget-cpu=v3".to_owned(),
+    ]
+    .join("\x1f");
+    let mut build = Command::new("rustup");
+    build
+        .args(["run", &toolchain, "cargo", "build", "--quiet", "--release"])
+        .args(["--package", EBPF_PACKAGE, "--bin", EBPF_PACKAGE])
+        .args(["--target", target, "-Z", "build-std=core"])
+        .arg("--target-dir")
+        .arg(&target_dir)
+        .current_dir(workspace)
+        .env("CARGO_ENCODED_RUSTFLAGS", rustflags)
+        // The outer build's compiler settings must not leak into the nightly one.
+        .env_remove("RUSTC")
+        .env_remove("RUSTC_WORKSPACE_WRAPPER")
+        .env_remove("RUSTUP_TOOLCHAIN");
+    let output = build.output().context(
+        "running `rustup run nightly cargo build` for the eBPF object (is rustup installed?)",
+    )?;
+    if !output.status.success() {
+        for line in String::from_utf8_lossy(&output.stderr).lines() {
+            println!("cargo::warning={line}");
+        }
+        bail!(
+            "building the eBPF object failed ({}); it needs the nightly toolchain with rust-src \
+             and bpf-linker: run `cargo xtask setup`, which installs what is missing",
+            output.status
+        );
+    }
+    let built = target_dir.join(target).join("release").join(EBPF_PACKAGE);
+    copy(&built, &out_dir.join(EBPF_PACKAGE))
+}
+
+fn copy(from: &Path, to: &Path) -> anyhow::Result<()> {
+    std::fs::copy(from, to)
+        .map(drop)
+        .with_context(|| format!("copying {} to {}", from.display(), to.display()))
 }

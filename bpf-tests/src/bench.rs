@@ -62,10 +62,11 @@ pub struct AgentThread {
 }
 
 impl AgentThread {
-    /// Starts an agent for `config` and runs its control loop until dropped.
+    /// Starts an agent for `config` on its own thread and runs its control loop until dropped.
+    /// Returns once the agent has started (or failed to).
     pub fn start(config: &Config) -> anyhow::Result<Self> {
-        let mut agent = Agent::start(config).context("starting the agent in the sandbox")?;
-        let stats = agent.stats();
+        let config = config.clone();
+        let (started, start_result) = std::sync::mpsc::channel::<anyhow::Result<Arc<AgentStats>>>();
         let (shutdown, stop) = tokio::sync::oneshot::channel::<()>();
         let thread = std::thread::Builder::new()
             .name("agent".to_owned())
@@ -76,18 +77,34 @@ impl AgentThread {
                 {
                     Ok(runtime) => runtime,
                     Err(error) => {
-                        eprintln!("agent runtime: {error}");
+                        let _ = started.send(Err(error.into()));
                         return;
                     }
                 };
-                runtime.block_on(agent.run(async {
-                    let _ = stop.await;
-                }));
-                if let Err(error) = agent.stop() {
-                    eprintln!("stopping the agent: {error:#}");
-                }
+                runtime.block_on(async move {
+                    let mut agent = match Agent::start(&config).await {
+                        Ok(agent) => agent,
+                        Err(error) => {
+                            let _ = started.send(Err(anyhow::Error::new(error)
+                                .context("starting the agent in the sandbox")));
+                            return;
+                        }
+                    };
+                    let _ = started.send(Ok(agent.stats()));
+                    agent
+                        .run(async {
+                            let _ = stop.await;
+                        })
+                        .await;
+                    if let Err(error) = agent.stop() {
+                        eprintln!("stopping the agent: {error:#}");
+                    }
+                });
             })
             .context("starting the agent thread")?;
+        let stats = start_result
+            .recv()
+            .context("the agent thread died while starting")??;
         Ok(Self {
             shutdown: Some(shutdown),
             thread: Some(thread),

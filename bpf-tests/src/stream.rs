@@ -19,12 +19,24 @@ pub struct Stream {
 }
 
 impl Stream {
-    /// Starts a stream from `ns`, in the sandbox's cgroup, to `server`, for `duration`.
+    /// Starts a stream from `ns`, in the sandbox's cgroup, to `server`, for `duration`, from fresh
+    /// sockets and one long-lived unconnected socket.
     pub fn start(
         sandbox: &Sandbox,
         ns: Ns,
         server: SocketAddr,
         duration: Duration,
+    ) -> anyhow::Result<Self> {
+        Self::start_with(sandbox, ns, server, duration, &[])
+    }
+
+    /// The same, with extra `dns-stream` arguments (`--kinds`, `--mapped`).
+    pub fn start_with(
+        sandbox: &Sandbox,
+        ns: Ns,
+        server: SocketAddr,
+        duration: Duration,
+        extra: &[&str],
     ) -> anyhow::Result<Self> {
         let (mut command, procs) = sandbox.client_command(
             ns,
@@ -37,6 +49,7 @@ impl Stream {
             "--duration-ms",
             &duration.as_millis().to_string(),
         ]);
+        command.args(extra);
         let process = TestProcess::start("dns-stream", command, "ready", Duration::from_secs(10))?;
         drop(procs);
         Ok(Self { process })

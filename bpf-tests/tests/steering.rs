@@ -76,14 +76,9 @@ fn cache_answers_every_transport_while_it_serves() -> anyhow::Result<()> {
             Some(listener_as_seen_by(&query, NODE_LISTENER)),
             "{ns:?} {query:?}: {outcome:?}"
         );
-        // One decision at connect or sendto. A dual-stack socket connected to a mapped address
-        // also passes sendmsg4 on each send, which sees the listener again because nothing was
-        // rewritten.
-        decisions += if query.mapped && query.transport == Transport::UdpConnected {
-            2
-        } else {
-            1
-        };
+        // One decision at connect or sendto: a connected dual-stack socket's sends pass
+        // sendmsg4 too, but a connected socket is left where it connected.
+        decisions += 1;
     }
     let counters = bench.counters(NODE_ID)?;
     assert_eq!(
@@ -419,5 +414,39 @@ fn ipv6_listener_is_steered_and_translated() -> anyhow::Result<()> {
         "{counters:?}"
     );
     assert_eq!(counters.reverse_missed, 0);
+    Ok(())
+}
+
+#[test]
+fn a_connected_dual_stack_socket_stays_where_it_connected() -> anyhow::Result<()> {
+    // An AF_INET6 socket connected to ::ffff:listener passes sendmsg4 on every send. Forcing the
+    // listener upstream mid-stream must not redirect its datagrams: the connected socket would
+    // drop the replies (they come from another address), and every query would time out.
+    let mut bench = Bench::standard(tools())?;
+    let stream = bpf_tests::stream::Stream::start_with(
+        &bench.sandbox,
+        Ns::Pod,
+        dns(NODE_LISTENER),
+        std::time::Duration::from_millis(1500),
+        &["--kinds", "connected", "--mapped"],
+    )?;
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    bench.set_mode(NODE_ID, MODE_UPSTREAM)?;
+    let report = stream.finish()?;
+    assert!(report.records.len() > 20, "{}", report.summary());
+    for record in &report.records {
+        assert_eq!(
+            bpf_tests::stream::StreamReport::answered_by(record),
+            "cache",
+            "{}",
+            report.summary()
+        );
+    }
+    // New sockets follow the listener.
+    let outcome = bench.sandbox.query(
+        Ns::Pod,
+        Query::new(dns(NODE_LISTENER), Transport::UdpConnected).mapped(),
+    )?;
+    assert!(is_upstream(outcome.answer()), "{outcome:?}");
     Ok(())
 }

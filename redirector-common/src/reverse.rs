@@ -49,14 +49,21 @@ const _: () = assert!(size_of::<ReverseValue>() == 20);
 
 /// Value of the `STEERED_SOCKS` socket storage: present once a socket was steered to a target
 /// other than the address it named. `recvmsg` and `getpeername` of sockets without it return at
-/// once, so unrelated UDP pays one storage lookup and nothing else.
+/// once, so unrelated UDP pays one storage lookup and nothing else. It also remembers the last
+/// translation, so a socket sending many datagrams to one target writes `REVERSE_NAT` once.
 #[repr(C)]
 #[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
 pub struct SteeredSocket {
     /// The listener the socket addressed last (for counting misses).
     pub listener_id: u32,
+    /// The target it was steered to last, port in network byte order.
+    pub peer_port_be: u16,
+    /// Zero.
+    pub _padding: u16,
+    /// The target it was steered to last.
+    pub peer: NetAddr,
 }
-const _: () = assert!(size_of::<SteeredSocket>() == 4);
+const _: () = assert!(size_of::<SteeredSocket>() == 24);
 
 #[cfg(test)]
 mod tests {

@@ -1,21 +1,33 @@
 //! Atomic adds on shared map memory.
 //!
-//! BPF has an atomic add (`BPF_ATOMIC | BPF_ADD`, "lock xadd") on every CPU version the kernel
-//! accepts, but the `bpfel` target declares no compare-and-swap, so Rust's `Atomic*::fetch_add`
-//! is not available. The intrinsic lowers to that instruction; its result is never used, so no
-//! `BPF_FETCH` (5.12+) is needed.
+//! The `bpfel` target declares no compare-and-swap, so Rust's `Atomic*::fetch_add` is not
+//! available. A plain add uses the intrinsic, which lowers to `lock xadd`. The fetching add
+//! (`BPF_ADD | BPF_FETCH`, 5.12+), which makes "this release took the count to zero" one atomic
+//! decision, is written in assembly: through bpf-linker and LLVM 22 the intrinsic with its result
+//! used was compiled to a non-fetching add whose source register was then read as if it held the
+//! old value (seen here, in the disassembly), a silent miscompile.
 
 use core::intrinsics::{AtomicOrdering, atomic_xadd};
 
-/// Atomically adds `delta` to `*target`.
+/// Atomically adds `delta` to `*target` and returns the value before.
 ///
 /// # Safety
 ///
 /// `target` must point to a live, 8-byte aligned `i64` in map memory.
 #[inline(always)]
-pub unsafe fn add_i64(target: *mut i64, delta: i64) {
-    // SAFETY: the caller guarantees a valid, aligned target.
-    let _ = unsafe { atomic_xadd::<i64, i64, { AtomicOrdering::Relaxed }>(target, delta) };
+pub unsafe fn fetch_add_i64(target: *mut i64, delta: i64) -> i64 {
+    let mut value = delta;
+    // SAFETY: the caller guarantees a valid, aligned target; the instruction reads and writes
+    // only `*target` and `value`.
+    unsafe {
+        core::arch::asm!(
+            "{value} = atomic_fetch_add((u64 *)({target} + 0), {value})",
+            target = in(reg) target,
+            value = inout(reg) value,
+            options(nostack),
+        );
+    }
+    value
 }
 
 /// Atomically adds `delta` to `*target`.

@@ -87,6 +87,34 @@ pub fn set_user_addr(ctx: &SockAddrContext, family: Family, addr: &NetAddr) {
     }
 }
 
+/// `TCP_ESTABLISHED`: also the state of a connected UDP socket.
+const TCP_ESTABLISHED: u32 = 1;
+
+/// True when the socket is connected. A dual-stack socket connected to an IPv4-mapped address
+/// passes `sendmsg4` on every send with its connected address filled in; rewriting that datagram
+/// would send it somewhere the connected socket never accepts replies from.
+#[inline(always)]
+pub fn is_connected(ctx: &SockAddrContext) -> bool {
+    // SAFETY: `sk` is always set in sock_addr programs (a full socket, readable as `bpf_sock`).
+    let state = unsafe {
+        let sock = (*ctx.sock_addr).__bindgen_anon_1.sk;
+        read_volatile(addr_of!((*sock).state))
+    };
+    state == TCP_ESTABLISHED
+}
+
+/// A copy of a map value other CPUs or the agent may be writing: a volatile read, never a
+/// reference into shared memory.
+///
+/// # Safety
+///
+/// `value` must point to a live map value of type `T`.
+#[inline(always)]
+pub unsafe fn snapshot<T: Copy>(value: *const T) -> T {
+    // SAFETY: guaranteed by the caller.
+    unsafe { read_volatile(value) }
+}
+
 /// The socket's cookie: unique for the socket's lifetime, never reused.
 #[inline(always)]
 pub fn socket_cookie(ctx: &SockAddrContext) -> u64 {

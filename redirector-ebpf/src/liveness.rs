@@ -22,7 +22,7 @@ use redirector_common::{
 };
 
 use crate::{
-    atomic::{add_i64, add_u64},
+    atomic::{add_u64, fetch_add_i64},
     maps::{CACHE_BINDS, CACHE_SOCKETS, DATAPATH_CONFIG, SOCKET_COUNTS},
 };
 
@@ -131,11 +131,12 @@ fn add_to_counts(entry: &CacheSocket, delta: i64) {
                 } else {
                     addr_of_mut!((*counts).tcp)
                 };
-                add_i64(count, delta);
-                if delta < 0 && entry.protocol == PROTOCOL_UDP && read_volatile(count) <= 0 {
-                    // The last UDP socket is gone: from the next syscall on the listener is in
-                    // failover, and only a probe-confirmed verdict in this new epoch brings it
-                    // back. Two releases racing here may both bump: only "changed" matters.
+                let before = fetch_add_i64(count, delta);
+                if delta < 0 && entry.protocol == PROTOCOL_UDP && before + delta <= 0 {
+                    // This release took the last UDP socket: from the next syscall on the
+                    // listener is in failover, and only a probe-confirmed verdict in this new
+                    // epoch brings it back. Decided on the value the add itself returned, so a
+                    // bind racing in right after cannot hide the death.
                     add_u64(addr_of_mut!((*counts).down_epoch), 1);
                 }
             }

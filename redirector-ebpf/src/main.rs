@@ -9,7 +9,7 @@
 //! `try_*` function onto the verdict the kernel expects.
 #![no_std]
 #![no_main]
-#![feature(core_intrinsics)]
+#![feature(core_intrinsics, asm_experimental_arch)]
 #![expect(internal_features, reason = "atomic add intrinsic, see atomic.rs")]
 
 mod atomic;
@@ -24,7 +24,7 @@ use aya_ebpf::{
     programs::{SockAddrContext, SockContext},
 };
 
-use crate::context::Family;
+use crate::{context::Family, steer::Hook};
 
 /// `cgroup/connect*` and `cgroup/sendmsg*`: let the syscall proceed (with the address as the
 /// program left it).
@@ -53,22 +53,22 @@ fn reverse_verdict(_translated: reverse::Outcome) -> i32 {
 
 #[cgroup_sock_addr(connect4)]
 pub fn dns_connect4(ctx: SockAddrContext) -> i32 {
-    steering_verdict(steer::try_steer(&ctx, Family::Ipv4))
+    steering_verdict(steer::try_steer(&ctx, Family::Ipv4, Hook::Connect))
 }
 
 #[cgroup_sock_addr(connect6)]
 pub fn dns_connect6(ctx: SockAddrContext) -> i32 {
-    steering_verdict(steer::try_steer(&ctx, Family::Ipv6))
+    steering_verdict(steer::try_steer(&ctx, Family::Ipv6, Hook::Connect))
 }
 
 #[cgroup_sock_addr(sendmsg4)]
 pub fn dns_sendmsg4(ctx: SockAddrContext) -> i32 {
-    steering_verdict(steer::try_steer(&ctx, Family::Ipv4))
+    steering_verdict(steer::try_steer(&ctx, Family::Ipv4, Hook::Sendmsg))
 }
 
 #[cgroup_sock_addr(sendmsg6)]
 pub fn dns_sendmsg6(ctx: SockAddrContext) -> i32 {
-    steering_verdict(steer::try_steer(&ctx, Family::Ipv6))
+    steering_verdict(steer::try_steer(&ctx, Family::Ipv6, Hook::Sendmsg))
 }
 
 #[cgroup_sock_addr(recvmsg4)]

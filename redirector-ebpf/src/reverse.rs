@@ -11,7 +11,7 @@ use redirector_common::{
 
 use crate::{
     context::{self, Family},
-    maps::{REVERSE_NAT, STEERED_SOCKS},
+    maps::{LISTENERS, REVERSE_NAT, STEERED_SOCKS},
     steer::count,
 };
 
@@ -41,16 +41,22 @@ pub fn try_translate_peer(ctx: &SockAddrContext, family: Family) -> Outcome {
         context::user_port_be(ctx),
     );
     let Some(translation) = REVERSE_NAT.get_ptr(key) else {
+        // A reply straight from a listener (the socket is back on a cache that listens on the
+        // listener address) needs no translation and is no miss.
+        if key.peer_port_be == port_be(DNS_PORT) && LISTENERS.get_ptr(key.peer).is_some() {
+            return Outcome::NotSteered;
+        }
         // SAFETY: non-null storage of this socket.
-        let listener_id = unsafe { (*steered).listener_id };
+        let listener_id = unsafe { context::snapshot(steered) }.listener_id;
         count(counter_index(listener_id, protocol), |c| {
             c.reverse_missed += 1;
         });
         return Outcome::Missed;
     };
-    // SAFETY: LRU entries are written whole; a concurrent eviction leaves this copy readable for
-    // the rest of the RCU read section.
-    let translation = unsafe { *translation };
+    // SAFETY: a live LRU element. LRU elements are preallocated and may be recycled at once when
+    // evicted; the entry just hit was used last of all, so it is the last candidate for eviction,
+    // and a torn copy could at worst show another listener's address (the resolver then retries).
+    let translation = unsafe { context::snapshot(translation) };
     context::set_user_addr(ctx, family, &translation.listener);
     context::set_user_port_be(ctx, port_be(DNS_PORT));
     count(counter_index(translation.listener_id, protocol), |c| {

@@ -34,11 +34,24 @@ pub enum Refused {
     EmptyPool,
 }
 
+/// Which syscall the program sees.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Hook {
+    /// `connect(2)`: the socket's destination for its lifetime.
+    Connect,
+    /// `sendmsg(2)` and friends with an address: one datagram's destination.
+    Sendmsg,
+}
+
 /// Steers the destination of a connect or sendmsg when it is a listener address on port 53.
 /// Everything else returns `Ok` untouched, after at most a port comparison and one map lookup.
 #[inline(always)]
-pub fn try_steer(ctx: &SockAddrContext, family: Family) -> Result<(), Refused> {
+pub fn try_steer(ctx: &SockAddrContext, family: Family, hook: Hook) -> Result<(), Refused> {
     if context::user_port_be(ctx) != port_be(DNS_PORT) {
+        return Ok(());
+    }
+    // A connected socket was steered (or not) at connect: its sends stay where it connected.
+    if hook == Hook::Sendmsg && context::is_connected(ctx) {
         return Ok(());
     }
     let Some(protocol) = context::protocol(ctx) else {
@@ -48,9 +61,9 @@ pub fn try_steer(ctx: &SockAddrContext, family: Family) -> Result<(), Refused> {
     let Some(listener) = LISTENERS.get_ptr(listener_addr) else {
         return Ok(());
     };
-    // SAFETY: the agent only ever replaces LISTENERS entries whole; a stale copy is still a
-    // complete configuration.
-    let listener = unsafe { *listener };
+    // SAFETY: the agent only ever replaces LISTENERS entries whole (a new element under RCU); a
+    // stale copy is still a complete configuration.
+    let listener = unsafe { context::snapshot(listener) };
     let counters = counter_index(listener.id, protocol);
 
     if in_skipped_cgroup(listener.id) {
@@ -59,15 +72,24 @@ pub fn try_steer(ctx: &SockAddrContext, family: Family) -> Result<(), Refused> {
     }
 
     let (Some(mode), Some(health), Some(sockets)) = (
-        LISTENER_MODE.get(listener.id),
-        CACHE_HEALTH.get(listener.id),
-        SOCKET_COUNTS.get(listener.id),
+        LISTENER_MODE.get_ptr(listener.id),
+        CACHE_HEALTH.get_ptr(listener.id),
+        SOCKET_COUNTS.get_ptr(listener.id),
     ) else {
         return Ok(());
     };
+    // SAFETY: array elements, valid for the program's lifetime; the CLI, the agent and the other
+    // programs change them concurrently, so they are copied, never borrowed.
+    let (mode, health, sockets) = unsafe {
+        (
+            context::snapshot(mode),
+            context::snapshot(health),
+            context::snapshot(sockets),
+        )
+    };
     // The cookie is a helper call: fetched once, and only when a target choice or a reverse
     // entry needs it.
-    let (target, cookie) = match route(listener.liveness, mode, health, sockets) {
+    let (target, cookie) = match route(listener.liveness, &mode, &health, &sockets) {
         Route::Cache => {
             count(counters, |c| c.to_cache += 1);
             (listener.cache, None)
@@ -139,7 +161,9 @@ fn empty_pool(listener: &ListenerConfig, counters: u32) -> Result<(), Refused> {
 }
 
 /// Records what replies from `target` on this socket must look like, and marks the socket as
-/// steered so the reply hooks look for it.
+/// steered so the reply hooks look for it. An unconnected socket sends many datagrams to one
+/// target: its storage remembers the last translation, so the LRU map is written once per
+/// (socket, target), not once per datagram.
 #[inline(always)]
 fn remember_translation(
     ctx: &SockAddrContext,
@@ -149,28 +173,37 @@ fn remember_translation(
     target: &NetAddr,
     target_port_be: u16,
 ) {
+    let mut mark = SteeredSocket::default();
+    // SAFETY: the storage belongs to the context's socket, which this program holds.
+    let stored = unsafe { STEERED_SOCKS.get_or_insert_ptr_mut(ctx, Some(&mut mark)) };
+    if !stored.is_null() {
+        // SAFETY: non-null storage of this socket.
+        let last = unsafe { context::snapshot(stored) };
+        if last.listener_id == listener.id
+            && last.peer == *target
+            && last.peer_port_be == target_port_be
+        {
+            return;
+        }
+    }
     let key = ReverseKey::new(cookie, *target, target_port_be);
     let value = ReverseValue {
         listener: listener_addr,
         listener_id: listener.id,
     };
-    // An unconnected socket sends many datagrams to one target: look before writing, since an
-    // LRU update allocates a fresh element every time.
-    let current = REVERSE_NAT.get_ptr(key);
-    // SAFETY: a stale read only causes one redundant update.
-    if current.is_none_or(|current| unsafe { *current } != value) {
-        // A full LRU evicts its oldest entry; an error here leaves only the reply unrewritten.
-        let _ = REVERSE_NAT.insert(key, value, u64::from(BPF_ANY));
-    }
-
-    let mut mark = SteeredSocket {
-        listener_id: listener.id,
-    };
-    // SAFETY: the storage belongs to the context's socket, which this program holds.
-    let stored = unsafe { STEERED_SOCKS.get_or_insert_ptr_mut(ctx, Some(&mut mark)) };
+    // A full LRU evicts its oldest entry; an error here leaves only the reply unrewritten.
+    let _ = REVERSE_NAT.insert(key, value, u64::from(BPF_ANY));
     if !stored.is_null() {
-        // SAFETY: non-null storage of this socket; racing writers store a valid id either way.
-        unsafe { (*stored).listener_id = listener.id };
+        // SAFETY: non-null storage of this socket; a concurrent send of another thread on the
+        // same socket writes a translation just as valid.
+        unsafe {
+            *stored = SteeredSocket {
+                listener_id: listener.id,
+                peer_port_be: target_port_be,
+                _padding: 0,
+                peer: *target,
+            };
+        }
     }
 }
 

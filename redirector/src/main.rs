@@ -146,7 +146,7 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         use tokio::signal::unix::{SignalKind, signal};
         let mut terminate = signal(SignalKind::terminate()).context("cannot watch SIGTERM")?;
         let mut interrupt = signal(SignalKind::interrupt()).context("cannot watch SIGINT")?;
-        let mut agent = Agent::start(&config)?;
+        let mut agent = Agent::start(&config).await?;
         agent
             .run(async {
                 let signal = tokio::select! {

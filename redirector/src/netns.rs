@@ -91,6 +91,88 @@ pub fn run_in<T: Send + 'static>(
     })?
 }
 
+/// Work sent to a [`NetnsWorker`].
+type Job = Box<dyn FnOnce() + Send>;
+
+/// A thread that lives in one network namespace and runs work there, so that creating a socket in
+/// the caches' namespace (every probe does) costs a message, not a thread and a `setns`.
+#[derive(Debug, Clone)]
+pub struct NetnsWorker {
+    jobs: std::sync::mpsc::Sender<Job>,
+    path: PathBuf,
+}
+
+impl NetnsWorker {
+    /// Starts a worker in the network namespace at `netns` (or the agent's own).
+    pub fn start(netns: Option<&Path>) -> Result<Self, NetnsError> {
+        let file = netns
+            .map(|path| {
+                File::open(path).map_err(|source| NetnsError::Open {
+                    path: path.to_owned(),
+                    source,
+                })
+            })
+            .transpose()?;
+        let path = netns.map_or_else(|| PathBuf::from("self"), Path::to_owned);
+        let (jobs, queue) = std::sync::mpsc::channel::<Job>();
+        let (ready, entered) = std::sync::mpsc::channel();
+        let thread_path = path.clone();
+        std::thread::Builder::new()
+            .name("netns-worker".to_owned())
+            .spawn(move || {
+                if let Some(file) = file
+                    && let Err(source) =
+                        nix::sched::setns(&file, nix::sched::CloneFlags::CLONE_NEWNET)
+                {
+                    let _ = ready.send(Err(NetnsError::Enter {
+                        path: thread_path,
+                        source,
+                    }));
+                    return;
+                }
+                let _ = ready.send(Ok(()));
+                for job in queue {
+                    job();
+                }
+            })
+            .map_err(|source| NetnsError::Inside {
+                action: "starting a worker thread",
+                path: path.clone(),
+                source,
+            })?;
+        entered
+            .recv()
+            .map_err(|_| NetnsError::Thread { path: path.clone() })??;
+        Ok(Self { jobs, path })
+    }
+
+    /// Runs `work` in the worker's namespace and returns its result.
+    pub async fn run<T: Send + 'static>(
+        &self,
+        action: &'static str,
+        work: impl FnOnce() -> std::io::Result<T> + Send + 'static,
+    ) -> Result<T, NetnsError> {
+        let (done, result) = tokio::sync::oneshot::channel();
+        self.jobs
+            .send(Box::new(move || {
+                let _ = done.send(work());
+            }))
+            .map_err(|_| NetnsError::Thread {
+                path: self.path.clone(),
+            })?;
+        result
+            .await
+            .map_err(|_| NetnsError::Thread {
+                path: self.path.clone(),
+            })?
+            .map_err(|source| NetnsError::Inside {
+                action,
+                path: self.path.clone(),
+                source,
+            })
+    }
+}
+
 /// The cookie the kernel gives the network namespace at `netns` (or the agent's own):
 /// `bpf_get_netns_cookie` returns the same number for sockets created there.
 pub fn cookie(netns: Option<&Path>) -> Result<u64, NetnsError> {

@@ -1,10 +1,12 @@
 //! A continuous DNS client for failover tests: for `--duration-ms`, every `--interval-ms`, one
-//! query from a fresh connected UDP socket (as glibc does) and one from a single long-lived
-//! unconnected socket, each printed as a JSON line (`StreamRecord`) the moment it completes.
+//! query per socket kind, each printed as a JSON line (`StreamRecord`) the moment it completes.
+//! Kinds: `fresh` (a new connected UDP socket per query, as glibc does), `long` (one long-lived
+//! unconnected socket), `connected` (one long-lived connected socket, as c-ares does; with
+//! `--mapped`, an AF_INET6 socket connected to the IPv4-mapped server address).
 
 use std::{
     io::Write as _,
-    net::{SocketAddr, UdpSocket},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, UdpSocket},
     sync::{Arc, Mutex},
     thread,
     time::{Duration, Instant},
@@ -12,8 +14,25 @@ use std::{
 
 use anyhow::Context as _;
 use bpf_tests::dns::{PROBE_NAME, StreamRecord, now_ms, parse_answer, query};
-use clap::Parser;
+use clap::{Parser, ValueEnum};
 use hickory_proto::rr::RecordType;
+
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    Fresh,
+    Long,
+    Connected,
+}
+
+impl Kind {
+    fn name(self) -> &'static str {
+        match self {
+            Self::Fresh => "fresh",
+            Self::Long => "long",
+            Self::Connected => "connected",
+        }
+    }
+}
 
 #[derive(Parser, Debug)]
 struct Args {
@@ -29,49 +48,103 @@ struct Args {
     /// How long one query waits for its answer.
     #[arg(long, default_value_t = 300)]
     timeout_ms: u64,
+    /// The socket kinds to query from, each on its own thread.
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "fresh,long")]
+    kinds: Vec<Kind>,
+    /// For `connected`: an AF_INET6 socket connected to the IPv4-mapped server address.
+    #[arg(long)]
+    mapped: bool,
+}
+
+/// What every query thread shares.
+struct Settings {
+    server: SocketAddr,
+    deadline: Instant,
+    interval: Duration,
+    timeout: Duration,
+    mapped: bool,
+    out: Mutex<std::io::Stdout>,
 }
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    let out = Arc::new(Mutex::new(std::io::stdout()));
-    let deadline = Instant::now() + Duration::from_millis(args.duration_ms);
-    let timeout = Duration::from_millis(args.timeout_ms);
-    let interval = Duration::from_millis(args.interval_ms);
-    let server = args.server;
+    let settings = Arc::new(Settings {
+        server: args.server,
+        deadline: Instant::now() + Duration::from_millis(args.duration_ms),
+        interval: Duration::from_millis(args.interval_ms),
+        timeout: Duration::from_millis(args.timeout_ms),
+        mapped: args.mapped,
+        out: Mutex::new(std::io::stdout()),
+    });
     println!("ready");
-    let fresh = {
-        let out = Arc::clone(&out);
-        thread::spawn(move || {
-            let mut id = 0u16;
-            while Instant::now() < deadline {
-                id = id.wrapping_add(1);
-                let sent_ms = now_ms();
-                let result = fresh_query(server, id, timeout);
-                emit(&out, sent_ms, "fresh", result);
-                thread::sleep(interval);
-            }
+    let threads: Vec<_> = args
+        .kinds
+        .iter()
+        .enumerate()
+        .map(|(index, kind)| {
+            let settings = Arc::clone(&settings);
+            let kind = *kind;
+            thread::spawn(move || run(&settings, kind, (index as u16) << 13))
         })
-    };
-    let socket = UdpSocket::bind(any_port(server)).context("binding the long-lived socket")?;
-    socket.set_read_timeout(Some(timeout)).context("timeout")?;
-    let mut id = 0x8000u16;
-    while Instant::now() < deadline {
-        id = id.wrapping_add(1);
-        let sent_ms = now_ms();
-        let result = long_query(&socket, server, id, timeout);
-        emit(&out, sent_ms, "long", result);
-        thread::sleep(interval);
+        .collect();
+    for thread in threads {
+        thread
+            .join()
+            .map_err(|_| anyhow::anyhow!("a query thread panicked"))??;
     }
-    let _ = fresh.join();
     Ok(())
 }
 
-fn emit(
-    out: &Mutex<std::io::Stdout>,
-    sent_ms: u64,
-    kind: &str,
-    result: anyhow::Result<std::net::IpAddr>,
-) {
+/// Queries from one kind of socket until the deadline; ids start at `first_id`.
+fn run(settings: &Settings, kind: Kind, first_id: u16) -> anyhow::Result<()> {
+    let long_lived = match kind {
+        Kind::Fresh => None,
+        Kind::Long => Some(open(settings, false)?),
+        Kind::Connected => Some(open(settings, true)?),
+    };
+    let mut id = first_id;
+    while Instant::now() < settings.deadline {
+        id = id.wrapping_add(1);
+        let sent_ms = now_ms();
+        let result = match (&long_lived, kind) {
+            (Some(socket), Kind::Long) => unconnected_query(socket, settings, id),
+            (Some(socket), _) => connected_query(socket, id),
+            (None, _) => open(settings, true).and_then(|socket| connected_query(&socket, id)),
+        };
+        emit(settings, sent_ms, kind.name(), result);
+        thread::sleep(settings.interval);
+    }
+    Ok(())
+}
+
+/// A UDP socket for the server's family (AF_INET6 and the mapped address with `--mapped`),
+/// connected when asked.
+fn open(settings: &Settings, connect: bool) -> anyhow::Result<UdpSocket> {
+    let (local, remote) = match (settings.server.ip(), settings.mapped && connect) {
+        (IpAddr::V4(v4), true) => (
+            SocketAddr::new(IpAddr::V6(Ipv6Addr::UNSPECIFIED), 0),
+            SocketAddr::new(IpAddr::V6(v4.to_ipv6_mapped()), settings.server.port()),
+        ),
+        (IpAddr::V4(_), false) => (
+            SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0),
+            settings.server,
+        ),
+        (IpAddr::V6(_), _) => (
+            SocketAddr::new(IpAddr::V6(Ipv6Addr::UNSPECIFIED), 0),
+            settings.server,
+        ),
+    };
+    let socket = UdpSocket::bind(local).context("bind")?;
+    socket
+        .set_read_timeout(Some(settings.timeout))
+        .context("timeout")?;
+    if connect {
+        socket.connect(remote).context("connect")?;
+    }
+    Ok(socket)
+}
+
+fn emit(settings: &Settings, sent_ms: u64, kind: &str, result: anyhow::Result<IpAddr>) {
     let (answer, error) = match result {
         Ok(answer) => (Some(answer), None),
         Err(error) => (None, Some(format!("{error:#}"))),
@@ -82,40 +155,41 @@ fn emit(
         answer,
         error,
     };
-    if let (Ok(mut out), Ok(line)) = (out.lock(), serde_json::to_string(&record)) {
+    if let (Ok(mut out), Ok(line)) = (settings.out.lock(), serde_json::to_string(&record)) {
         let _ = writeln!(out, "{line}");
         let _ = out.flush();
     }
 }
 
-fn fresh_query(server: SocketAddr, id: u16, timeout: Duration) -> anyhow::Result<std::net::IpAddr> {
-    let socket = UdpSocket::bind(any_port(server)).context("bind")?;
-    socket.set_read_timeout(Some(timeout)).context("timeout")?;
-    socket.connect(server).context("connect")?;
+fn connected_query(socket: &UdpSocket, id: u16) -> anyhow::Result<IpAddr> {
     socket
         .send(&query(id, PROBE_NAME, RecordType::A)?)
         .context("send")?;
     let mut buffer = [0u8; 4096];
-    let len = socket.recv(&mut buffer).context("recv")?;
-    first_answer(id, &buffer[..len])
+    loop {
+        let len = socket.recv(&mut buffer).context("recv")?;
+        // Late answers to earlier queries on a long-lived socket are skipped.
+        if parse_answer(id, &buffer[..len]).is_ok() {
+            return first_answer(id, &buffer[..len]);
+        }
+    }
 }
 
-fn long_query(
-    socket: &UdpSocket,
-    server: SocketAddr,
-    id: u16,
-    timeout: Duration,
-) -> anyhow::Result<std::net::IpAddr> {
+fn unconnected_query(socket: &UdpSocket, settings: &Settings, id: u16) -> anyhow::Result<IpAddr> {
     socket
-        .send_to(&query(id, PROBE_NAME, RecordType::A)?, server)
+        .send_to(&query(id, PROBE_NAME, RecordType::A)?, settings.server)
         .context("sendto")?;
-    let deadline = Instant::now() + timeout;
+    let deadline = Instant::now() + settings.timeout;
     let mut buffer = [0u8; 4096];
     loop {
         let (len, from) = socket.recv_from(&mut buffer).context("recvfrom")?;
         // Late answers to earlier queries are skipped; a reply must come from the server asked.
         if parse_answer(id, &buffer[..len]).is_ok() {
-            anyhow::ensure!(from == server, "reply from {from}, not {server}");
+            anyhow::ensure!(
+                from == settings.server,
+                "reply from {from}, not {}",
+                settings.server
+            );
             return first_answer(id, &buffer[..len]);
         }
         if Instant::now() >= deadline {
@@ -124,17 +198,7 @@ fn long_query(
     }
 }
 
-/// Any local port of `server`'s family.
-fn any_port(server: SocketAddr) -> SocketAddr {
-    let unspecified = if server.is_ipv4() {
-        std::net::IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED)
-    } else {
-        std::net::IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED)
-    };
-    SocketAddr::new(unspecified, 0)
-}
-
-fn first_answer(id: u16, reply: &[u8]) -> anyhow::Result<std::net::IpAddr> {
+fn first_answer(id: u16, reply: &[u8]) -> anyhow::Result<IpAddr> {
     let (rcode, answers) = parse_answer(id, reply)?;
     answers
         .first()

@@ -24,7 +24,7 @@ impl Agent {
             tokio::select! {
                 () = &mut shutdown => return,
                 _ = probe_tick.tick() => self.probe_round().await,
-                _ = reconcile_tick.tick() => self.reconcile_round(),
+                _ = reconcile_tick.tick() => self.reconcile_round().await,
             }
             self.observe_routes();
         }
@@ -77,8 +77,8 @@ impl Agent {
     }
 
     /// Compares the kernel's socket counts with the socket tables.
-    fn reconcile_round(&mut self) {
-        if let Err(error) = self.reconciler.reconcile(&mut self.maps, false) {
+    async fn reconcile_round(&mut self) {
+        if let Err(error) = self.reconciler.reconcile(&mut self.maps, false).await {
             warn!(error = %error, "reconciling the caches' socket counts failed; retrying next round");
         }
     }

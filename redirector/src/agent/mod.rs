@@ -31,7 +31,7 @@ use crate::{
         reconcile::{ReconcileError, Reconciler},
         sockdiag::{SockDiagError, SocketTable},
     },
-    netns::{self, NetnsError},
+    netns::{self, NetnsError, NetnsWorker},
 };
 
 /// Why the agent could not start or stop cleanly.
@@ -119,8 +119,9 @@ pub struct Agent {
 
 impl Agent {
     /// Checks the environment against `config`, loads the datapath, fills its maps, seeds the
-    /// caches' socket counts and attaches. Nothing is attached unless every check passed.
-    pub fn start(config: &Config) -> Result<Self, AgentError> {
+    /// caches' socket counts, probes every cache once and attaches. Nothing is attached unless
+    /// every check passed.
+    pub async fn start(config: &Config) -> Result<Self, AgentError> {
         let attach_path = match &config.cgroup {
             Some(path) => path.clone(),
             None => cgroup::default_attach_cgroup()?,
@@ -130,6 +131,7 @@ impl Agent {
         prepare_pin_dir(&config.pin_dir)?;
         let netns = config.cache_netns.as_deref();
         let netns_cookie = netns::cookie(netns).map_err(AgentError::CacheNetns)?;
+        let worker = NetnsWorker::start(netns).map_err(AgentError::CacheNetns)?;
         let socket_table = SocketTable::open(netns).map_err(AgentError::SocketTable)?;
         let hysteresis = Hysteresis {
             failures_to_fail_over: config.probe.failures_to_fail_over,
@@ -141,7 +143,7 @@ impl Agent {
                 listener.cache,
                 &listener.probe_name,
                 config.probe.timeout,
-                netns,
+                worker.clone(),
             )
             .map_err(|source| AgentError::ProbeName {
                 key: format!("listener[{id}] ({:?}).probe_name", listener.name),
@@ -188,12 +190,23 @@ impl Agent {
         let mut reconciler = Reconciler::new(socket_table, binds);
         reconciler
             .reconcile(&mut maps, true)
+            .await
             .map_err(AgentError::Seed)?;
+        // One probe of every cache before any DNS is steered: the first verdict is a real one.
+        let mut first_probes = tokio::task::JoinSet::new();
+        for (index, prober) in probers.iter().enumerate() {
+            let prober = prober.clone();
+            first_probes.spawn(async move { (index, prober.probe().await) });
+        }
+        let mut alive = vec![false; probers.len()];
+        while let Some(Ok((index, outcome))) = first_probes.join_next().await {
+            alive[index] = outcome.is_alive();
+        }
         let mut listeners = Vec::with_capacity(config.listeners.len());
         for ((id, listener), prober) in config.listeners.iter().enumerate().zip(probers) {
+            let counts = maps.socket_counts(id as u32)?;
+            let up = alive[id] && (listener.liveness == Liveness::Probes || counts.udp > 0);
             let id = id as u32;
-            let counts = maps.socket_counts(id)?;
-            let up = listener.liveness == Liveness::Probes || counts.udp > 0;
             let tracker = HealthTracker::new(hysteresis, up, counts.down_epoch);
             maps.set_health(id, tracker.health())?;
             listeners.push(ListenerRuntime {
@@ -207,10 +220,10 @@ impl Agent {
         }
 
         datapath.attach(&attach.path)?;
-        // Binds and releases that raced the attach are caught here.
-        reconciler
-            .reconcile(&mut maps, true)
-            .map_err(AgentError::Seed)?;
+        // Binds and releases that raced the attach are caught here, or by the next pass.
+        if let Err(error) = reconciler.reconcile(&mut maps, true).await {
+            warn!(error = %error, "re-counting the caches' sockets after attaching failed; the next pass retries");
+        }
 
         let mut agent = Self {
             datapath,

@@ -109,6 +109,20 @@ pub enum DatapathError {
         #[source]
         source: MapError,
     },
+    /// The socket counts map is not the one this build expects.
+    #[error(
+        "the SOCKET_COUNTS map has {value_size}-byte values, {max_entries} entries and flags \
+         {map_flags:#x}, not what this build expects; it belongs to another version: remove the \
+         pins (redirector uninstall) or start with --replace"
+    )]
+    SocketCountsLayout {
+        /// Its value size.
+        value_size: u32,
+        /// Its entries.
+        max_entries: u32,
+        /// Its flags.
+        map_flags: u32,
+    },
     /// The socket counts could not be mapped into memory.
     #[error("mapping the {name} map into memory failed")]
     Mmap {

@@ -271,25 +271,30 @@ impl Maps {
         self.cache_sockets.iter().filter_map(Result::ok).collect()
     }
 
-    /// Counts a cache socket the programs did not see bind (it existed before them): inserts its
-    /// entry and, unless the programs inserted it first, adds it to its listeners' counts.
-    /// Returns whether it was counted here.
+    /// Counts a cache socket the programs did not see bind (it existed before them): adds it to
+    /// its listeners' counts, then inserts its entry, and takes the count back if the programs
+    /// inserted it first. Counting before inserting keeps the count from ever falling below the
+    /// entries, so a release racing this never sees a false zero. Returns whether it was counted
+    /// here.
     pub fn count_cache_socket(
         &mut self,
         cookie: u64,
         entry: CacheSocket,
     ) -> Result<bool, DatapathError> {
+        self.add_to_counts(&entry, 1, false);
         match self.cache_sockets.insert(cookie, entry, BPF_NOEXIST) {
-            Ok(()) => {
-                self.add_to_counts(&entry, 1);
-                Ok(true)
+            Ok(()) => Ok(true),
+            Err(error) => {
+                self.add_to_counts(&entry, -1, false);
+                match error {
+                    MapError::SyscallError(error)
+                        if error.io_error.raw_os_error() == Some(libc::EEXIST) =>
+                    {
+                        Ok(false)
+                    }
+                    source => Err(write(names::MAP_CACHE_SOCKETS)(source)),
+                }
             }
-            Err(MapError::SyscallError(error))
-                if error.io_error.raw_os_error() == Some(libc::EEXIST) =>
-            {
-                Ok(false)
-            }
-            Err(source) => Err(write(names::MAP_CACHE_SOCKETS)(source)),
         }
     }
 
@@ -305,7 +310,7 @@ impl Maps {
         };
         match self.cache_sockets.remove(&cookie) {
             Ok(()) => {
-                self.add_to_counts(&entry, -1);
+                self.add_to_counts(&entry, -1, true);
                 Ok(true)
             }
             Err(MapError::SyscallError(error))
@@ -317,10 +322,13 @@ impl Maps {
         }
     }
 
-    fn add_to_counts(&self, entry: &CacheSocket, delta: i64) {
+    /// Adds `delta` to the counts of `entry`'s listeners; with `record_death`, a listener left
+    /// without UDP sockets enters a new epoch, as in the kernel.
+    fn add_to_counts(&self, entry: &CacheSocket, delta: i64, record_death: bool) {
         for id in 0..MAX_LISTENERS as u32 {
             if entry.listeners & listener_bit(id) != 0 {
-                self.socket_counts.add(id, entry.protocol, delta);
+                self.socket_counts
+                    .add(id, entry.protocol, delta, record_death);
             }
         }
     }

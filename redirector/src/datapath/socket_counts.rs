@@ -8,7 +8,7 @@ use std::{
     sync::atomic::{AtomicI64, AtomicU64, Ordering},
 };
 
-use aya::maps::{Map, MapData};
+use aya::maps::{Map, MapData, MapError};
 use redirector_common::{
     counters::PROTOCOL_UDP,
     listener::{MAX_LISTENERS, SocketCounts},
@@ -16,6 +16,9 @@ use redirector_common::{
 };
 
 use super::error::DatapathError;
+
+/// `BPF_F_MMAPABLE`.
+const BPF_F_MMAPABLE: u32 = 1 << 10;
 
 /// The mapped counts of every listener.
 pub struct SharedSocketCounts {
@@ -39,14 +42,27 @@ impl std::fmt::Debug for SharedSocketCounts {
 }
 
 impl SharedSocketCounts {
-    /// Maps `map` (the `SOCKET_COUNTS` array) read-write.
+    /// Maps `map` (the `SOCKET_COUNTS` array) read-write, after checking that it is the map this
+    /// build expects (a pinned map of another build could be smaller, or not mmapable).
     pub(super) fn new(map: Map) -> Result<Self, DatapathError> {
-        let Map::Array(data) = map else {
-            return Err(DatapathError::MapLayout {
-                name: names::MAP_SOCKET_COUNTS,
-                source: aya::maps::MapError::InvalidMapType { map_type: 0 },
-            });
+        let layout_error = |source| DatapathError::MapLayout {
+            name: names::MAP_SOCKET_COUNTS,
+            source,
         };
+        let Map::Array(data) = map else {
+            return Err(layout_error(MapError::InvalidMapType { map_type: 0 }));
+        };
+        let info = data.info().map_err(layout_error)?;
+        if info.value_size() as usize != size_of::<SocketCounts>()
+            || info.max_entries() as usize != MAX_LISTENERS
+            || info.map_flags() & BPF_F_MMAPABLE == 0
+        {
+            return Err(DatapathError::SocketCountsLayout {
+                value_size: info.value_size(),
+                max_entries: info.max_entries(),
+                map_flags: info.map_flags(),
+            });
+        }
         let len = MAX_LISTENERS;
         let bytes = len * size_of::<SocketCounts>();
         // SAFETY: mapping a BPF_F_MMAPABLE array map's fd, shared, at offset 0; the kernel lays
@@ -96,8 +112,8 @@ impl SharedSocketCounts {
     }
 
     /// Adds `delta` sockets of `protocol` to listener `id`'s count, as the kernel programs do:
-    /// an atomic add, and when a removal leaves no UDP socket, a new epoch.
-    pub fn add(&self, id: u32, protocol: u32, delta: i64) {
+    /// an atomic add, and with `record_death`, when a removal leaves no UDP socket, a new epoch.
+    pub fn add(&self, id: u32, protocol: u32, delta: i64, record_death: bool) {
         let Some(element) = self.element(id) else {
             return;
         };
@@ -109,7 +125,7 @@ impl SharedSocketCounts {
                 AtomicI64::from_ptr(&raw mut (*element).tcp)
             };
             let after = count.fetch_add(delta, Ordering::Relaxed) + delta;
-            if delta < 0 && protocol == PROTOCOL_UDP && after <= 0 {
+            if record_death && delta < 0 && protocol == PROTOCOL_UDP && after <= 0 {
                 AtomicU64::from_ptr(&raw mut (*element).down_epoch).fetch_add(1, Ordering::Relaxed);
             }
         }

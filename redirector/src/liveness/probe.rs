@@ -4,7 +4,6 @@
 
 use std::{
     net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
-    path::{Path, PathBuf},
     time::{Duration, Instant},
 };
 
@@ -13,7 +12,7 @@ use hickory_proto::{
     rr::{Name, RecordType},
 };
 
-use crate::netns;
+use crate::netns::NetnsWorker;
 
 /// What one probe found.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -44,23 +43,23 @@ pub struct Prober {
     target: SocketAddr,
     query_name: Name,
     timeout: Duration,
-    netns: Option<PathBuf>,
+    netns: NetnsWorker,
 }
 
 impl Prober {
     /// A prober of `target`, asking for `name` (A), waiting `timeout`, from the network namespace
-    /// `netns` (or the agent's own).
+    /// of `netns`.
     pub fn new(
         target: SocketAddr,
         name: &str,
         timeout: Duration,
-        netns: Option<&Path>,
+        netns: NetnsWorker,
     ) -> Result<Self, hickory_proto::ProtoError> {
         Ok(Self {
             target,
             query_name: Name::from_ascii(name)?,
             timeout,
-            netns: netns.map(Path::to_owned),
+            netns,
         })
     }
 
@@ -106,20 +105,18 @@ impl Prober {
             SocketAddr::new(IpAddr::V6(Ipv6Addr::UNSPECIFIED), 0)
         };
         let target = self.target;
-        let netns = self.netns.clone();
         // A fresh socket per probe, created in the caches' namespace, connected so that an ICMP
         // "port unreachable" from a dead cache fails the probe at once.
-        let socket = tokio::task::spawn_blocking(move || {
-            netns::run_in(netns.as_deref(), "creating a probe socket", move || {
+        let socket = self
+            .netns
+            .run("creating a probe socket", move || {
                 let socket = std::net::UdpSocket::bind(local)?;
                 socket.connect(target)?;
                 socket.set_nonblocking(true)?;
                 Ok(socket)
             })
-        })
-        .await
-        .map_err(|error| error.to_string())?
-        .map_err(|error| format!("{error:#}"))?;
+            .await
+            .map_err(|error| format!("{error:#}"))?;
         let socket = tokio::net::UdpSocket::from_std(socket).map_err(|error| error.to_string())?;
         socket.send(&request).await.map_err(io_reason)?;
         let mut buffer = [0u8; 4096];

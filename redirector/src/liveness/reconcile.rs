@@ -12,7 +12,7 @@ use redirector_common::{
 };
 use tracing::{info, warn};
 
-use super::sockdiag::{SockDiagError, SocketTable};
+use super::sockdiag::{BoundSocket, SockDiagError, SocketTable};
 use crate::datapath::{DatapathError, Maps};
 
 /// Why a reconcile pass failed.
@@ -24,6 +24,9 @@ pub enum ReconcileError {
     /// The maps could not be read or corrected.
     #[error(transparent)]
     Datapath(#[from] DatapathError),
+    /// The blocking dump task died.
+    #[error("the socket-table reader task failed")]
+    Task(#[source] tokio::task::JoinError),
 }
 
 /// What one pass changed.
@@ -38,7 +41,8 @@ pub struct ReconcileReport {
 /// Compares and corrects the counted cache sockets.
 #[derive(Debug)]
 pub struct Reconciler {
-    table: SocketTable,
+    /// `None` only while a dump runs on a blocking thread.
+    table: Option<SocketTable>,
     binds: HashMap<BindKey, u64>,
     missing_once: HashSet<u64>,
 }
@@ -48,57 +52,51 @@ impl Reconciler {
     #[must_use]
     pub fn new(table: SocketTable, binds: HashMap<BindKey, u64>) -> Self {
         Self {
-            table,
+            table: Some(table),
             binds,
             missing_once: HashSet::new(),
         }
     }
 
-    /// One pass. With `seed` (start-up, nothing counted yet by anyone else), a counted socket
-    /// that is gone is uncounted at once.
-    pub fn reconcile(
+    /// One pass. With `seed` (start-up), a counted socket that is gone is uncounted at once: the
+    /// programs either never saw it (not attached yet) or already removed it, in which case the
+    /// removal here finds nothing and changes nothing.
+    pub async fn reconcile(
         &mut self,
         maps: &mut Maps,
         seed: bool,
     ) -> Result<ReconcileReport, ReconcileError> {
         let counted: HashMap<u64, CacheSocket> = maps.cache_sockets().into_iter().collect();
-        let live: HashMap<u64, CacheSocket> = self
-            .table
-            .bound_sockets()?
-            .into_iter()
-            .filter_map(|socket| {
-                let key = BindKey::new(socket.addr, port_be(socket.port), socket.protocol);
-                let listeners = *self.binds.get(&key)?;
-                Some((
-                    socket.cookie,
-                    CacheSocket {
-                        listeners,
-                        protocol: socket.protocol,
-                        _padding: 0,
-                    },
-                ))
-            })
-            .collect();
+        let live = self.live_cache_sockets().await?;
 
         let mut report = ReconcileReport::default();
+        let mut inserted = Vec::new();
         for (cookie, entry) in &live {
             if !counted.contains_key(cookie) && maps.count_cache_socket(*cookie, *entry)? {
-                report.counted += 1;
+                inserted.push(*cookie);
             }
         }
-        let gone: Vec<u64> = counted
-            .keys()
-            .filter(|cookie| !live.contains_key(cookie))
-            .copied()
-            .collect();
+        if !inserted.is_empty() {
+            // A socket that closed between the dump and the insert was never seen closing by the
+            // programs (there was no entry yet): a second look settles it.
+            let still_live = self.live_cache_sockets().await?;
+            for cookie in inserted {
+                if still_live.contains_key(&cookie) {
+                    report.counted += 1;
+                } else {
+                    maps.uncount_cache_socket(cookie)?;
+                }
+            }
+        }
+
         let mut still_missing = HashSet::new();
-        for cookie in gone {
-            if seed || self.missing_once.contains(&cookie) {
-                if maps.uncount_cache_socket(cookie)? {
+        for cookie in counted.keys().filter(|cookie| !live.contains_key(cookie)) {
+            if seed || self.missing_once.contains(cookie) {
+                if maps.uncount_cache_socket(*cookie)? {
                     report.uncounted += 1;
                 }
             } else {
-                still_missing.insert(cookie);
+                still_missing.insert(*cookie);
             }
         }
         self.missing_once = still_missing;
@@ -112,9 +110,41 @@ impl Reconciler {
         } else if seed && report.counted > 0 {
             info!(
                 sockets = report.counted,
-                "counted cache sockets that existed before the agent"
+                "counted cache sockets that existed before the programs"
             );
         }
         Ok(report)
+    }
+
+    /// The live sockets that are some listener's cache, by cookie. The dump runs on a blocking
+    /// thread: a node has many sockets, and the control loop must keep probing meanwhile.
+    async fn live_cache_sockets(&mut self) -> Result<HashMap<u64, CacheSocket>, ReconcileError> {
+        let Some(mut table) = self.table.take() else {
+            return Ok(HashMap::new());
+        };
+        let (table, sockets) = tokio::task::spawn_blocking(move || {
+            let sockets = table.bound_sockets();
+            (table, sockets)
+        })
+        .await
+        .map_err(ReconcileError::Task)?;
+        self.table = Some(table);
+        Ok(sockets?
+            .into_iter()
+            .filter_map(|socket| self.cache_socket(&socket))
+            .collect())
+    }
+
+    fn cache_socket(&self, socket: &BoundSocket) -> Option<(u64, CacheSocket)> {
+        let key = BindKey::new(socket.addr, port_be(socket.port), socket.protocol);
+        let listeners = *self.binds.get(&key)?;
+        Some((
+            socket.cookie,
+            CacheSocket {
+                listeners,
+                protocol: socket.protocol,
+                _padding: 0,
+            },
+        ))
     }
 }

@@ -5,9 +5,10 @@ use std::{net::SocketAddr, sync::Arc, thread::JoinHandle, time::Duration};
 
 use anyhow::Context as _;
 use redirector::{
-    agent::{Agent, AgentStats},
+    agent::{Agent, AgentStats, StartOptions, uninstall},
     config::Config,
     datapath::Maps,
+    sources::Upstream,
 };
 use redirector_common::{
     counters::ListenerCounters,
@@ -82,7 +83,7 @@ impl AgentThread {
                     }
                 };
                 runtime.block_on(async move {
-                    let mut agent = match Agent::start(&config).await {
+                    let mut agent = match Agent::start(&config, StartOptions::default()).await {
                         Ok(agent) => agent,
                         Err(error) => {
                             let _ = started.send(Err(anyhow::Error::new(error)
@@ -96,8 +97,9 @@ impl AgentThread {
                             let _ = stop.await;
                         })
                         .await;
-                    if let Err(error) = agent.stop() {
-                        eprintln!("stopping the agent: {error:#}");
+                    agent.shutdown();
+                    if let Err(error) = uninstall(&config).await {
+                        eprintln!("uninstalling the agent: {error:#}");
                     }
                 });
             })
@@ -168,7 +170,9 @@ impl Bench {
 
     /// Replaces a listener's upstream pool.
     pub fn set_pool(&mut self, id: u32, upstreams: &[SocketAddr]) -> anyhow::Result<()> {
-        Ok(self.maps.set_pool(id, upstreams)?)
+        let upstreams: Vec<Upstream> = upstreams.iter().copied().map(Upstream::from).collect();
+        self.maps.set_pool(id, &upstreams)?;
+        Ok(())
     }
 
     /// A listener's counters, UDP and TCP together.

@@ -446,15 +446,24 @@ impl Sandbox {
         PathBuf::from("/run/netns").join(self.node.name())
     }
 
-    /// An agent configuration for this sandbox: its cgroup, pin directory and node namespace,
-    /// probes every 250 ms (the defaults' hysteresis), socket counts reconciled every 500 ms,
-    /// then `listeners` (TOML `[[listener]]` sections).
+    /// An agent configuration for this sandbox: its cgroup, pin directory, lock file and node
+    /// namespace, probes every 250 ms (the defaults' hysteresis), socket counts reconciled every
+    /// 500 ms, the listener addresses left to the sandbox (they are on the node's loopback), then
+    /// `listeners` (TOML `[[listener]]` sections).
     #[must_use]
     pub fn config_toml(&self, listeners: &str) -> String {
+        self.config_toml_with(listeners, "[interface]\nmanage = false\n")
+    }
+
+    /// The same, with `tables` (TOML tables such as `[interface]` or `[kubernetes]`) instead of
+    /// the default `[interface] manage = false`.
+    #[must_use]
+    pub fn config_toml_with(&self, listeners: &str, tables: &str) -> String {
         format!(
-            "cgroup = {:?}\npin_dir = {:?}\ncache_netns = {:?}\nsocket_reconcile_interval_ms = 500\n\n[probe]\ninterval_ms = 250\ntimeout_ms = 200\n\n{listeners}",
+            "cgroup = {:?}\npin_dir = {:?}\nlock_file = {:?}\ncache_netns = {:?}\nsocket_reconcile_interval_ms = 500\n\n[probe]\ninterval_ms = 250\ntimeout_ms = 200\n\n{tables}\n{listeners}",
             self.cgroup.path().display().to_string(),
             self.pin_dir().display().to_string(),
+            self.scratch.0.join("agent.lock").display().to_string(),
             self.node_netns_path().display().to_string(),
         )
     }

@@ -25,6 +25,10 @@ pub const DEFAULT_CONFIG_PATH: &str = "/etc/redirector/config.toml";
 /// What probes ask unless told otherwise: caches answer `localhost` themselves (unbound, dnsmasq
 /// and CoreDNS with its hosts file do), and NXDOMAIN counts as alive anyway.
 pub const DEFAULT_PROBE_NAME: &str = "localhost.";
+/// The listener interface unless told otherwise.
+pub const DEFAULT_INTERFACE: &str = "redirector0";
+/// The lock that keeps one agent per node unless told otherwise.
+pub const DEFAULT_LOCK_FILE: &str = "/run/redirector/agent.lock";
 /// How often socket counts are reconciled unless told otherwise.
 pub const DEFAULT_SOCKET_RECONCILE_INTERVAL: Duration = Duration::from_secs(5);
 
@@ -58,7 +62,13 @@ pub struct Config {
     pub probe: ProbeSettings,
     /// How often the kernel's socket counts are compared with the socket tables.
     pub socket_reconcile_interval: Duration,
-    /// The listeners, in file order; a listener's index is its id in the maps.
+    /// The file locked by the running agent (one agent per node).
+    pub lock_file: PathBuf,
+    /// Where the listener addresses live.
+    pub interface: InterfaceSettings,
+    /// How the agent talks to Kubernetes (listeners with `kube_dns`).
+    pub kubernetes: KubernetesSettings,
+    /// The listeners, in file order.
     pub listeners: Vec<Listener>,
 }
 
@@ -89,6 +99,74 @@ impl Default for ProbeSettings {
     }
 }
 
+/// Where a listener's upstream pool comes from.
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub enum UpstreamSource {
+    /// `upstreams`, as configured.
+    Static,
+    /// The ready endpoints of a Service's EndpointSlices (kube-dns: the cluster listener).
+    Kubernetes {
+        /// The Service's namespace.
+        namespace: String,
+        /// The Service's name.
+        service: String,
+    },
+    /// The `nameserver` lines of a resolv.conf (the node's upstreams: the node listener).
+    ResolvConf(PathBuf),
+}
+
+/// Where the listener addresses live.
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub struct InterfaceSettings {
+    /// The agent owns the listener addresses (false: the cache creates them, as NodeLocal
+    /// DNSCache does).
+    pub manage: bool,
+    /// The link's name.
+    pub name: String,
+    /// Create a `dummy` link, or use an `existing` one.
+    pub kind: InterfaceKind,
+}
+
+impl Default for InterfaceSettings {
+    fn default() -> Self {
+        Self {
+            manage: true,
+            name: DEFAULT_INTERFACE.to_owned(),
+            kind: InterfaceKind::Dummy,
+        }
+    }
+}
+
+/// How the listener interface comes to be.
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Default, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum InterfaceKind {
+    /// A `dummy` link the agent creates (and `uninstall` deletes).
+    #[default]
+    Dummy,
+    /// A link that exists already (kernels without the dummy driver; tests); the agent adds and
+    /// removes only the listener addresses.
+    Existing,
+}
+
+/// How the agent talks to Kubernetes.
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub struct KubernetesSettings {
+    /// A kubeconfig file; `None`: in-cluster, else `$KUBECONFIG` or `~/.kube/config`.
+    pub kubeconfig: Option<PathBuf>,
+    /// How often the pools are rewritten from the last known state even without events.
+    pub resync_interval: Duration,
+}
+
+impl Default for KubernetesSettings {
+    fn default() -> Self {
+        Self {
+            kubeconfig: None,
+            resync_interval: Duration::from_secs(60),
+        }
+    }
+}
+
 /// What judges a listener's cache alive.
 #[derive(Clone, Copy, PartialEq, Eq, Debug, Default, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -109,8 +187,10 @@ pub struct Listener {
     pub address: IpAddr,
     /// Where DNS goes while the cache serves.
     pub cache: SocketAddr,
-    /// Where DNS goes while it does not.
+    /// Where DNS goes while it does not: this static list, unless `source` names a dynamic one.
     pub upstreams: Vec<SocketAddr>,
+    /// Where the upstream pool comes from.
+    pub source: UpstreamSource,
     /// What happens when the cache is down and `upstreams` is empty.
     pub empty_pool: EmptyPoolPolicy,
     /// cgroup v2 directories whose processes (and their descendants) are never steered for this
@@ -258,6 +338,26 @@ pub enum ConfigError {
         /// The limit.
         max: usize,
     },
+    /// More than one source of upstreams.
+    #[error("{key}: give one of upstreams, kube_dns and resolv_conf, not several")]
+    ConflictingSources {
+        /// The listener's key.
+        key: String,
+    },
+    /// A Service reference that is not `namespace/name`.
+    #[error("{key}: {value:?} is not a Service reference; write it as namespace/name, e.g. kube-system/kube-dns")]
+    BadService {
+        /// The offending key.
+        key: String,
+        /// The text given.
+        value: String,
+    },
+    /// An interface name the kernel would refuse.
+    #[error("interface.name: {name:?} is not a valid interface name (1 to 15 bytes, no '/', ':' or spaces)")]
+    BadInterfaceName {
+        /// The text given.
+        name: String,
+    },
     /// Probe or reconcile settings that cannot work.
     #[error("{key}: {problem}")]
     BadTiming {
@@ -297,10 +397,30 @@ struct RawConfig {
     reverse_nat_entries: Option<u32>,
     cache_netns: Option<PathBuf>,
     socket_reconcile_interval_ms: Option<u64>,
+    lock_file: Option<PathBuf>,
     #[serde(default)]
     probe: RawProbe,
+    #[serde(default)]
+    interface: RawInterface,
+    #[serde(default)]
+    kubernetes: RawKubernetes,
     #[serde(default, rename = "listener")]
     listeners: Vec<RawListener>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawInterface {
+    manage: Option<bool>,
+    name: Option<String>,
+    kind: Option<InterfaceKind>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawKubernetes {
+    kubeconfig: Option<PathBuf>,
+    resync_interval_ms: Option<u64>,
 }
 
 #[derive(Deserialize, Default)]
@@ -321,6 +441,8 @@ struct RawListener {
     cache: Option<String>,
     #[serde(default)]
     upstreams: Vec<String>,
+    kube_dns: Option<String>,
+    resolv_conf: Option<PathBuf>,
     #[serde(default)]
     empty_pool: EmptyPoolPolicy,
     #[serde(default)]
@@ -393,6 +515,22 @@ impl Config {
             None => DEFAULT_SOCKET_RECONCILE_INTERVAL,
         };
 
+        let interface = validate_interface(raw.interface)?;
+        let kubernetes = KubernetesSettings {
+            kubeconfig: raw.kubernetes.kubeconfig,
+            resync_interval: match raw.kubernetes.resync_interval_ms {
+                Some(0) => {
+                    return Err(ConfigError::BadTiming {
+                        key: "kubernetes.resync_interval_ms",
+                        problem: "0 would resync in a busy loop; give milliseconds, e.g. 60000"
+                            .to_owned(),
+                    });
+                }
+                Some(ms) => Duration::from_millis(ms),
+                None => KubernetesSettings::default().resync_interval,
+            },
+        };
+
         let mut names: HashMap<String, String> = HashMap::new();
         let mut addresses: HashMap<IpAddr, String> = HashMap::new();
         let mut listeners = Vec::with_capacity(raw.listeners.len());
@@ -428,6 +566,11 @@ impl Config {
             cache_netns: raw.cache_netns,
             probe,
             socket_reconcile_interval,
+            lock_file: raw
+                .lock_file
+                .unwrap_or_else(|| PathBuf::from(DEFAULT_LOCK_FILE)),
+            interface,
+            kubernetes,
             listeners,
         })
     }
@@ -441,6 +584,24 @@ impl Config {
             .find(|(_, listener)| listener.name == name)
             .map(|(id, listener)| (id as u32, listener))
     }
+}
+
+fn validate_interface(raw: RawInterface) -> Result<InterfaceSettings, ConfigError> {
+    let defaults = InterfaceSettings::default();
+    let name = raw.name.unwrap_or(defaults.name);
+    let valid = !name.is_empty()
+        && name.len() <= 15
+        && !name
+            .chars()
+            .any(|c| c == '/' || c == ':' || c.is_whitespace());
+    if !valid {
+        return Err(ConfigError::BadInterfaceName { name });
+    }
+    Ok(InterfaceSettings {
+        manage: raw.manage.unwrap_or(defaults.manage),
+        name,
+        kind: raw.kind.unwrap_or(defaults.kind),
+    })
 }
 
 fn validate_probe(raw: RawProbe) -> Result<ProbeSettings, ConfigError> {
@@ -562,6 +723,27 @@ fn validate_listener(
         })
         .collect::<Result<Vec<_>, ConfigError>>()?;
 
+    let source = match (&raw.kube_dns, &raw.resolv_conf, raw.upstreams.is_empty()) {
+        (None, None, _) => UpstreamSource::Static,
+        (Some(service), None, true) => {
+            let (namespace, name) = service
+                .split_once('/')
+                .filter(|(namespace, name)| {
+                    !namespace.is_empty() && !name.is_empty() && !name.contains('/')
+                })
+                .ok_or_else(|| ConfigError::BadService {
+                    key: format!("{key}.kube_dns"),
+                    value: service.clone(),
+                })?;
+            UpstreamSource::Kubernetes {
+                namespace: namespace.to_owned(),
+                service: name.to_owned(),
+            }
+        }
+        (None, Some(path), true) => UpstreamSource::ResolvConf(path.clone()),
+        _ => return Err(ConfigError::ConflictingSources { key }),
+    };
+
     let probe_name = match raw.probe_name {
         Some(name) => checked_dns_name(&format!("{key}.probe_name"), name)?,
         None => default_probe_name.to_owned(),
@@ -572,6 +754,7 @@ fn validate_listener(
         address,
         cache,
         upstreams,
+        source,
         empty_pool: raw.empty_pool,
         skip_cgroups: raw.skip_cgroups,
         liveness: raw.liveness,
@@ -1055,6 +1238,73 @@ mod tests {
             message.starts_with("listener[0] (\"n\").probe_name"),
             "{message}"
         );
+    }
+
+    #[test]
+    fn upstream_sources_and_their_conflicts() {
+        let config = Config::parse(
+            r#"
+            [[listener]]
+            name = "cluster"
+            address = "169.254.10.11"
+            kube_dns = "kube-system/kube-dns"
+            [[listener]]
+            name = "node"
+            address = "169.254.10.10"
+            resolv_conf = "/run/systemd/resolve/resolv.conf"
+            [[listener]]
+            name = "static"
+            address = "169.254.10.12"
+            upstreams = ["10.0.0.1"]
+            "#,
+        )
+        .unwrap();
+        assert_eq!(
+            config.listeners[0].source,
+            UpstreamSource::Kubernetes {
+                namespace: "kube-system".to_owned(),
+                service: "kube-dns".to_owned()
+            }
+        );
+        assert_eq!(
+            config.listeners[1].source,
+            UpstreamSource::ResolvConf(PathBuf::from("/run/systemd/resolve/resolv.conf"))
+        );
+        assert_eq!(config.listeners[2].source, UpstreamSource::Static);
+        assert_eq!(config.kubernetes, KubernetesSettings::default());
+        assert_eq!(config.interface, InterfaceSettings::default());
+        assert_eq!(config.lock_file, PathBuf::from(DEFAULT_LOCK_FILE));
+
+        let message = refusal(
+            "[[listener]]\nname = \"n\"\naddress = \"10.0.0.1\"\nupstreams = [\"10.0.0.2\"]\nkube_dns = \"kube-system/kube-dns\"\n",
+        );
+        assert!(message.starts_with("listener[0] (\"n\"): give one of upstreams"), "{message}");
+        let message = refusal(
+            "[[listener]]\nname = \"n\"\naddress = \"10.0.0.1\"\nkube_dns = \"kube-dns\"\n",
+        );
+        assert!(message.starts_with("listener[0] (\"n\").kube_dns: \"kube-dns\" is not a Service reference"), "{message}");
+    }
+
+    #[test]
+    fn interface_settings_and_their_refusals() {
+        let config = Config::parse(
+            "[interface]\nmanage = false\nname = \"veth-dns\"\nkind = \"existing\"\n[[listener]]\nname = \"n\"\naddress = \"10.0.0.1\"\n",
+        )
+        .unwrap();
+        assert_eq!(
+            config.interface,
+            InterfaceSettings {
+                manage: false,
+                name: "veth-dns".to_owned(),
+                kind: InterfaceKind::Existing
+            }
+        );
+        for name in ["", "a/b", "this-name-is-too-long", "with space"] {
+            let message = refusal(&format!(
+                "[interface]\nname = {name:?}\n[[listener]]\nname = \"n\"\naddress = \"10.0.0.1\"\n"
+            ));
+            assert!(message.starts_with("interface.name"), "{name}: {message}");
+        }
     }
 
     #[test]

@@ -8,5 +8,8 @@ pub mod agent;
 pub mod cgroup;
 pub mod config;
 pub mod datapath;
+pub mod interface;
 pub mod liveness;
+pub mod lock;
 pub mod netns;
+pub mod sources;

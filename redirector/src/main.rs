@@ -5,7 +5,7 @@ use std::{path::PathBuf, process::ExitCode};
 use anyhow::{Context as _, bail};
 use clap::{Parser, Subcommand, ValueEnum};
 use redirector::{
-    agent::Agent,
+    agent::{Agent, StartOptions},
     config::{Config, DEFAULT_CONFIG_PATH, DEFAULT_PIN_DIR},
     datapath::Maps,
 };
@@ -23,8 +23,15 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
-    /// Load and attach the programs, fill the maps, and steer DNS until SIGINT or SIGTERM.
+    /// Load (or adopt) and attach the programs, fill the maps, and keep them true until SIGINT or
+    /// SIGTERM; the programs stay attached after it stops.
     Run(RunArgs),
+    /// Detach the programs and remove every pin, the listener addresses and the lock.
+    Uninstall {
+        /// The configuration file the agent ran with.
+        #[arg(long, env = "REDIRECTOR_CONFIG", default_value = DEFAULT_CONFIG_PATH)]
+        config: PathBuf,
+    },
     /// Force a listener to the cache or to its upstreams, or give it back to automatic failover.
     State(StateArgs),
     /// Validate a configuration file and exit.
@@ -49,6 +56,9 @@ struct RunArgs {
     /// Log filter: error, warn, info, debug, trace, or tracing directives (overrides `log_level`).
     #[arg(long, env = "REDIRECTOR_LOG")]
     log_level: Option<String>,
+    /// Replace pins of another redirector version instead of refusing to start.
+    #[arg(long)]
+    replace: bool,
 }
 
 #[derive(clap::Args, Debug)]
@@ -96,6 +106,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Run(args) => run(args),
+        Command::Uninstall { config } => uninstall(&config),
         Command::State(args) => set_state(&args),
         Command::CheckConfig { config } => check_config(&config),
     };
@@ -146,19 +157,42 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         use tokio::signal::unix::{SignalKind, signal};
         let mut terminate = signal(SignalKind::terminate()).context("cannot watch SIGTERM")?;
         let mut interrupt = signal(SignalKind::interrupt()).context("cannot watch SIGINT")?;
-        let mut agent = Agent::start(&config).await?;
+        let options = StartOptions {
+            replace: args.replace,
+        };
+        let mut agent = Agent::start(&config, options).await?;
         agent
             .run(async {
                 let signal = tokio::select! {
                     _ = terminate.recv() => "SIGTERM",
                     _ = interrupt.recv() => "SIGINT",
                 };
-                tracing::info!(signal, "shutting down");
+                tracing::info!(signal, "stopping");
             })
             .await;
-        agent.stop()?;
+        agent.shutdown();
         Ok(())
     })
+}
+
+fn uninstall(path: &std::path::Path) -> anyhow::Result<()> {
+    let config = Config::load(path)?;
+    init_logging(config.log_level.as_deref().unwrap_or("warn"))?;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    let report = runtime.block_on(redirector::agent::uninstall(&config))?;
+    println!(
+        "uninstalled: {}; pins under {} removed{}",
+        if report.detached { "programs detached" } else { "no programs were attached" },
+        config.pin_dir.display(),
+        report
+            .interface
+            .map(|name| format!("; listener addresses removed from {name}"))
+            .unwrap_or_default()
+    );
+    Ok(())
 }
 
 fn set_state(args: &StateArgs) -> anyhow::Result<()> {

@@ -1,33 +1,133 @@
-//! The agent's control loop: one task, driven by a probe timer and a reconcile timer. It writes
-//! only the agent's own state (`CACHE_HEALTH`) and corrections to the socket counts; the kernel
+//! The agent's control loop: one task, driven by upstream-source events (coalesced over a few
+//! milliseconds), a probe timer, a socket-reconcile timer and a pool-resync timer. It writes only
+//! the agent's own state (`CACHE_HEALTH`, pools) and corrections to the socket counts; the kernel
 //! decides every route by itself, so a stalled or dead loop never stops DNS.
 
-use std::{future::Future, time::SystemTime};
+use std::{
+    collections::HashSet,
+    future::Future,
+    time::{Duration, SystemTime},
+};
 
-use tokio::{task::JoinSet, time::MissedTickBehavior};
+use tokio::{
+    task::JoinSet,
+    time::{Instant, MissedTickBehavior, sleep_until},
+};
 use tracing::{debug, info, warn};
 
 use super::{Agent, Transition, current_route};
-use crate::liveness::probe::ProbeOutcome;
+use crate::{liveness::probe::ProbeOutcome, sources::SourceEvent};
+
+/// How long source events are collected before the pools are written: a burst of endpoint
+/// changes becomes one write per listener.
+const COALESCE: Duration = Duration::from_millis(10);
+/// The first retry delay of a failed pool write, doubled up to `MAX_RETRY`.
+const FIRST_RETRY: Duration = Duration::from_millis(100);
+/// The longest retry delay.
+const MAX_RETRY: Duration = Duration::from_secs(10);
 
 impl Agent {
-    /// Probes, reconciles and watches the listeners until `shutdown` completes.
+    /// Probes, reconciles, syncs pools and watches the listeners until `shutdown` completes.
     pub async fn run(&mut self, shutdown: impl Future<Output = ()>) {
         let mut probe_tick = tokio::time::interval(self.config.probe.interval);
         probe_tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
         let mut reconcile_tick = tokio::time::interval(self.config.socket_reconcile_interval);
         reconcile_tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
-        // The counts were just seeded.
+        let mut resync_tick = tokio::time::interval(self.config.kubernetes.resync_interval);
+        resync_tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        // Counts were just seeded and pools just written.
         reconcile_tick.tick().await;
+        resync_tick.tick().await;
+        let mut dirty: HashSet<u32> = HashSet::new();
+        let mut write_at: Option<Instant> = None;
+        let mut retry = FIRST_RETRY;
         tokio::pin!(shutdown);
         loop {
             tokio::select! {
                 () = &mut shutdown => return,
+                Some(event) = self.events.recv() => {
+                    if let Some(listener) = self.take_event(event) {
+                        dirty.insert(listener);
+                        write_at.get_or_insert_with(|| Instant::now() + COALESCE);
+                    }
+                }
+                () = sleep_until(write_at.unwrap_or_else(Instant::now)), if write_at.is_some() => {
+                    if self.write_pools(&mut dirty) {
+                        write_at = None;
+                        retry = FIRST_RETRY;
+                    } else {
+                        write_at = Some(Instant::now() + retry);
+                        retry = (retry * 2).min(MAX_RETRY);
+                    }
+                }
+                _ = resync_tick.tick() => {
+                    dirty.extend(self.listeners.iter().filter(|listener| listener.desired.is_some()).map(|listener| listener.id));
+                    write_at.get_or_insert_with(Instant::now);
+                }
                 _ = probe_tick.tick() => self.probe_round().await,
                 _ = reconcile_tick.tick() => self.reconcile_round().await,
             }
             self.observe_routes();
         }
+    }
+
+    /// Folds a source event into the desired pools; returns the listener to write, if any.
+    fn take_event(&mut self, event: SourceEvent) -> Option<u32> {
+        match event {
+            SourceEvent::Pool {
+                listener,
+                upstreams,
+                source,
+            } => {
+                let runtime = self.listeners.iter_mut().find(|runtime| runtime.id == listener)?;
+                if runtime.desired.as_ref() == Some(&upstreams) {
+                    return None;
+                }
+                debug!(listener = %runtime.name, source = source.name(), upstreams = upstreams.len(), "desired pool changed");
+                runtime.desired = Some(upstreams);
+                self.stats.record_pool_sync(&runtime.name);
+                Some(listener)
+            }
+            SourceEvent::Rejected { source, reason, .. } => {
+                self.stats.record_rejection(source.name(), reason.name());
+                None
+            }
+        }
+    }
+
+    /// Writes the desired pools of `dirty` listeners whose kernel pool differs. Returns false when
+    /// a write failed (the failed ones stay dirty for the retry).
+    fn write_pools(&mut self, dirty: &mut HashSet<u32>) -> bool {
+        let mut failed = HashSet::new();
+        for id in dirty.drain() {
+            let Some(runtime) = self.listeners.iter().find(|runtime| runtime.id == id) else {
+                continue;
+            };
+            let Some(desired) = &runtime.desired else {
+                continue;
+            };
+            match self.maps.set_pool(id, desired) {
+                Ok(true) => {
+                    self.stats.record_pool_write(&runtime.name);
+                    info!(
+                        listener = %runtime.name,
+                        upstreams = ?desired.iter().map(ToString::to_string).collect::<Vec<_>>(),
+                        "upstream pool written"
+                    );
+                    if desired.is_empty() {
+                        warn!(listener = %runtime.name, "the upstream pool is EMPTY: while the cache is down, the empty-pool policy applies");
+                    }
+                }
+                Ok(false) => {}
+                Err(error) => {
+                    warn!(listener = %runtime.name, error = %error, "writing the upstream pool failed; retrying");
+                    failed.insert(id);
+                }
+            }
+        }
+        let written = failed.is_empty();
+        dirty.extend(failed);
+        written
     }
 
     /// Probes every cache at once and folds the results into the verdicts.
@@ -46,7 +146,7 @@ impl Agent {
             };
             let latency = match &outcome {
                 ProbeOutcome::Alive { latency } => *latency,
-                ProbeOutcome::Failed { .. } => std::time::Duration::ZERO,
+                ProbeOutcome::Failed { .. } => Duration::ZERO,
             };
             self.stats
                 .record_probe(&listener.name, outcome.is_alive(), latency);

@@ -1,29 +1,37 @@
-//! The agent: turns a validated configuration into attached programs and filled maps, keeps the
-//! kernel's view of each cache true (probes, socket-count reconciliation), and takes it all down
-//! again on request.
+//! The agent: turns a validated configuration into attached programs and filled maps (adopting
+//! what an earlier agent pinned), keeps the kernel's view of the world true (probes, socket
+//! counts, upstream pools from Kubernetes and resolv.conf), and leaves everything in place when it
+//! stops: steering and in-kernel failover never depend on its process.
 //!
 //! Everything that can be refused is checked before the first map is written: the attach cgroup,
-//! every skipped cgroup, the pin directory, the caches' network namespace.
+//! every skipped cgroup, the pin directory and its layout, the lock, the caches' namespace.
 
 mod controller;
+mod environment;
+mod ids;
 mod stats;
+mod uninstall;
 
 use std::{
+    collections::{HashMap, HashSet},
+    net::IpAddr,
     path::{Path, PathBuf},
     sync::Arc,
 };
 
-use redirector_common::{
-    datapath::{MAX_CGROUP_LEVEL, listener_bit},
-    listener::{LIVENESS_PROBES, LIVENESS_SOCKETS_AND_PROBES, Reason, Route, explain},
+use redirector_common::listener::{
+    LIVENESS_PROBES, LIVENESS_SOCKETS_AND_PROBES, Reason, Route, explain,
 };
 pub use stats::{AgentStats, Transition};
+use tokio::{sync::mpsc, task::JoinHandle};
 use tracing::{info, warn};
+pub use uninstall::{UninstallReport, uninstall};
 
 use crate::{
     cgroup::{self, Cgroup, CgroupError},
-    config::{Config, EmptyPoolPolicy, Liveness},
-    datapath::{self, Datapath, DatapathError, ListenerEntry, Maps, SkipEntry},
+    config::{Config, EmptyPoolPolicy, Liveness, UpstreamSource},
+    datapath::{self, Datapath, DatapathError, ListenerEntry, Maps, PinnedState},
+    interface::{self, InterfaceError},
     liveness::{
         binds::{TrackedCache, cache_binds},
         health::{HealthTracker, Hysteresis},
@@ -31,7 +39,9 @@ use crate::{
         reconcile::{ReconcileError, Reconciler},
         sockdiag::{SockDiagError, SocketTable},
     },
+    lock::{InstanceLock, LockError},
     netns::{self, NetnsError, NetnsWorker},
+    sources::{self, FedListener, SourceEvent, Upstream},
 };
 
 /// Why the agent could not start or stop cleanly.
@@ -41,7 +51,7 @@ pub enum AgentError {
     #[error(transparent)]
     Cgroup(#[from] CgroupError),
     /// A skipped cgroup too deep for the level mask.
-    #[error("{key}: {path} is {level} levels deep; skipped cgroups must be at most {max} levels below the root", max = MAX_CGROUP_LEVEL)]
+    #[error("{key}: {path} is {level} levels deep; skipped cgroups must be at most {max} levels below the root", max = redirector_common::datapath::MAX_CGROUP_LEVEL)]
     CgroupTooDeep {
         /// The configuration key.
         key: String,
@@ -70,6 +80,24 @@ pub enum AgentError {
         #[source]
         source: std::io::Error,
     },
+    /// Pins of another layout version.
+    #[error(
+        "{pin_dir} holds the maps of another redirector version (layout {found}, this one needs \
+         {expected}); their state cannot be adopted. Run `redirector uninstall` first, or start \
+         with --replace (DNS to the listeners passes untouched for a moment while the programs \
+         are replaced)",
+        found = found.map_or_else(|| "unknown".to_owned(), |version| version.to_string()),
+        expected = redirector_common::LAYOUT_VERSION
+    )]
+    IncompatiblePins {
+        /// The pin directory.
+        pin_dir: PathBuf,
+        /// The layout version found.
+        found: Option<u32>,
+    },
+    /// Another agent runs.
+    #[error(transparent)]
+    Lock(#[from] LockError),
     /// The caches' network namespace is unusable.
     #[error("cache_netns: the caches' network namespace cannot be used")]
     CacheNetns(#[source] NetnsError),
@@ -90,9 +118,34 @@ pub enum AgentError {
         #[source]
         source: hickory_proto::ProtoError,
     },
+    /// The listener interface could not be set up.
+    #[error(transparent)]
+    Interface(#[from] InterfaceError),
+    /// No Kubernetes client could be made.
+    #[error(
+        "cannot reach Kubernetes for the kube_dns listeners: no in-cluster configuration and no \
+         usable kubeconfig (set kubernetes.kubeconfig)"
+    )]
+    KubeConfig(#[source] kube::Error),
+    /// The given kubeconfig is unusable.
+    #[error("kubernetes.kubeconfig: cannot use {path}")]
+    Kubeconfig {
+        /// The file.
+        path: PathBuf,
+        /// What kube-rs said.
+        #[source]
+        source: kube::config::KubeconfigError,
+    },
     /// Loading, attaching or filling the datapath failed.
     #[error(transparent)]
     Datapath(#[from] DatapathError),
+}
+
+/// How the agent starts.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct StartOptions {
+    /// Replace pins of another layout version instead of refusing.
+    pub replace: bool,
 }
 
 /// One configured listener, as the agent tracks it.
@@ -104,6 +157,8 @@ struct ListenerRuntime {
     prober: Prober,
     tracker: HealthTracker,
     observed: (Route, Reason),
+    /// The pool the configuration or a source wants (`None`: a source has not spoken yet).
+    desired: Option<Vec<Upstream>>,
 }
 
 /// A running agent: programs attached (and pinned), maps filled and pinned.
@@ -115,109 +170,102 @@ pub struct Agent {
     listeners: Vec<ListenerRuntime>,
     config: Config,
     stats: Arc<AgentStats>,
+    events: mpsc::Receiver<SourceEvent>,
+    sources: Vec<JoinHandle<()>>,
+    lock: InstanceLock,
 }
 
 impl Agent {
-    /// Checks the environment against `config`, loads the datapath, fills its maps, seeds the
-    /// caches' socket counts, probes every cache once and attaches. Nothing is attached unless
+    /// Checks the environment against `config`, loads the datapath (adopting compatible pins),
+    /// fills its maps, owns the listener addresses, seeds the caches' socket counts, probes
+    /// every cache once, attaches, and starts the upstream sources. Nothing is attached unless
     /// every check passed.
-    pub async fn start(config: &Config) -> Result<Self, AgentError> {
+    pub async fn start(config: &Config, options: StartOptions) -> Result<Self, AgentError> {
         let attach_path = match &config.cgroup {
             Some(path) => path.clone(),
             None => cgroup::default_attach_cgroup()?,
         };
         let attach = Cgroup::resolve("cgroup", &attach_path)?;
-        let skips = skip_entries(config, &attach)?;
-        prepare_pin_dir(&config.pin_dir)?;
+        let skip_cgroups = environment::resolve_skip_cgroups(config)?;
+        environment::prepare_pin_dir(&config.pin_dir)?;
+        let lock = InstanceLock::acquire(&config.lock_file)?;
+        match datapath::pinned_state(&config.pin_dir) {
+            PinnedState::Empty => {}
+            PinnedState::Compatible => {
+                info!(pin_dir = %config.pin_dir.display(), "adopting the maps an earlier agent pinned");
+            }
+            PinnedState::Incompatible { found } if options.replace => {
+                warn!(pin_dir = %config.pin_dir.display(), found, "replacing pins of another version (--replace)");
+                datapath::remove_pins(&config.pin_dir)?;
+                environment::prepare_pin_dir(&config.pin_dir)?;
+            }
+            PinnedState::Incompatible { found } => {
+                return Err(AgentError::IncompatiblePins {
+                    pin_dir: config.pin_dir.clone(),
+                    found,
+                });
+            }
+        }
         let netns = config.cache_netns.as_deref();
         let netns_cookie = netns::cookie(netns).map_err(AgentError::CacheNetns)?;
         let worker = NetnsWorker::start(netns).map_err(AgentError::CacheNetns)?;
         let socket_table = SocketTable::open(netns).map_err(AgentError::SocketTable)?;
-        let hysteresis = Hysteresis {
-            failures_to_fail_over: config.probe.failures_to_fail_over,
-            successes_to_fail_back: config.probe.successes_to_fail_back,
-        };
-        let mut probers = Vec::with_capacity(config.listeners.len());
-        for (id, listener) in config.listeners.iter().enumerate() {
-            let prober = Prober::new(
-                listener.cache,
-                &listener.probe_name,
-                config.probe.timeout,
-                worker.clone(),
-            )
-            .map_err(|source| AgentError::ProbeName {
-                key: format!("listener[{id}] ({:?}).probe_name", listener.name),
-                name: listener.probe_name.clone(),
-                source,
-            })?;
-            probers.push(prober);
+        let kube_client = kube_client(config).await?;
+
+        let (mut datapath, mut maps) = Datapath::load(config.reverse_nat_entries, &config.pin_dir)?;
+        let pinned: Vec<(u32, String)> = maps
+            .listeners()?
+            .into_iter()
+            .filter_map(|(id, info)| Some((id, info.name()?.to_owned())))
+            .collect();
+        let names: Vec<&str> = config.listeners.iter().map(|listener| listener.name.as_str()).collect();
+        let (ids, removed) = ids::assign(&names, &pinned);
+        for id in removed {
+            info!(listener_id = id, "removing a listener no longer configured");
+            maps.remove_listener(id)?;
         }
 
-        if datapath::has_pinned_attachments(&config.pin_dir) {
-            warn!(
-                pin_dir = %config.pin_dir.display(),
-                "an earlier agent left its programs attached; replacing them"
-            );
+        if config.interface.manage {
+            let addresses: Vec<IpAddr> = config.listeners.iter().map(|listener| listener.address).collect();
+            interface::ensure(&config.interface, &addresses, &worker).await?;
         }
-        let (mut datapath, mut maps) = Datapath::load(config.reverse_nat_entries, &config.pin_dir)?;
+
+        let skips = environment::skip_entries(&skip_cgroups, &ids, &attach);
         maps.configure(&skips, netns_cookie)?;
         let tracked: Vec<TrackedCache> = config
             .listeners
             .iter()
-            .enumerate()
-            .filter(|(_, listener)| listener.liveness == Liveness::SocketsAndProbes)
-            .map(|(id, listener)| TrackedCache {
-                id: id as u32,
+            .zip(&ids)
+            .filter(|(listener, _)| listener.liveness == Liveness::SocketsAndProbes)
+            .map(|(listener, id)| TrackedCache {
+                id: *id,
                 cache: listener.cache,
             })
             .collect();
         let binds = cache_binds(&tracked);
         maps.set_cache_binds(&binds)?;
-        for (id, listener) in config.listeners.iter().enumerate() {
+        for (listener, id) in config.listeners.iter().zip(&ids) {
             let entry = ListenerEntry {
-                id: id as u32,
+                id: *id,
                 name: &listener.name,
                 address: listener.address,
                 cache: listener.cache,
                 empty_pool: listener.empty_pool,
                 liveness: listener.liveness,
             };
-            maps.install_listener(&entry, &listener.upstreams)?;
+            let pool = static_pool(listener);
+            maps.install_listener(&entry, pool.as_deref())?;
         }
 
-        // Seed the counts from the socket tables before the programs see any traffic, so a
-        // cache that started before the agent is alive from the first steered syscall.
+        // Count the sockets that existed before the programs (or that moved between listeners)
+        // before the programs see any traffic, so a running cache is alive from the first
+        // steered syscall.
         let mut reconciler = Reconciler::new(socket_table, binds);
         reconciler
             .reconcile(&mut maps, true)
             .await
             .map_err(AgentError::Seed)?;
-        // One probe of every cache before any DNS is steered: the first verdict is a real one.
-        let mut first_probes = tokio::task::JoinSet::new();
-        for (index, prober) in probers.iter().enumerate() {
-            let prober = prober.clone();
-            first_probes.spawn(async move { (index, prober.probe().await) });
-        }
-        let mut alive = vec![false; probers.len()];
-        while let Some(Ok((index, outcome))) = first_probes.join_next().await {
-            alive[index] = outcome.is_alive();
-        }
-        let mut listeners = Vec::with_capacity(config.listeners.len());
-        for ((id, listener), prober) in config.listeners.iter().enumerate().zip(probers) {
-            let counts = maps.socket_counts(id as u32)?;
-            let up = alive[id] && (listener.liveness == Liveness::Probes || counts.udp > 0);
-            let id = id as u32;
-            let tracker = HealthTracker::new(hysteresis, up, counts.down_epoch);
-            maps.set_health(id, tracker.health())?;
-            listeners.push(ListenerRuntime {
-                id,
-                name: listener.name.clone(),
-                liveness: listener.liveness,
-                prober,
-                tracker,
-                observed: (Route::Cache, Reason::Healthy),
-            });
-        }
+        let listeners = first_verdicts(config, &ids, &worker, &mut maps).await?;
 
         datapath.attach(&attach.path)?;
         // Binds and releases that raced the attach are caught here, or by the next pass.
@@ -225,6 +273,7 @@ impl Agent {
             warn!(error = %error, "re-counting the caches' sockets after attaching failed; the next pass retries");
         }
 
+        let (events, sources) = start_sources(config, &ids, kube_client);
         let mut agent = Self {
             datapath,
             maps,
@@ -232,17 +281,41 @@ impl Agent {
             listeners,
             config: config.clone(),
             stats: Arc::new(AgentStats::default()),
+            events,
+            sources,
+            lock,
         };
-        for (listener, runtime) in config.listeners.iter().zip(agent.listeners.iter_mut()) {
-            runtime.observed = current_route(&agent.maps, runtime.id, runtime.liveness)?;
-            let counts = agent.maps.socket_counts(runtime.id)?;
-            let upstreams: Vec<String> =
-                listener.upstreams.iter().map(ToString::to_string).collect();
+        agent.log_listeners()?;
+        info!(
+            cgroup = %attach.path.display(),
+            pin_dir = %config.pin_dir.display(),
+            adopted = agent.datapath.adopted(),
+            listeners = config.listeners.len(),
+            "redirector is steering"
+        );
+        Ok(agent)
+    }
+
+    fn log_listeners(&mut self) -> Result<(), AgentError> {
+        for (listener, runtime) in self.config.listeners.iter().zip(self.listeners.iter_mut()) {
+            runtime.observed = current_route(&self.maps, runtime.id, runtime.liveness)?;
+            let counts = self.maps.socket_counts(runtime.id)?;
+            let upstreams = match &listener.source {
+                UpstreamSource::Static => listener
+                    .upstreams
+                    .iter()
+                    .map(ToString::to_string)
+                    .collect::<Vec<_>>()
+                    .join(","),
+                UpstreamSource::Kubernetes { namespace, service } => format!("EndpointSlices of {namespace}/{service}"),
+                UpstreamSource::ResolvConf(path) => format!("nameservers of {}", path.display()),
+            };
             info!(
                 listener = %listener.name,
+                id = runtime.id,
                 address = %listener.address,
                 cache = %listener.cache,
-                upstreams = %upstreams.join(","),
+                upstreams = %upstreams,
                 empty_pool = match listener.empty_pool {
                     EmptyPoolPolicy::Pass => "pass",
                     EmptyPoolPolicy::Fail => "fail",
@@ -255,24 +328,13 @@ impl Agent {
                 "steering DNS for listener"
             );
         }
-        info!(
-            cgroup = %attach.path.display(),
-            pin_dir = %config.pin_dir.display(),
-            listeners = config.listeners.len(),
-            "redirector is steering"
-        );
-        Ok(agent)
+        Ok(())
     }
 
     /// The maps, for reading counters and state.
     #[must_use]
     pub fn maps(&self) -> &Maps {
         &self.maps
-    }
-
-    /// The maps, for changing state and pools.
-    pub fn maps_mut(&mut self) -> &mut Maps {
-        &mut self.maps
     }
 
     /// What the agent observed.
@@ -287,14 +349,158 @@ impl Agent {
         self.datapath.attached_to()
     }
 
-    /// Detaches the programs and removes the pins.
-    pub fn stop(self) -> Result<(), AgentError> {
-        let Self { datapath, maps, .. } = self;
-        drop(maps);
-        datapath.detach()?;
-        info!("programs detached, pins removed");
-        Ok(())
+    /// Stops the agent and leaves the datapath in place: the pinned programs keep steering and
+    /// failing over (a hung cache is not noticed without the agent's probes). `uninstall`
+    /// removes everything.
+    pub fn shutdown(self) {
+        for source in &self.sources {
+            source.abort();
+        }
+        info!(
+            pin_dir = %self.config.pin_dir.display(),
+            lock = %self.lock.path().display(),
+            "agent stopped; steering and in-kernel failover stay in place (`redirector uninstall` removes them)"
+        );
     }
+}
+
+/// The configured pool of a static listener (`None` for dynamic sources).
+fn static_pool(listener: &crate::config::Listener) -> Option<Vec<Upstream>> {
+    (listener.source == UpstreamSource::Static)
+        .then(|| listener.upstreams.iter().copied().map(Upstream::from).collect())
+}
+
+/// Probes every cache once and sets the first verdicts: a cache is up when it answered (and, when
+/// its sockets are tracked, has some).
+async fn first_verdicts(
+    config: &Config,
+    ids: &[u32],
+    worker: &NetnsWorker,
+    maps: &mut Maps,
+) -> Result<Vec<ListenerRuntime>, AgentError> {
+    let hysteresis = Hysteresis {
+        failures_to_fail_over: config.probe.failures_to_fail_over,
+        successes_to_fail_back: config.probe.successes_to_fail_back,
+    };
+    let mut probers = Vec::with_capacity(config.listeners.len());
+    for (position, listener) in config.listeners.iter().enumerate() {
+        let prober = Prober::new(listener.cache, &listener.probe_name, config.probe.timeout, worker.clone())
+            .map_err(|source| AgentError::ProbeName {
+                key: format!("listener[{position}] ({:?}).probe_name", listener.name),
+                name: listener.probe_name.clone(),
+                source,
+            })?;
+        probers.push(prober);
+    }
+    let mut first_probes = tokio::task::JoinSet::new();
+    for (index, prober) in probers.iter().enumerate() {
+        let prober = prober.clone();
+        first_probes.spawn(async move { (index, prober.probe().await) });
+    }
+    let mut alive = vec![false; probers.len()];
+    while let Some(Ok((index, outcome))) = first_probes.join_next().await {
+        alive[index] = outcome.is_alive();
+    }
+    let mut listeners = Vec::with_capacity(config.listeners.len());
+    for (((listener, id), prober), alive) in config.listeners.iter().zip(ids).zip(probers).zip(alive) {
+        let counts = maps.socket_counts(*id)?;
+        let up = alive && (listener.liveness == Liveness::Probes || counts.udp > 0);
+        let tracker = HealthTracker::new(hysteresis, up, counts.down_epoch);
+        maps.set_health(*id, tracker.health())?;
+        listeners.push(ListenerRuntime {
+            id: *id,
+            name: listener.name.clone(),
+            liveness: listener.liveness,
+            prober,
+            tracker,
+            observed: (Route::Cache, Reason::Healthy),
+            desired: static_pool(listener),
+        });
+    }
+    Ok(listeners)
+}
+
+/// A Kubernetes client when some listener follows kube-dns.
+async fn kube_client(config: &Config) -> Result<Option<kube::Client>, AgentError> {
+    let needed = config
+        .listeners
+        .iter()
+        .any(|listener| matches!(listener.source, UpstreamSource::Kubernetes { .. }));
+    if !needed {
+        return Ok(None);
+    }
+    let kube_config = match &config.kubernetes.kubeconfig {
+        Some(path) => {
+            let kubeconfig = kube::config::Kubeconfig::read_from(path).map_err(|source| {
+                AgentError::Kubeconfig {
+                    path: path.clone(),
+                    source,
+                }
+            })?;
+            kube::Config::from_custom_kubeconfig(kubeconfig, &kube::config::KubeConfigOptions::default())
+                .await
+                .map_err(|source| AgentError::Kubeconfig {
+                    path: path.clone(),
+                    source,
+                })?
+        }
+        None => kube::Config::infer()
+            .await
+            .map_err(|error| AgentError::KubeConfig(kube::Error::InferConfig(error)))?,
+    };
+    kube::Client::try_from(kube_config)
+        .map(Some)
+        .map_err(AgentError::KubeConfig)
+}
+
+/// Starts one task per dynamic source (one watcher per Service, one per resolv.conf), each
+/// feeding every listener that names it.
+fn start_sources(
+    config: &Config,
+    ids: &[u32],
+    kube_client: Option<kube::Client>,
+) -> (mpsc::Receiver<SourceEvent>, Vec<JoinHandle<()>>) {
+    let (sender, events) = mpsc::channel(1024);
+    let listener_addresses: HashSet<IpAddr> =
+        config.listeners.iter().map(|listener| listener.address).collect();
+    let mut services: HashMap<(String, String), Vec<FedListener>> = HashMap::new();
+    let mut files: HashMap<PathBuf, Vec<FedListener>> = HashMap::new();
+    for (listener, id) in config.listeners.iter().zip(ids) {
+        let fed = FedListener {
+            id: *id,
+            address: listener.address,
+        };
+        match &listener.source {
+            UpstreamSource::Static => {}
+            UpstreamSource::Kubernetes { namespace, service } => services
+                .entry((namespace.clone(), service.clone()))
+                .or_default()
+                .push(fed),
+            UpstreamSource::ResolvConf(path) => files.entry(path.clone()).or_default().push(fed),
+        }
+    }
+    let mut tasks = Vec::new();
+    if let Some(client) = kube_client {
+        for ((namespace, service), fed) in services {
+            tasks.push(tokio::spawn(sources::kubernetes::watch(
+                client.clone(),
+                namespace,
+                service,
+                fed,
+                listener_addresses.clone(),
+                sender.clone(),
+            )));
+        }
+    }
+    for (path, fed) in files {
+        tasks.push(tokio::spawn(sources::resolv_conf::watch(
+            path,
+            fed,
+            listener_addresses.clone(),
+            sender.clone(),
+        )));
+    }
+    (events, tasks)
 }
 
 /// The route the kernel takes for listener `id` now, and why: the same truth table, on the same
@@ -310,78 +516,4 @@ fn current_route(maps: &Maps, id: u32, liveness: Liveness) -> Result<(Route, Rea
         &maps.health(id)?,
         &maps.socket_counts(id)?,
     ))
-}
-
-/// The skipped cgroups of every listener, one entry per cgroup with the bits of every listener
-/// that skips it; plus the agent's own cgroup, for every listener, when it sits below the attach
-/// point (its probes must never be steered).
-fn skip_entries(config: &Config, attach: &Cgroup) -> Result<Vec<SkipEntry>, AgentError> {
-    let mut entries: Vec<SkipEntry> = Vec::new();
-    let mut add = |cgroup: &Cgroup, bits: u64, key: &str| -> Result<(), AgentError> {
-        if cgroup.level > MAX_CGROUP_LEVEL {
-            return Err(AgentError::CgroupTooDeep {
-                key: key.to_owned(),
-                path: cgroup.path.clone(),
-                level: cgroup.level,
-            });
-        }
-        match entries.iter_mut().find(|entry| entry.id == cgroup.id) {
-            Some(entry) => entry.listeners |= bits,
-            None => entries.push(SkipEntry {
-                id: cgroup.id,
-                level: cgroup.level,
-                listeners: bits,
-            }),
-        }
-        Ok(())
-    };
-    for (id, listener) in config.listeners.iter().enumerate() {
-        for (index, path) in listener.skip_cgroups.iter().enumerate() {
-            let key = format!("listener[{id}] ({:?}).skip_cgroups[{index}]", listener.name);
-            let cgroup = Cgroup::resolve(&key, path)?;
-            add(&cgroup, listener_bit(id as u32), &key)?;
-        }
-    }
-    match cgroup::own_cgroup() {
-        Ok(own) if own.path.starts_with(&attach.path) && own.level > attach.level => {
-            let every_listener =
-                (0..config.listeners.len() as u32).fold(0, |bits, id| bits | listener_bit(id));
-            add(&own, every_listener, "the agent's own cgroup")?;
-        }
-        Ok(own) if own.path == attach.path => warn!(
-            cgroup = %own.path.display(),
-            "the agent runs in the cgroup the programs attach to: its probes to a cache on a \
-             listener address are steered like any client's; run it in a cgroup of its own \
-             (a systemd service or a pod is one)"
-        ),
-        Ok(_) => {}
-        Err(error) => warn!(error = %error, "cannot find the agent's own cgroup"),
-    }
-    Ok(entries)
-}
-
-/// Creates the pin directory on a bpf filesystem, or says how to get one.
-fn prepare_pin_dir(pin_dir: &Path) -> Result<(), AgentError> {
-    // The deepest existing ancestor tells which filesystem the directory would be on.
-    let existing = pin_dir
-        .ancestors()
-        .find(|dir| dir.exists())
-        .unwrap_or_else(|| Path::new("/"));
-    let on_bpffs = nix::sys::statfs::statfs(existing)
-        .map(|stat| stat.filesystem_type() == nix::sys::statfs::BPF_FS_MAGIC)
-        .unwrap_or(false);
-    if !on_bpffs {
-        return Err(AgentError::NoBpffs {
-            dir: pin_dir.to_owned(),
-            mount: if existing == Path::new("/") || existing == Path::new("/sys/fs") {
-                PathBuf::from("/sys/fs/bpf")
-            } else {
-                existing.to_owned()
-            },
-        });
-    }
-    std::fs::create_dir_all(pin_dir).map_err(|source| AgentError::PinDir {
-        dir: pin_dir.to_owned(),
-        source,
-    })
 }

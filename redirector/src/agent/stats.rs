@@ -33,6 +33,9 @@ pub struct AgentStats {
     transitions: Mutex<Vec<Transition>>,
     by_reason: Mutex<HashMap<(String, Reason), u64>>,
     probes: Mutex<HashMap<(String, bool), (u64, Duration)>>,
+    pool_syncs: Mutex<HashMap<String, u64>>,
+    pool_writes: Mutex<HashMap<String, u64>>,
+    rejections: Mutex<HashMap<(&'static str, &'static str), u64>>,
 }
 
 impl AgentStats {
@@ -58,6 +61,62 @@ impl AgentStats {
             entry.0 += 1;
             entry.1 += latency;
         }
+    }
+
+    /// Records that a source changed a listener's desired pool.
+    pub fn record_pool_sync(&self, listener: &str) {
+        if let Ok(mut syncs) = self.pool_syncs.lock() {
+            *syncs.entry(listener.to_owned()).or_default() += 1;
+        }
+    }
+
+    /// Records a write of a listener's pool into the kernel.
+    pub fn record_pool_write(&self, listener: &str) {
+        if let Ok(mut writes) = self.pool_writes.lock() {
+            *writes.entry(listener.to_owned()).or_default() += 1;
+        }
+    }
+
+    /// Records an address a source offered and redirector refused.
+    pub fn record_rejection(&self, source: &'static str, reason: &'static str) {
+        if let Ok(mut rejections) = self.rejections.lock() {
+            *rejections.entry((source, reason)).or_default() += 1;
+        }
+    }
+
+    /// How often `listener`'s desired pool changed (source updates that changed it).
+    #[must_use]
+    pub fn pool_syncs(&self, listener: &str) -> u64 {
+        self.pool_syncs
+            .lock()
+            .ok()
+            .and_then(|syncs| syncs.get(listener).copied())
+            .unwrap_or(0)
+    }
+
+    /// How often `listener`'s pool was written into the kernel.
+    #[must_use]
+    pub fn pool_writes(&self, listener: &str) -> u64 {
+        self.pool_writes
+            .lock()
+            .ok()
+            .and_then(|writes| writes.get(listener).copied())
+            .unwrap_or(0)
+    }
+
+    /// How many addresses `source` offered that were refused for `reason`.
+    #[must_use]
+    pub fn rejections(&self, source: &str, reason: &str) -> u64 {
+        self.rejections
+            .lock()
+            .ok()
+            .and_then(|rejections| {
+                rejections
+                    .iter()
+                    .find(|((s, r), _)| *s == source && *r == reason)
+                    .map(|(_, count)| *count)
+            })
+            .unwrap_or(0)
     }
 
     /// Every transition of `listener` still in the log, oldest first.

@@ -31,10 +31,15 @@ use super::{
     error::{DatapathError, read, write},
     socket_counts::SharedSocketCounts,
 };
-use crate::config::{EmptyPoolPolicy, Liveness};
+use crate::{
+    config::{EmptyPoolPolicy, Liveness},
+    sources::Upstream,
+};
 
 /// `BPF_NOEXIST`: insert only if the key is absent.
 const BPF_NOEXIST: u64 = 1;
+/// `BPF_EXIST`: update only if the key is present.
+const BPF_EXIST: u64 = 2;
 
 /// Typed handles on every map userspace reads or writes.
 pub struct Maps {
@@ -103,6 +108,16 @@ impl ListenerTotals {
     }
 }
 
+/// A `Target` for an upstream.
+#[must_use]
+pub fn target_of_upstream(upstream: &Upstream) -> Target {
+    Target {
+        addr: NetAddr::from(upstream.ip),
+        udp_port_be: port_be(upstream.udp_port),
+        tcp_port_be: port_be(upstream.tcp_port),
+    }
+}
+
 /// A `Target` for a socket address (one port for UDP and TCP).
 #[must_use]
 pub fn target_of(address: SocketAddr) -> Target {
@@ -155,11 +170,13 @@ impl Maps {
     }
 
     /// Writes everything the programs need to know about one listener, its address entry last:
-    /// a listener becomes visible to the programs only once complete.
+    /// a listener becomes visible to the programs only once complete. An adopted listener (same
+    /// id, same name) keeps the operator's mode; `pool: None` leaves its pool as it is (a dynamic
+    /// source has not spoken yet, and an adopted pool is the last known good one).
     pub fn install_listener(
         &mut self,
         listener: &ListenerEntry<'_>,
-        upstreams: &[SocketAddr],
+        pool: Option<&[Upstream]>,
     ) -> Result<(), DatapathError> {
         let id = checked_id(listener.id)?;
         let mut name = [0u8; LISTENER_NAME_MAX];
@@ -167,6 +184,15 @@ impl Maps {
         let len = bytes.len().min(LISTENER_NAME_MAX);
         name[..len].copy_from_slice(&bytes[..len]);
         let address = NetAddr::from(listener.address);
+        let previous = self
+            .listener_info
+            .get(&id, 0)
+            .map_err(read(names::MAP_LISTENER_INFO))?;
+        let adopted = previous.in_use != 0 && previous.name == name;
+        if adopted && previous.addr != address {
+            // The listener moved: its old address is no listener any more.
+            self.remove_listener_address(previous.addr)?;
+        }
         self.listener_info
             .set(
                 id,
@@ -178,8 +204,12 @@ impl Maps {
                 0,
             )
             .map_err(write(names::MAP_LISTENER_INFO))?;
-        self.set_mode(id, ListenerMode::default().mode)?;
-        self.set_pool(id, upstreams)?;
+        if !adopted {
+            self.set_mode(id, ListenerMode::default().mode)?;
+            self.set_pool(id, pool.unwrap_or_default())?;
+        } else if let Some(pool) = pool {
+            self.set_pool(id, pool)?;
+        }
         let config = ListenerConfig {
             id,
             empty_pool_policy: match listener.empty_pool {
@@ -197,6 +227,42 @@ impl Maps {
             .map_err(write(names::MAP_LISTENERS))
     }
 
+    /// Removes a listener no longer configured: its address stops being steered first, then its
+    /// per-id state is cleared (the id may be given to a new listener).
+    pub fn remove_listener(&mut self, id: u32) -> Result<(), DatapathError> {
+        let id = checked_id(id)?;
+        let info = self
+            .listener_info
+            .get(&id, 0)
+            .map_err(read(names::MAP_LISTENER_INFO))?;
+        if info.in_use != 0 {
+            self.remove_listener_address(info.addr)?;
+        }
+        let unused = ListenerInfo {
+            name: [0; LISTENER_NAME_MAX],
+            addr: NetAddr::default(),
+            in_use: 0,
+        };
+        self.listener_info
+            .set(id, unused, 0)
+            .map_err(write(names::MAP_LISTENER_INFO))?;
+        self.set_mode(id, ListenerMode::default().mode)?;
+        self.set_health(id, CacheHealth::default())?;
+        match self.pools.remove(&id) {
+            Ok(()) => Ok(()),
+            Err(MapError::SyscallError(error)) if error.io_error.raw_os_error() == Some(libc::ENOENT) => Ok(()),
+            Err(source) => Err(write(names::MAP_POOLS)(source)),
+        }
+    }
+
+    fn remove_listener_address(&mut self, address: NetAddr) -> Result<(), DatapathError> {
+        match self.listeners.remove(&address) {
+            Ok(()) => Ok(()),
+            Err(MapError::SyscallError(error)) if error.io_error.raw_os_error() == Some(libc::ENOENT) => Ok(()),
+            Err(source) => Err(write(names::MAP_LISTENERS)(source)),
+        }
+    }
+
     /// A listener's configuration as the programs see it.
     pub fn listener_config(
         &self,
@@ -209,13 +275,19 @@ impl Maps {
         }
     }
 
-    /// Replaces a listener's upstream pool in one update.
-    pub fn set_pool(&mut self, id: u32, upstreams: &[SocketAddr]) -> Result<(), DatapathError> {
+    /// Replaces a listener's upstream pool in one update. Returns false (and writes nothing)
+    /// when the kernel already has exactly this pool.
+    pub fn set_pool(&mut self, id: u32, upstreams: &[Upstream]) -> Result<bool, DatapathError> {
         let id = checked_id(id)?;
-        let targets: Vec<Target> = upstreams.iter().copied().map(target_of).collect();
+        let targets: Vec<Target> = upstreams.iter().map(target_of_upstream).collect();
+        let pool = Pool::from_targets(&targets);
+        if self.pool(id)? == pool && self.pools.get(&id, 0).is_ok() {
+            return Ok(false);
+        }
         self.pools
-            .insert(id, Pool::from_targets(&targets), 0)
-            .map_err(write(names::MAP_POOLS))
+            .insert(id, pool, 0)
+            .map_err(write(names::MAP_POOLS))?;
+        Ok(true)
     }
 
     /// A listener's upstream pool.
@@ -311,6 +383,30 @@ impl Maps {
         match self.cache_sockets.remove(&cookie) {
             Ok(()) => {
                 self.add_to_counts(&entry, -1, true);
+                Ok(true)
+            }
+            Err(MapError::SyscallError(error))
+                if error.io_error.raw_os_error() == Some(libc::ENOENT) =>
+            {
+                Ok(false)
+            }
+            Err(source) => Err(write(names::MAP_CACHE_SOCKETS)(source)),
+        }
+    }
+
+    /// Moves a counted cache socket to other listeners (the configuration changed which caches a
+    /// bind belongs to): rewrites its entry if it still exists, then moves the counts. Returns
+    /// whether it was moved here.
+    pub fn reassign_cache_socket(
+        &mut self,
+        cookie: u64,
+        old: CacheSocket,
+        new: CacheSocket,
+    ) -> Result<bool, DatapathError> {
+        match self.cache_sockets.insert(cookie, new, BPF_EXIST) {
+            Ok(()) => {
+                self.add_to_counts(&new, 1, false);
+                self.add_to_counts(&old, -1, true);
                 Ok(true)
             }
             Err(MapError::SyscallError(error))

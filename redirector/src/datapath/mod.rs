@@ -1,6 +1,10 @@
-//! The kernel side seen from userspace: load the embedded object, attach its programs to a cgroup
-//! (pinning each attachment, so steering and in-kernel failover outlive the agent's process), and
-//! read and write its maps.
+//! The kernel side seen from userspace: load the embedded object, attach its programs to a cgroup,
+//! pin everything so that steering and in-kernel failover outlive the agent's process, adopt what
+//! an earlier agent pinned, and read and write the maps.
+//!
+//! Pin layout under the pin directory: `maps/NAME` for every map, `links/PROGRAM-0` or
+//! `links/PROGRAM-1` for every attachment (bpf_link): a new agent pins its attachment in the free
+//! slot before it unpins the old one (bpffs cannot rename).
 
 mod error;
 mod maps;
@@ -13,14 +17,16 @@ use std::{
 
 use aya::{
     Ebpf, EbpfLoader,
+    maps::{Array, Map, MapData},
     programs::{
         CgroupAttachMode, Program,
         links::{FdLink, PinnedLink},
     },
 };
 pub use error::DatapathError;
-pub use maps::{ListenerEntry, ListenerTotals, Maps, SkipEntry, target_of};
-use redirector_common::names;
+pub use maps::{ListenerEntry, ListenerTotals, Maps, SkipEntry, target_of, target_of_upstream};
+use redirector_common::{LAYOUT_VERSION, datapath::DatapathConfig, names};
+use tracing::{info, warn};
 
 /// The eBPF object built from `redirector-ebpf` by `build.rs`.
 pub static OBJECT: &[u8] =
@@ -33,7 +39,7 @@ const PINNED_LINKS_DIR: &str = "links";
 
 /// Every program, in attach order: the counting programs first, so that sockets bound from the
 /// moment steering starts are counted.
-const ALL_PROGRAMS: [&str; 11] = [
+pub const ALL_PROGRAMS: [&str; 11] = [
     names::PROG_POST_BIND4,
     names::PROG_POST_BIND6,
     names::PROG_SOCK_RELEASE,
@@ -47,23 +53,76 @@ const ALL_PROGRAMS: [&str; 11] = [
     names::PROG_GETPEERNAME6,
 ];
 
-/// The loaded object and its attachments. The attachments are pinned: dropping this (or the
-/// agent dying) leaves them attached; [`Datapath::detach`] removes them.
+/// What the pin directory holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PinnedState {
+    /// Nothing: a first start.
+    Empty,
+    /// Maps of this layout: adopt them (and replace the attachments hitlessly).
+    Compatible,
+    /// Maps of another layout (`None`: unreadable or never written).
+    Incompatible {
+        /// The layout version found.
+        found: Option<u32>,
+    },
+}
+
+/// Looks at the pins under `pin_dir`.
+#[must_use]
+pub fn pinned_state(pin_dir: &Path) -> PinnedState {
+    let maps_dir = pin_dir.join(PINNED_MAPS_DIR);
+    let any_pin = names::ALL_MAPS
+        .iter()
+        .any(|name| maps_dir.join(name).exists())
+        || has_pinned_attachments(pin_dir);
+    if !any_pin {
+        return PinnedState::Empty;
+    }
+    let version = MapData::from_pin(maps_dir.join(names::MAP_DATAPATH_CONFIG))
+        .and_then(Map::from_map_data)
+        .and_then(Array::<MapData, DatapathConfig>::try_from)
+        .and_then(|config| config.get(&0, 0))
+        .map(|config| config.layout_version)
+        .ok();
+    match version {
+        Some(LAYOUT_VERSION) => PinnedState::Compatible,
+        found => PinnedState::Incompatible { found },
+    }
+}
+
+/// The loaded object. Its attachments are pinned: dropping it (or the agent dying) leaves them
+/// attached; [`remove_pins`] detaches them.
 #[derive(Debug)]
 pub struct Datapath {
     ebpf: Ebpf,
     pin_dir: PathBuf,
-    links: Vec<PinnedLink>,
     attached_to: Option<PathBuf>,
+    adopted: bool,
 }
 
 impl Datapath {
-    /// Loads the object (creating its maps) and every program (running the verifier), without
-    /// attaching anything; pins the maps under `pin_dir/maps/`, replacing pins of an earlier run.
-    /// Returns the typed map handles next to it.
+    /// Loads the object and every program (running the verifier), without attaching anything.
+    /// Maps pinned under `pin_dir/maps/` are adopted, with their state (modes, counts, pools,
+    /// translations), when `pinned_state` says they are compatible; missing ones are created and
+    /// pinned. Returns the typed map handles next to it.
     pub fn load(reverse_nat_entries: u32, pin_dir: &Path) -> Result<(Self, Maps), DatapathError> {
-        let mut ebpf = EbpfLoader::new()
-            .map_max_entries(names::MAP_REVERSE_NAT, reverse_nat_entries)
+        let maps_dir = pin_dir.join(PINNED_MAPS_DIR);
+        std::fs::create_dir_all(&maps_dir).map_err(|source| DatapathError::PinDir {
+            path: maps_dir.clone(),
+            source,
+        })?;
+        let adopted = maps_dir.join(names::MAP_DATAPATH_CONFIG).exists();
+        let paths: Vec<(&str, PathBuf)> = names::ALL_MAPS
+            .iter()
+            .map(|name| (*name, maps_dir.join(name)))
+            .collect();
+        let mut loader = EbpfLoader::new();
+        loader.map_max_entries(names::MAP_REVERSE_NAT, reverse_nat_entries);
+        for (name, path) in &paths {
+            // Opens the pinned map when there is one, else creates and pins it.
+            loader.map_pin_path(name, path.as_path());
+        }
+        let mut ebpf = loader
             .load(OBJECT)
             .map_err(|source| DatapathError::Load { source })?;
         for name in ALL_PROGRAMS {
@@ -74,21 +133,30 @@ impl Datapath {
             }
             .map_err(|source| DatapathError::Verify { name, source })?;
         }
-        pin_maps(&ebpf, pin_dir)?;
         let maps = Maps::take(&mut ebpf)?;
         Ok((
             Self {
                 ebpf,
                 pin_dir: pin_dir.to_owned(),
-                links: Vec::new(),
                 attached_to: None,
+                adopted,
             },
             maps,
         ))
     }
 
+    /// True when the maps were adopted from an earlier agent.
+    #[must_use]
+    pub fn adopted(&self) -> bool {
+        self.adopted
+    }
+
     /// Attaches every program to the cgroup v2 directory `cgroup` and pins each attachment under
-    /// `pin_dir/links/`. Attachments pinned by an earlier agent are replaced.
+    /// `pin_dir/links/`, replacing an earlier agent's: the new attachment is pinned in the free
+    /// slot and only then is the old one unpinned (detaching it), so the old program runs until
+    /// the new one does. Both running for a moment is harmless: a rewritten address is no
+    /// listener address to the other, and a cache socket is counted once, by whoever inserts its
+    /// cookie.
     ///
     /// aya attaches through bpf_link on 5.7+, and a link attachment is always "multi": programs
     /// of other owners on the same cgroup (Cilium's socket LB, for one) keep running. The kernel
@@ -103,6 +171,7 @@ impl Datapath {
             path: links_dir.clone(),
             source,
         })?;
+        let mut replaced = 0;
         for name in ALL_PROGRAMS {
             let attach_error = |source| DatapathError::Attach {
                 name,
@@ -127,12 +196,24 @@ impl Datapath {
                 }
                 _ => return Err(DatapathError::ProgramType { name }),
             };
-            let path = links_dir.join(name);
-            remove_file_if_present(&path)?;
-            let pinned =
-                link.pin(&path)
-                    .map_err(|source| DatapathError::PinLink { name, path, source })?;
-            self.links.push(pinned);
+            let [first, second] = link_slots(&self.pin_dir, name);
+            let (new, old) = if first.exists() { (second, first) } else { (first, second) };
+            remove_file_if_present(&new)?;
+            let pinned: PinnedLink = link.pin(&new).map_err(|source| DatapathError::PinLink {
+                name,
+                path: new.clone(),
+                source,
+            })?;
+            // The pin keeps the attachment; this process's descriptor is not needed.
+            drop(pinned);
+            if old.exists() {
+                replaced += 1;
+                // The new program runs: the old one may go.
+                remove_file_if_present(&old)?;
+            }
+        }
+        if replaced > 0 {
+            info!(replaced, "replaced the programs an earlier agent attached");
         }
         self.attached_to = Some(cgroup.to_owned());
         Ok(())
@@ -143,26 +224,16 @@ impl Datapath {
     pub fn attached_to(&self) -> Option<&Path> {
         self.attached_to.as_deref()
     }
-
-    /// Detaches every program (unpinning the attachments) and removes the map pins.
-    pub fn detach(self) -> Result<(), DatapathError> {
-        let Self { links, pin_dir, .. } = self;
-        for link in links {
-            // Unpinning leaves the FdLink, whose drop detaches the program.
-            drop(link.unpin().map_err(|source| DatapathError::PinDir {
-                path: pin_dir.join(PINNED_LINKS_DIR),
-                source,
-            })?);
-        }
-        remove_pins(&pin_dir)
-    }
 }
 
 /// Removes every pin this module makes under `pin_dir` (maps and attachments), then the
-/// directories if empty. Unpinning an attachment detaches its program.
+/// directories when empty. Unpinning an attachment detaches its program; the maps go with the
+/// last program or process holding them.
 pub fn remove_pins(pin_dir: &Path) -> Result<(), DatapathError> {
     for name in ALL_PROGRAMS {
-        remove_file_if_present(&pin_dir.join(PINNED_LINKS_DIR).join(name))?;
+        for slot in link_slots(pin_dir, name) {
+            remove_file_if_present(&slot)?;
+        }
     }
     for name in names::ALL_MAPS {
         remove_file_if_present(&pin_dir.join(PINNED_MAPS_DIR).join(name))?;
@@ -176,41 +247,47 @@ pub fn remove_pins(pin_dir: &Path) -> Result<(), DatapathError> {
             Ok(()) => {}
             Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
             // Someone else's files share the directory: leave it.
-            Err(error) if error.raw_os_error() == Some(libc::ENOTEMPTY) => {}
+            Err(error) if error.raw_os_error() == Some(libc::ENOTEMPTY) => {
+                warn!(path = %path.display(), "left a directory that holds files of someone else");
+            }
             Err(source) => return Err(DatapathError::PinDir { path, source }),
         }
     }
     Ok(())
 }
 
-/// True when an earlier agent left attachments pinned under `pin_dir`.
+/// The two pin paths an attachment of `program` may have.
+fn link_slots(pin_dir: &Path, program: &str) -> [PathBuf; 2] {
+    let dir = pin_dir.join(PINNED_LINKS_DIR);
+    [dir.join(format!("{program}-0")), dir.join(format!("{program}-1"))]
+}
+
+/// True when attachments are pinned under `pin_dir`.
 #[must_use]
 pub fn has_pinned_attachments(pin_dir: &Path) -> bool {
     ALL_PROGRAMS
         .iter()
-        .any(|name| pin_dir.join(PINNED_LINKS_DIR).join(name).exists())
+        .flat_map(|name| link_slots(pin_dir, name))
+        .any(|slot| slot.exists())
+}
+
+/// The ids of the programs attached through the pins under `pin_dir` (for `status` and tests).
+#[must_use]
+pub fn pinned_program_ids(pin_dir: &Path) -> Vec<(&'static str, u32)> {
+    ALL_PROGRAMS
+        .iter()
+        .flat_map(|name| link_slots(pin_dir, name).map(|slot| (*name, slot)))
+        .filter_map(|(name, slot)| {
+            let link = PinnedLink::from_pin(slot).ok()?;
+            let info = FdLink::from(link).info().ok()?;
+            Some((name, info.program_id()))
+        })
+        .collect()
 }
 
 fn program<'a>(ebpf: &'a mut Ebpf, name: &'static str) -> Result<&'a mut Program, DatapathError> {
     ebpf.program_mut(name)
         .ok_or(DatapathError::MissingProgram { name })
-}
-
-/// Pins every map of the object under `pin_dir/maps/`, replacing pins left by an earlier run.
-fn pin_maps(ebpf: &Ebpf, pin_dir: &Path) -> Result<(), DatapathError> {
-    let dir = pin_dir.join(PINNED_MAPS_DIR);
-    std::fs::create_dir_all(&dir).map_err(|source| DatapathError::PinDir {
-        path: dir.clone(),
-        source,
-    })?;
-    for name in names::ALL_MAPS {
-        let map = ebpf.map(name).ok_or(DatapathError::MissingMap { name })?;
-        let path = dir.join(name);
-        remove_file_if_present(&path)?;
-        map.pin(&path)
-            .map_err(|source| DatapathError::Pin { name, path, source })?;
-    }
-    Ok(())
 }
 
 fn remove_file_if_present(path: &Path) -> Result<(), DatapathError> {
@@ -248,5 +325,11 @@ mod tests {
         let mut attached = ALL_PROGRAMS.to_vec();
         attached.sort_unstable();
         assert_eq!(attached, expected, "every program is attached");
+    }
+
+    #[test]
+    fn an_empty_pin_directory_is_a_first_start() {
+        let dir = std::env::temp_dir().join(format!("redirector-pins-{}", std::process::id()));
+        assert_eq!(pinned_state(&dir), PinnedState::Empty);
     }
 }

@@ -36,6 +36,8 @@ pub struct ReconcileReport {
     pub counted: usize,
     /// Sockets uncounted here (counted, gone).
     pub uncounted: usize,
+    /// Sockets moved to other listeners (the configuration changed).
+    pub reassigned: usize,
 }
 
 /// Compares and corrects the counted cache sockets.
@@ -72,8 +74,19 @@ impl Reconciler {
         let mut report = ReconcileReport::default();
         let mut inserted = Vec::new();
         for (cookie, entry) in &live {
-            if !counted.contains_key(cookie) && maps.count_cache_socket(*cookie, *entry)? {
-                inserted.push(*cookie);
+            match counted.get(cookie) {
+                None => {
+                    if maps.count_cache_socket(*cookie, *entry)? {
+                        inserted.push(*cookie);
+                    }
+                }
+                // Counted for other listeners than the configuration now says (it changed).
+                Some(old) if old != entry => {
+                    if maps.reassign_cache_socket(*cookie, *old, *entry)? {
+                        report.reassigned += 1;
+                    }
+                }
+                Some(_) => {}
             }
         }
         if !inserted.is_empty() {
@@ -101,6 +114,9 @@ impl Reconciler {
         }
         self.missing_once = still_missing;
 
+        if report.reassigned > 0 {
+            info!(sockets = report.reassigned, "moved counted cache sockets to the listeners the configuration now gives them");
+        }
         if !seed && (report.counted > 0 || report.uncounted > 0) {
             warn!(
                 counted = report.counted,

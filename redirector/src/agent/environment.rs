@@ -1,0 +1,102 @@
+//! What the agent checks and prepares on the host before it touches the kernel: cgroups to
+//! skip, the pin directory.
+
+use std::path::{Path, PathBuf};
+
+use redirector_common::datapath::{MAX_CGROUP_LEVEL, listener_bit};
+use tracing::warn;
+
+use super::AgentError;
+use crate::{
+    cgroup::{self, Cgroup},
+    config::Config,
+    datapath::SkipEntry,
+};
+
+/// Every listener's skipped cgroups, resolved (and so checked) before anything is loaded.
+pub(super) fn resolve_skip_cgroups(config: &Config) -> Result<Vec<Vec<Cgroup>>, AgentError> {
+    config
+        .listeners
+        .iter()
+        .enumerate()
+        .map(|(position, listener)| {
+            listener
+                .skip_cgroups
+                .iter()
+                .enumerate()
+                .map(|(index, path)| {
+                    let key = format!("listener[{position}] ({:?}).skip_cgroups[{index}]", listener.name);
+                    let cgroup = Cgroup::resolve(&key, path)?;
+                    if cgroup.level > MAX_CGROUP_LEVEL {
+                        return Err(AgentError::CgroupTooDeep {
+                            key,
+                            path: cgroup.path,
+                            level: cgroup.level,
+                        });
+                    }
+                    Ok(cgroup)
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// The skipped cgroups as the maps hold them: one entry per cgroup with the bits of every
+/// listener (by `ids`, in configuration order) that skips it; plus the agent's own cgroup, for
+/// every listener, when it sits below the attach point (its probes must never be steered).
+pub(super) fn skip_entries(resolved: &[Vec<Cgroup>], ids: &[u32], attach: &Cgroup) -> Vec<SkipEntry> {
+    let mut entries: Vec<SkipEntry> = Vec::new();
+    let mut add = |cgroup: &Cgroup, bits: u64| match entries.iter_mut().find(|entry| entry.id == cgroup.id) {
+        Some(entry) => entry.listeners |= bits,
+        None => entries.push(SkipEntry {
+            id: cgroup.id,
+            level: cgroup.level,
+            listeners: bits,
+        }),
+    };
+    for (cgroups, id) in resolved.iter().zip(ids) {
+        for cgroup in cgroups {
+            add(cgroup, listener_bit(*id));
+        }
+    }
+    match cgroup::own_cgroup() {
+        Ok(own) if own.path.starts_with(&attach.path) && own.level > attach.level && own.level <= MAX_CGROUP_LEVEL => {
+            add(&own, ids.iter().fold(0, |bits, id| bits | listener_bit(*id)));
+        }
+        Ok(own) if own.path == attach.path => warn!(
+            cgroup = %own.path.display(),
+            "the agent runs in the cgroup the programs attach to: its probes to a cache on a \
+             listener address are steered like any client's; run it in a cgroup of its own \
+             (a systemd service or a pod is one)"
+        ),
+        Ok(_) => {}
+        Err(error) => warn!(error = %error, "cannot find the agent's own cgroup"),
+    }
+    entries
+}
+
+/// Creates the pin directory on a bpf filesystem, or says how to get one.
+pub(super) fn prepare_pin_dir(pin_dir: &Path) -> Result<(), AgentError> {
+    // The deepest existing ancestor tells which filesystem the directory would be on.
+    let existing = pin_dir
+        .ancestors()
+        .find(|dir| dir.exists())
+        .unwrap_or_else(|| Path::new("/"));
+    let on_bpffs = nix::sys::statfs::statfs(existing)
+        .map(|stat| stat.filesystem_type() == nix::sys::statfs::BPF_FS_MAGIC)
+        .unwrap_or(false);
+    if !on_bpffs {
+        return Err(AgentError::NoBpffs {
+            dir: pin_dir.to_owned(),
+            mount: if existing == Path::new("/") || existing == Path::new("/sys/fs") {
+                PathBuf::from("/sys/fs/bpf")
+            } else {
+                existing.to_owned()
+            },
+        });
+    }
+    std::fs::create_dir_all(pin_dir).map_err(|source| AgentError::PinDir {
+        dir: pin_dir.to_owned(),
+        source,
+    })
+}

@@ -1,0 +1,40 @@
+//! `redirector uninstall`: detach every program, remove every pin, the listener addresses (and
+//! the link the agent created), and the lock. Refused while an agent runs.
+
+use std::net::IpAddr;
+
+use tracing::info;
+
+use super::AgentError;
+use crate::{config::Config, datapath, interface, lock::InstanceLock, netns::NetnsWorker};
+
+/// What `uninstall` removed.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct UninstallReport {
+    /// Programs were attached (and are detached now).
+    pub detached: bool,
+    /// The listener interface's name, when its addresses (or the link) were removed.
+    pub interface: Option<String>,
+}
+
+/// Removes everything the agent of `config` created. Nothing to remove is no error.
+pub async fn uninstall(config: &Config) -> Result<UninstallReport, AgentError> {
+    let lock = InstanceLock::acquire(&config.lock_file)?;
+    let detached = datapath::has_pinned_attachments(&config.pin_dir);
+    datapath::remove_pins(&config.pin_dir)?;
+    let mut report = UninstallReport {
+        detached,
+        interface: None,
+    };
+    if config.interface.manage {
+        let worker = NetnsWorker::start(config.cache_netns.as_deref()).map_err(AgentError::CacheNetns)?;
+        let addresses: Vec<IpAddr> = config.listeners.iter().map(|listener| listener.address).collect();
+        interface::remove(&config.interface, &addresses, &worker).await?;
+        report.interface = Some(config.interface.name.clone());
+    }
+    let path = lock.path().to_owned();
+    drop(lock);
+    let _ = std::fs::remove_file(&path);
+    info!(pin_dir = %config.pin_dir.display(), detached, "uninstalled");
+    Ok(report)
+}

@@ -1,0 +1,107 @@
+//! One agent per node: the running agent holds an exclusive `flock` on the lock file, which
+//! records its pid. The lock goes with the process, however it ends.
+
+use std::{
+    fs::{File, OpenOptions},
+    io::{Read as _, Seek as _, Write as _},
+    path::{Path, PathBuf},
+};
+
+use nix::fcntl::{Flock, FlockArg};
+
+/// Why the lock could not be taken.
+#[derive(Debug, thiserror::Error)]
+pub enum LockError {
+    /// Another process holds it.
+    #[error(
+        "another redirector agent (pid {pid}) holds {path}: one agent runs per node; stop it first \
+         (systemctl stop redirector, or kill {pid}), or give this one another lock_file and pin_dir"
+    )]
+    Held {
+        /// The lock file.
+        path: PathBuf,
+        /// The holder's pid, as it recorded it.
+        pid: String,
+    },
+    /// The file could not be created or locked.
+    #[error("cannot lock {path}")]
+    Io {
+        /// The lock file.
+        path: PathBuf,
+        /// What the OS said.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// The held lock; released when dropped (or when the process ends).
+#[derive(Debug)]
+pub struct InstanceLock {
+    _lock: Flock<File>,
+    path: PathBuf,
+}
+
+impl InstanceLock {
+    /// Takes the lock at `path` (creating the file and its directory) and writes this pid into it.
+    pub fn acquire(path: &Path) -> Result<Self, LockError> {
+        let io = |source| LockError::Io {
+            path: path.to_owned(),
+            source,
+        };
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir).map_err(io)?;
+        }
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(path)
+            .map_err(io)?;
+        let mut lock = match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
+            Ok(lock) => lock,
+            Err((mut file, errno)) if errno == nix::errno::Errno::EWOULDBLOCK => {
+                let mut pid = String::new();
+                let _ = file.read_to_string(&mut pid);
+                return Err(LockError::Held {
+                    path: path.to_owned(),
+                    pid: pid.trim().to_owned(),
+                });
+            }
+            Err((_, errno)) => return Err(io(errno.into())),
+        };
+        lock.set_len(0).map_err(io)?;
+        lock.rewind().map_err(io)?;
+        writeln!(lock, "{}", std::process::id()).map_err(io)?;
+        Ok(Self {
+            _lock: lock,
+            path: path.to_owned(),
+        })
+    }
+
+    /// The lock file.
+    #[must_use]
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_second_holder_is_refused_with_the_first_ones_pid() {
+        let path = std::env::temp_dir().join(format!("redirector-lock-test-{}", std::process::id()));
+        let first = InstanceLock::acquire(&path).unwrap();
+        let error = InstanceLock::acquire(&path).unwrap_err();
+        assert!(
+            error.to_string().contains(&format!("(pid {})", std::process::id())),
+            "{error}"
+        );
+        drop(first);
+        let again = InstanceLock::acquire(&path).expect("free again once released");
+        drop(again);
+        let _ = std::fs::remove_file(&path);
+    }
+}

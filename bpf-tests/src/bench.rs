@@ -157,6 +157,18 @@ impl Bench {
         })
     }
 
+    /// Starts an agent for the configuration `text` in an already prepared `sandbox`.
+    pub fn with_config(sandbox: Sandbox, text: &str) -> anyhow::Result<Self> {
+        let config = Config::parse(text).context("the test configuration is valid")?;
+        let agent = AgentThread::start(&config)?;
+        let maps = Maps::open_pinned(&sandbox.pin_dir())?;
+        Ok(Self {
+            agent,
+            maps,
+            sandbox,
+        })
+    }
+
     /// The standard servers (cache on every listener address, upstreams A and B) and
     /// `standard_listeners`.
     pub fn standard(tools: Tools) -> anyhow::Result<Self> {

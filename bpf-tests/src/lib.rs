@@ -12,6 +12,7 @@ pub mod cgroup;
 pub mod cli;
 pub mod command;
 pub mod dns;
+pub mod fake_kube;
 pub mod netns;
 pub mod sandbox;
 pub mod stream;

@@ -463,7 +463,7 @@ impl Sandbox {
             "cgroup = {:?}\npin_dir = {:?}\nlock_file = {:?}\ncache_netns = {:?}\nsocket_reconcile_interval_ms = 500\n\n[probe]\ninterval_ms = 250\ntimeout_ms = 200\n\n{tables}\n{listeners}",
             self.cgroup.path().display().to_string(),
             self.pin_dir().display().to_string(),
-            self.scratch.0.join("agent.lock").display().to_string(),
+            self.lock_file().display().to_string(),
             self.node_netns_path().display().to_string(),
         )
     }
@@ -699,6 +699,28 @@ impl Sandbox {
                 .with_context(|| format!("opening up {}", open.display()))?;
         }
         Ok(path)
+    }
+
+    /// A link of the sandbox's own in the node namespace for listener addresses the agent
+    /// manages (`[interface] kind = "existing"`): one end of a veth pair, up. This kernel has no
+    /// `dummy` driver; the pair goes away with the namespace.
+    pub fn add_listener_link(&self) -> anyhow::Result<String> {
+        let (link, peer) = (
+            format!("{PREFIX}{}l0", self.tag),
+            format!("{PREFIX}{}l1", self.tag),
+        );
+        self.node
+            .ip(&["link", "add", &link, "type", "veth", "peer", "name", &peer])?;
+        for end in [&link, &peer] {
+            self.node.ip(&["link", "set", end, "up"])?;
+        }
+        Ok(link)
+    }
+
+    /// The agent's lock file in the sandbox's configurations.
+    #[must_use]
+    pub fn lock_file(&self) -> PathBuf {
+        self.scratch.0.join("agent.lock")
     }
 
     /// What `bpftool cgroup show` lists on the sandbox's cgroup (empty: nothing attached).

@@ -80,13 +80,19 @@ fn run_steers_until_sigterm_and_state_flips_listeners() -> anyhow::Result<()> {
     agent.signal(nix::sys::signal::Signal::SIGTERM)?;
     let status = agent.wait_exit(Duration::from_secs(10))?;
     assert!(status.success(), "{status:?}: {:?}", agent.drain());
-    assert!(!sandbox.attached_programs()?.is_empty(), "stopping must not detach");
+    assert!(
+        !sandbox.attached_programs()?.is_empty(),
+        "stopping must not detach"
+    );
     assert_eq!(answered_by(&sandbox)?, "upstream");
 
     // Uninstall removes everything: DNS reaches the listener address untouched again.
     let uninstall = redirector(&["uninstall", "--config", &config.display().to_string()])?;
     assert_eq!(uninstall.code, 0, "{uninstall:?}");
-    assert!(uninstall.stdout.contains("programs detached"), "{uninstall:?}");
+    assert!(
+        uninstall.stdout.contains("programs detached"),
+        "{uninstall:?}"
+    );
     assert_eq!(sandbox.attached_programs()?, "", "programs left attached");
     assert!(!sandbox.pin_dir().exists(), "pins left behind");
     assert_eq!(answered_by(&sandbox)?, "cache");

@@ -345,7 +345,9 @@ pub enum ConfigError {
         key: String,
     },
     /// A Service reference that is not `namespace/name`.
-    #[error("{key}: {value:?} is not a Service reference; write it as namespace/name, e.g. kube-system/kube-dns")]
+    #[error(
+        "{key}: {value:?} is not a Service reference; write it as namespace/name, e.g. kube-system/kube-dns"
+    )]
     BadService {
         /// The offending key.
         key: String,
@@ -353,7 +355,9 @@ pub enum ConfigError {
         value: String,
     },
     /// An interface name the kernel would refuse.
-    #[error("interface.name: {name:?} is not a valid interface name (1 to 15 bytes, no '/', ':' or spaces)")]
+    #[error(
+        "interface.name: {name:?} is not a valid interface name (1 to 15 bytes, no '/', ':' or spaces)"
+    )]
     BadInterfaceName {
         /// The text given.
         name: String,
@@ -1278,11 +1282,19 @@ mod tests {
         let message = refusal(
             "[[listener]]\nname = \"n\"\naddress = \"10.0.0.1\"\nupstreams = [\"10.0.0.2\"]\nkube_dns = \"kube-system/kube-dns\"\n",
         );
-        assert!(message.starts_with("listener[0] (\"n\"): give one of upstreams"), "{message}");
+        assert!(
+            message.starts_with("listener[0] (\"n\"): give one of upstreams"),
+            "{message}"
+        );
         let message = refusal(
             "[[listener]]\nname = \"n\"\naddress = \"10.0.0.1\"\nkube_dns = \"kube-dns\"\n",
         );
-        assert!(message.starts_with("listener[0] (\"n\").kube_dns: \"kube-dns\" is not a Service reference"), "{message}");
+        assert!(
+            message.starts_with(
+                "listener[0] (\"n\").kube_dns: \"kube-dns\" is not a Service reference"
+            ),
+            "{message}"
+        );
     }
 
     #[test]

@@ -97,7 +97,12 @@ impl Connection {
     }
 
     async fn link_index(&self, name: &str) -> Result<Option<u32>, InterfaceError> {
-        let mut links = self.handle.link().get().match_name(name.to_owned()).execute();
+        let mut links = self
+            .handle
+            .link()
+            .get()
+            .match_name(name.to_owned())
+            .execute();
         match links.try_next().await {
             Ok(link) => Ok(link.map(|link| link.header.index)),
             Err(rtnetlink::Error::NetlinkError(error)) if error.raw_code() == -libc::ENODEV => {
@@ -184,7 +189,9 @@ pub async fn ensure(
     if addresses.iter().any(IpAddr::is_ipv6) {
         let sysctl = format!("/proc/sys/net/ipv6/conf/{name}/accept_dad");
         worker
-            .run("turning accept_dad off", move || std::fs::write(sysctl, "0"))
+            .run("turning accept_dad off", move || {
+                std::fs::write(sysctl, "0")
+            })
             .await
             .map_err(|source| InterfaceError::AcceptDad {
                 name: name.to_owned(),
@@ -194,7 +201,11 @@ pub async fn ensure(
 
     let present = connection.addresses(index, name).await?;
     let mut added = Vec::new();
-    for address in addresses.iter().copied().filter(|address| !present.contains(address)) {
+    for address in addresses
+        .iter()
+        .copied()
+        .filter(|address| !present.contains(address))
+    {
         let prefix = if address.is_ipv4() { 32 } else { 128 };
         let mut request = connection.handle.address().add(index, address, prefix);
         if address.is_ipv6() {
@@ -205,7 +216,10 @@ pub async fn ensure(
                 .attributes
                 .push(AddressAttribute::Flags(AddressFlags::Nodad));
         }
-        request.execute().await.map_err(netlink("adding a listener address"))?;
+        request
+            .execute()
+            .await
+            .map_err(netlink("adding a listener address"))?;
         added.push(address);
     }
     connection
@@ -262,9 +276,9 @@ pub async fn remove(
         .await
         .map_err(netlink("listing addresses"))?;
     for message in messages {
-        let ours = message.attributes.iter().any(|attribute| {
-            matches!(attribute, AddressAttribute::Address(ip) if wanted.contains(ip))
-        });
+        let ours = message.attributes.iter().any(
+            |attribute| matches!(attribute, AddressAttribute::Address(ip) if wanted.contains(ip)),
+        );
         if ours {
             connection
                 .handle
@@ -278,4 +292,3 @@ pub async fn remove(
     info!(link = name, "removed the listener addresses");
     Ok(())
 }
-

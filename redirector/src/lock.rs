@@ -92,11 +92,14 @@ mod tests {
 
     #[test]
     fn a_second_holder_is_refused_with_the_first_ones_pid() {
-        let path = std::env::temp_dir().join(format!("redirector-lock-test-{}", std::process::id()));
+        let path =
+            std::env::temp_dir().join(format!("redirector-lock-test-{}", std::process::id()));
         let first = InstanceLock::acquire(&path).unwrap();
         let error = InstanceLock::acquire(&path).unwrap_err();
         assert!(
-            error.to_string().contains(&format!("(pid {})", std::process::id())),
+            error
+                .to_string()
+                .contains(&format!("(pid {})", std::process::id())),
             "{error}"
         );
         drop(first);

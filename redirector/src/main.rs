@@ -185,7 +185,11 @@ fn uninstall(path: &std::path::Path) -> anyhow::Result<()> {
     let report = runtime.block_on(redirector::agent::uninstall(&config))?;
     println!(
         "uninstalled: {}; pins under {} removed{}",
-        if report.detached { "programs detached" } else { "no programs were attached" },
+        if report.detached {
+            "programs detached"
+        } else {
+            "no programs were attached"
+        },
         config.pin_dir.display(),
         report
             .interface

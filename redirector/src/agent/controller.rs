@@ -79,7 +79,10 @@ impl Agent {
                 upstreams,
                 source,
             } => {
-                let runtime = self.listeners.iter_mut().find(|runtime| runtime.id == listener)?;
+                let runtime = self
+                    .listeners
+                    .iter_mut()
+                    .find(|runtime| runtime.id == listener)?;
                 if runtime.desired.as_ref() == Some(&upstreams) {
                     return None;
                 }

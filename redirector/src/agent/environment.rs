@@ -25,7 +25,10 @@ pub(super) fn resolve_skip_cgroups(config: &Config) -> Result<Vec<Vec<Cgroup>>, 
                 .iter()
                 .enumerate()
                 .map(|(index, path)| {
-                    let key = format!("listener[{position}] ({:?}).skip_cgroups[{index}]", listener.name);
+                    let key = format!(
+                        "listener[{position}] ({:?}).skip_cgroups[{index}]",
+                        listener.name
+                    );
                     let cgroup = Cgroup::resolve(&key, path)?;
                     if cgroup.level > MAX_CGROUP_LEVEL {
                         return Err(AgentError::CgroupTooDeep {
@@ -44,24 +47,36 @@ pub(super) fn resolve_skip_cgroups(config: &Config) -> Result<Vec<Vec<Cgroup>>, 
 /// The skipped cgroups as the maps hold them: one entry per cgroup with the bits of every
 /// listener (by `ids`, in configuration order) that skips it; plus the agent's own cgroup, for
 /// every listener, when it sits below the attach point (its probes must never be steered).
-pub(super) fn skip_entries(resolved: &[Vec<Cgroup>], ids: &[u32], attach: &Cgroup) -> Vec<SkipEntry> {
+pub(super) fn skip_entries(
+    resolved: &[Vec<Cgroup>],
+    ids: &[u32],
+    attach: &Cgroup,
+) -> Vec<SkipEntry> {
     let mut entries: Vec<SkipEntry> = Vec::new();
-    let mut add = |cgroup: &Cgroup, bits: u64| match entries.iter_mut().find(|entry| entry.id == cgroup.id) {
-        Some(entry) => entry.listeners |= bits,
-        None => entries.push(SkipEntry {
-            id: cgroup.id,
-            level: cgroup.level,
-            listeners: bits,
-        }),
-    };
+    let mut add =
+        |cgroup: &Cgroup, bits: u64| match entries.iter_mut().find(|entry| entry.id == cgroup.id) {
+            Some(entry) => entry.listeners |= bits,
+            None => entries.push(SkipEntry {
+                id: cgroup.id,
+                level: cgroup.level,
+                listeners: bits,
+            }),
+        };
     for (cgroups, id) in resolved.iter().zip(ids) {
         for cgroup in cgroups {
             add(cgroup, listener_bit(*id));
         }
     }
     match cgroup::own_cgroup() {
-        Ok(own) if own.path.starts_with(&attach.path) && own.level > attach.level && own.level <= MAX_CGROUP_LEVEL => {
-            add(&own, ids.iter().fold(0, |bits, id| bits | listener_bit(*id)));
+        Ok(own)
+            if own.path.starts_with(&attach.path)
+                && own.level > attach.level
+                && own.level <= MAX_CGROUP_LEVEL =>
+        {
+            add(
+                &own,
+                ids.iter().fold(0, |bits, id| bits | listener_bit(*id)),
+            );
         }
         Ok(own) if own.path == attach.path => warn!(
             cgroup = %own.path.display(),

@@ -34,7 +34,10 @@ pub fn assign(configured: &[&str], pinned: &[(u32, String)]) -> (Vec<u32>, Vec<u
         // The configuration holds at most MAX_LISTENERS listeners, so a free id always exists.
         *id = free.next();
     }
-    (ids.into_iter().map(Option::unwrap_or_default).collect(), removed)
+    (
+        ids.into_iter().map(Option::unwrap_or_default).collect(),
+        removed,
+    )
 }
 
 #[cfg(test)]
@@ -42,7 +45,10 @@ mod tests {
     use super::*;
 
     fn pinned(entries: &[(u32, &str)]) -> Vec<(u32, String)> {
-        entries.iter().map(|(id, name)| (*id, (*name).to_owned())).collect()
+        entries
+            .iter()
+            .map(|(id, name)| (*id, (*name).to_owned()))
+            .collect()
     }
 
     #[test]
@@ -52,7 +58,10 @@ mod tests {
 
     #[test]
     fn known_names_keep_their_ids_whatever_the_order() {
-        let (ids, removed) = assign(&["cluster", "node"], &pinned(&[(0, "node"), (1, "cluster")]));
+        let (ids, removed) = assign(
+            &["cluster", "node"],
+            &pinned(&[(0, "node"), (1, "cluster")]),
+        );
         assert_eq!(ids, vec![1, 0]);
         assert!(removed.is_empty());
     }

@@ -218,7 +218,11 @@ impl Agent {
             .into_iter()
             .filter_map(|(id, info)| Some((id, info.name()?.to_owned())))
             .collect();
-        let names: Vec<&str> = config.listeners.iter().map(|listener| listener.name.as_str()).collect();
+        let names: Vec<&str> = config
+            .listeners
+            .iter()
+            .map(|listener| listener.name.as_str())
+            .collect();
         let (ids, removed) = ids::assign(&names, &pinned);
         for id in removed {
             info!(listener_id = id, "removing a listener no longer configured");
@@ -226,7 +230,11 @@ impl Agent {
         }
 
         if config.interface.manage {
-            let addresses: Vec<IpAddr> = config.listeners.iter().map(|listener| listener.address).collect();
+            let addresses: Vec<IpAddr> = config
+                .listeners
+                .iter()
+                .map(|listener| listener.address)
+                .collect();
             interface::ensure(&config.interface, &addresses, &worker).await?;
         }
 
@@ -307,7 +315,9 @@ impl Agent {
                     .map(ToString::to_string)
                     .collect::<Vec<_>>()
                     .join(","),
-                UpstreamSource::Kubernetes { namespace, service } => format!("EndpointSlices of {namespace}/{service}"),
+                UpstreamSource::Kubernetes { namespace, service } => {
+                    format!("EndpointSlices of {namespace}/{service}")
+                }
                 UpstreamSource::ResolvConf(path) => format!("nameservers of {}", path.display()),
             };
             info!(
@@ -366,8 +376,14 @@ impl Agent {
 
 /// The configured pool of a static listener (`None` for dynamic sources).
 fn static_pool(listener: &crate::config::Listener) -> Option<Vec<Upstream>> {
-    (listener.source == UpstreamSource::Static)
-        .then(|| listener.upstreams.iter().copied().map(Upstream::from).collect())
+    (listener.source == UpstreamSource::Static).then(|| {
+        listener
+            .upstreams
+            .iter()
+            .copied()
+            .map(Upstream::from)
+            .collect()
+    })
 }
 
 /// Probes every cache once and sets the first verdicts: a cache is up when it answered (and, when
@@ -384,12 +400,17 @@ async fn first_verdicts(
     };
     let mut probers = Vec::with_capacity(config.listeners.len());
     for (position, listener) in config.listeners.iter().enumerate() {
-        let prober = Prober::new(listener.cache, &listener.probe_name, config.probe.timeout, worker.clone())
-            .map_err(|source| AgentError::ProbeName {
-                key: format!("listener[{position}] ({:?}).probe_name", listener.name),
-                name: listener.probe_name.clone(),
-                source,
-            })?;
+        let prober = Prober::new(
+            listener.cache,
+            &listener.probe_name,
+            config.probe.timeout,
+            worker.clone(),
+        )
+        .map_err(|source| AgentError::ProbeName {
+            key: format!("listener[{position}] ({:?}).probe_name", listener.name),
+            name: listener.probe_name.clone(),
+            source,
+        })?;
         probers.push(prober);
     }
     let mut first_probes = tokio::task::JoinSet::new();
@@ -402,7 +423,9 @@ async fn first_verdicts(
         alive[index] = outcome.is_alive();
     }
     let mut listeners = Vec::with_capacity(config.listeners.len());
-    for (((listener, id), prober), alive) in config.listeners.iter().zip(ids).zip(probers).zip(alive) {
+    for (((listener, id), prober), alive) in
+        config.listeners.iter().zip(ids).zip(probers).zip(alive)
+    {
         let counts = maps.socket_counts(*id)?;
         let up = alive && (listener.liveness == Liveness::Probes || counts.udp > 0);
         let tracker = HealthTracker::new(hysteresis, up, counts.down_epoch);
@@ -437,12 +460,15 @@ async fn kube_client(config: &Config) -> Result<Option<kube::Client>, AgentError
                     source,
                 }
             })?;
-            kube::Config::from_custom_kubeconfig(kubeconfig, &kube::config::KubeConfigOptions::default())
-                .await
-                .map_err(|source| AgentError::Kubeconfig {
-                    path: path.clone(),
-                    source,
-                })?
+            kube::Config::from_custom_kubeconfig(
+                kubeconfig,
+                &kube::config::KubeConfigOptions::default(),
+            )
+            .await
+            .map_err(|source| AgentError::Kubeconfig {
+                path: path.clone(),
+                source,
+            })?
         }
         None => kube::Config::infer()
             .await
@@ -461,8 +487,11 @@ fn start_sources(
     kube_client: Option<kube::Client>,
 ) -> (mpsc::Receiver<SourceEvent>, Vec<JoinHandle<()>>) {
     let (sender, events) = mpsc::channel(1024);
-    let listener_addresses: HashSet<IpAddr> =
-        config.listeners.iter().map(|listener| listener.address).collect();
+    let listener_addresses: HashSet<IpAddr> = config
+        .listeners
+        .iter()
+        .map(|listener| listener.address)
+        .collect();
     let mut services: HashMap<(String, String), Vec<FedListener>> = HashMap::new();
     let mut files: HashMap<PathBuf, Vec<FedListener>> = HashMap::new();
     for (listener, id) in config.listeners.iter().zip(ids) {

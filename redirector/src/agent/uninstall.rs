@@ -27,8 +27,13 @@ pub async fn uninstall(config: &Config) -> Result<UninstallReport, AgentError> {
         interface: None,
     };
     if config.interface.manage {
-        let worker = NetnsWorker::start(config.cache_netns.as_deref()).map_err(AgentError::CacheNetns)?;
-        let addresses: Vec<IpAddr> = config.listeners.iter().map(|listener| listener.address).collect();
+        let worker =
+            NetnsWorker::start(config.cache_netns.as_deref()).map_err(AgentError::CacheNetns)?;
+        let addresses: Vec<IpAddr> = config
+            .listeners
+            .iter()
+            .map(|listener| listener.address)
+            .collect();
         interface::remove(&config.interface, &addresses, &worker).await?;
         report.interface = Some(config.interface.name.clone());
     }

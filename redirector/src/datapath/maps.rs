@@ -250,7 +250,11 @@ impl Maps {
         self.set_health(id, CacheHealth::default())?;
         match self.pools.remove(&id) {
             Ok(()) => Ok(()),
-            Err(MapError::SyscallError(error)) if error.io_error.raw_os_error() == Some(libc::ENOENT) => Ok(()),
+            Err(MapError::SyscallError(error))
+                if error.io_error.raw_os_error() == Some(libc::ENOENT) =>
+            {
+                Ok(())
+            }
             Err(source) => Err(write(names::MAP_POOLS)(source)),
         }
     }
@@ -258,7 +262,11 @@ impl Maps {
     fn remove_listener_address(&mut self, address: NetAddr) -> Result<(), DatapathError> {
         match self.listeners.remove(&address) {
             Ok(()) => Ok(()),
-            Err(MapError::SyscallError(error)) if error.io_error.raw_os_error() == Some(libc::ENOENT) => Ok(()),
+            Err(MapError::SyscallError(error))
+                if error.io_error.raw_os_error() == Some(libc::ENOENT) =>
+            {
+                Ok(())
+            }
             Err(source) => Err(write(names::MAP_LISTENERS)(source)),
         }
     }

@@ -197,7 +197,11 @@ impl Datapath {
                 _ => return Err(DatapathError::ProgramType { name }),
             };
             let [first, second] = link_slots(&self.pin_dir, name);
-            let (new, old) = if first.exists() { (second, first) } else { (first, second) };
+            let (new, old) = if first.exists() {
+                (second, first)
+            } else {
+                (first, second)
+            };
             remove_file_if_present(&new)?;
             let pinned: PinnedLink = link.pin(&new).map_err(|source| DatapathError::PinLink {
                 name,
@@ -259,7 +263,10 @@ pub fn remove_pins(pin_dir: &Path) -> Result<(), DatapathError> {
 /// The two pin paths an attachment of `program` may have.
 fn link_slots(pin_dir: &Path, program: &str) -> [PathBuf; 2] {
     let dir = pin_dir.join(PINNED_LINKS_DIR);
-    [dir.join(format!("{program}-0")), dir.join(format!("{program}-1"))]
+    [
+        dir.join(format!("{program}-0")),
+        dir.join(format!("{program}-1")),
+    ]
 }
 
 /// True when attachments are pinned under `pin_dir`.

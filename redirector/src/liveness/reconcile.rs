@@ -115,7 +115,10 @@ impl Reconciler {
         self.missing_once = still_missing;
 
         if report.reassigned > 0 {
-            info!(sockets = report.reassigned, "moved counted cache sockets to the listeners the configuration now gives them");
+            info!(
+                sockets = report.reassigned,
+                "moved counted cache sockets to the listeners the configuration now gives them"
+            );
         }
         if !seed && (report.counted > 0 || report.uncounted > 0) {
             warn!(

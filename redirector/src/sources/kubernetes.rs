@@ -17,10 +17,10 @@ use kube::{
 };
 use redirector_common::DNS_PORT;
 use tokio::sync::mpsc;
-use tracing::{debug, info, warn};
+use tracing::{info, warn};
 
 use super::{
-    FedListener, SourceEvent, SourceKind, Upstream,
+    FedListener, Offer, SourceEvent, SourceKind, Upstream,
     plausible::{self, Expect, Rejection},
 };
 
@@ -53,9 +53,11 @@ pub fn pools<'a>(
     slices: impl IntoIterator<Item = &'a EndpointSlice>,
     fed: &[FedListener],
     listeners: &HashSet<IpAddr>,
-) -> (HashMap<u32, Vec<Upstream>>, Vec<(String, Rejection)>) {
-    let mut pools: HashMap<u32, Vec<Upstream>> =
-        fed.iter().map(|listener| (listener.id, Vec::new())).collect();
+) -> Offer {
+    let mut pools: HashMap<u32, Vec<Upstream>> = fed
+        .iter()
+        .map(|listener| (listener.id, Vec::new()))
+        .collect();
     let mut rejected = Vec::new();
     for slice in slices {
         let family_v4 = match slice.address_type.as_str() {
@@ -69,7 +71,8 @@ pub fn pools<'a>(
             let conditions = endpoint.conditions.as_ref();
             // A nil `ready` means ready (API contract); terminating endpoints are going away.
             let ready = conditions.and_then(|conditions| conditions.ready) != Some(false);
-            let terminating = conditions.and_then(|conditions| conditions.terminating) == Some(true);
+            let terminating =
+                conditions.and_then(|conditions| conditions.terminating) == Some(true);
             if !ready || terminating {
                 continue;
             }
@@ -82,7 +85,10 @@ pub fn pools<'a>(
                     rejected.push((written.clone(), Rejection::WrongFamily));
                     continue;
                 }
-                for listener in fed.iter().filter(|listener| listener.address.is_ipv4() == family_v4) {
+                for listener in fed
+                    .iter()
+                    .filter(|listener| listener.address.is_ipv4() == family_v4)
+                {
                     match plausible::check(ip, listener.address, listeners, Expect::PodAddress) {
                         Ok(ip) => pools.entry(listener.id).or_default().push(Upstream {
                             ip,
@@ -101,7 +107,7 @@ pub fn pools<'a>(
     }
     rejected.sort_unstable_by(|a, b| a.0.cmp(&b.0));
     rejected.dedup();
-    (pools, rejected)
+    Offer { pools, rejected }
 }
 
 /// Watches the EndpointSlices of `namespace/service` and sends the fed listeners' pools on every
@@ -155,34 +161,12 @@ pub async fn watch(
         if !complete {
             continue;
         }
-        let (pools, rejected) = pools(slices.values(), &fed, &listeners);
-        for (address, reason) in rejected {
-            warn!(service = %format!("{namespace}/{service}"), endpoint = %address, reason = reason.name(), "refused an endpoint address");
-            if events
-                .send(SourceEvent::Rejected {
-                    source: SourceKind::Kubernetes,
-                    address,
-                    reason,
-                })
-                .await
-                .is_err()
-            {
-                return;
-            }
-        }
-        for (listener, upstreams) in pools {
-            debug!(listener_id = listener, upstreams = upstreams.len(), "kube-dns endpoints");
-            if events
-                .send(SourceEvent::Pool {
-                    listener,
-                    upstreams,
-                    source: SourceKind::Kubernetes,
-                })
-                .await
-                .is_err()
-            {
-                return;
-            }
+        if pools(slices.values(), &fed, &listeners)
+            .send(SourceKind::Kubernetes, &events)
+            .await
+            .is_err()
+        {
+            return;
         }
     }
 }
@@ -229,8 +213,14 @@ mod tests {
 
     fn fed() -> Vec<FedListener> {
         vec![
-            FedListener { id: 1, address: "169.254.10.11".parse().unwrap() },
-            FedListener { id: 4, address: "fd00:53::11".parse().unwrap() },
+            FedListener {
+                id: 1,
+                address: "169.254.10.11".parse().unwrap(),
+            },
+            FedListener {
+                id: 4,
+                address: "fd00:53::11".parse().unwrap(),
+            },
         ]
     }
 
@@ -251,12 +241,22 @@ mod tests {
                     endpoint("10.244.3.1", Some(true), Some(true)),
                 ],
             ),
-            slice("IPv6", &[], vec![endpoint("fd00:10:244::5", Some(true), None)]),
+            slice(
+                "IPv6",
+                &[],
+                vec![endpoint("fd00:10:244::5", Some(true), None)],
+            ),
         ];
-        let (pools, rejected) = pools(&slices, &fed(), &listeners());
+        let Offer { pools, rejected } = pools(&slices, &fed(), &listeners());
         let v4: Vec<String> = pools[&1].iter().map(ToString::to_string).collect();
-        assert_eq!(v4, ["10.244.0.5:1053 (tcp 1054)", "10.244.1.7:1053 (tcp 1054)"]);
-        assert_eq!(pools[&4], vec![Upstream::dns("fd00:10:244::5".parse().unwrap())]);
+        assert_eq!(
+            v4,
+            ["10.244.0.5:1053 (tcp 1054)", "10.244.1.7:1053 (tcp 1054)"]
+        );
+        assert_eq!(
+            pools[&4],
+            vec![Upstream::dns("fd00:10:244::5".parse().unwrap())]
+        );
         assert!(rejected.is_empty());
     }
 
@@ -273,12 +273,17 @@ mod tests {
                 endpoint("10.0.0.1", Some(true), None),
             ],
         )];
-        let (pools, rejected) = pools(&slices, &fed(), &listeners());
+        let Offer { pools, rejected } = pools(&slices, &fed(), &listeners());
         assert_eq!(pools[&1], vec![Upstream::dns("10.0.0.1".parse().unwrap())]);
         let reasons: Vec<Rejection> = rejected.iter().map(|(_, reason)| *reason).collect();
         assert_eq!(
             reasons,
-            [Rejection::Loopback, Rejection::Listener, Rejection::WrongFamily, Rejection::Unparseable]
+            [
+                Rejection::Loopback,
+                Rejection::Listener,
+                Rejection::WrongFamily,
+                Rejection::Unparseable
+            ]
         );
     }
 
@@ -287,9 +292,13 @@ mod tests {
         let slices = [
             slice("IPv4", &[], vec![endpoint("10.0.0.1", Some(true), None)]),
             slice("IPv4", &[], vec![endpoint("10.0.0.1", Some(true), None)]),
-            slice("FQDN", &[], vec![endpoint("dns.example.com", Some(true), None)]),
+            slice(
+                "FQDN",
+                &[],
+                vec![endpoint("dns.example.com", Some(true), None)],
+            ),
         ];
-        let (pools, rejected) = pools(&slices, &fed(), &listeners());
+        let Offer { pools, rejected } = pools(&slices, &fed(), &listeners());
         assert_eq!(pools[&1].len(), 1);
         assert!(rejected.is_empty());
     }

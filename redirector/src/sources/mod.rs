@@ -7,9 +7,14 @@ pub mod kubernetes;
 pub mod plausible;
 pub mod resolv_conf;
 
-use std::net::{IpAddr, SocketAddr};
+use std::{
+    collections::HashMap,
+    net::{IpAddr, SocketAddr},
+};
 
 use redirector_common::DNS_PORT;
+use tokio::sync::mpsc;
+use tracing::{debug, warn};
 
 use self::plausible::Rejection;
 
@@ -107,4 +112,56 @@ pub struct FedListener {
     pub id: u32,
     /// Its address (its family is the pool's).
     pub address: IpAddr,
+}
+
+/// What a source offers at one moment: the whole pool of every listener it feeds, and the
+/// addresses it offered that were refused (as written, with the reason).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Offer {
+    /// Each fed listener's pool, by listener id; a listener with nothing usable has an empty one.
+    pub pools: HashMap<u32, Vec<Upstream>>,
+    /// The refused addresses.
+    pub rejected: Vec<(String, Rejection)>,
+}
+
+/// The control loop is gone: the agent is shutting down.
+#[derive(Clone, Copy, Debug)]
+pub struct ControlLoopGone;
+
+impl Offer {
+    /// Sends the refusals, then every pool, to the control loop.
+    pub async fn send(
+        self,
+        source: SourceKind,
+        events: &mpsc::Sender<SourceEvent>,
+    ) -> Result<(), ControlLoopGone> {
+        for (address, reason) in self.rejected {
+            warn!(source = source.name(), address = %address, reason = reason.name(), "refused an upstream address");
+            events
+                .send(SourceEvent::Rejected {
+                    source,
+                    address,
+                    reason,
+                })
+                .await
+                .map_err(|_closed| ControlLoopGone)?;
+        }
+        for (listener, upstreams) in self.pools {
+            debug!(
+                source = source.name(),
+                listener_id = listener,
+                upstreams = upstreams.len(),
+                "offered a pool"
+            );
+            events
+                .send(SourceEvent::Pool {
+                    listener,
+                    upstreams,
+                    source,
+                })
+                .await
+                .map_err(|_closed| ControlLoopGone)?;
+        }
+        Ok(())
+    }
 }

@@ -97,7 +97,12 @@ mod tests {
     }
 
     fn verdict(ip: &str, listener: &str, expect: Expect) -> Result<IpAddr, Rejection> {
-        check(ip.parse().unwrap(), listener.parse().unwrap(), &listeners(), expect)
+        check(
+            ip.parse().unwrap(),
+            listener.parse().unwrap(),
+            &listeners(),
+            expect,
+        )
     }
 
     #[test]
@@ -122,9 +127,16 @@ mod tests {
             ("169.254.10.10", Rejection::Listener),
             ("fd00::1", Rejection::WrongFamily),
         ] {
-            assert_eq!(verdict(ip, "169.254.10.11", Expect::PodAddress), Err(reason), "{ip}");
+            assert_eq!(
+                verdict(ip, "169.254.10.11", Expect::PodAddress),
+                Err(reason),
+                "{ip}"
+            );
         }
-        assert_eq!(verdict("fe80::1", "fd00:53::10", Expect::PodAddress), Err(Rejection::LinkLocal));
+        assert_eq!(
+            verdict("fe80::1", "fd00:53::10", Expect::PodAddress),
+            Err(Rejection::LinkLocal)
+        );
     }
 
     #[test]

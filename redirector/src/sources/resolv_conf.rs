@@ -17,7 +17,7 @@ use tokio::sync::mpsc;
 use tracing::{info, warn};
 
 use super::{
-    FedListener, SourceEvent, SourceKind, Upstream,
+    FedListener, Offer, SourceEvent, SourceKind, Upstream,
     plausible::{self, Expect, Rejection},
 };
 
@@ -34,7 +34,9 @@ pub fn nameservers(text: &str) -> Vec<&str> {
         .filter(|line| !line.starts_with('#') && !line.starts_with(';'))
         .filter_map(|line| {
             let mut words = line.split_whitespace();
-            (words.next() == Some("nameserver")).then(|| words.next()).flatten()
+            (words.next() == Some("nameserver"))
+                .then(|| words.next())
+                .flatten()
         })
         .collect()
 }
@@ -42,12 +44,11 @@ pub fn nameservers(text: &str) -> Vec<&str> {
 /// Each listener's pool from resolv.conf `text` (its family's nameservers, port 53, in file
 /// order without duplicates), and the nameservers refused.
 #[must_use]
-pub fn pools(
-    text: &str,
-    fed: &[FedListener],
-    listeners: &HashSet<IpAddr>,
-) -> (HashMap<u32, Vec<Upstream>>, Vec<(String, Rejection)>) {
-    let mut pools: HashMap<u32, Vec<Upstream>> = fed.iter().map(|listener| (listener.id, Vec::new())).collect();
+pub fn pools(text: &str, fed: &[FedListener], listeners: &HashSet<IpAddr>) -> Offer {
+    let mut pools: HashMap<u32, Vec<Upstream>> = fed
+        .iter()
+        .map(|listener| (listener.id, Vec::new()))
+        .collect();
     let mut rejected = Vec::new();
     for written in nameservers(text) {
         let Ok(ip) = written.parse::<IpAddr>() else {
@@ -75,7 +76,7 @@ pub fn pools(
             rejected.push((written.to_owned(), reason));
         }
     }
-    (pools, rejected)
+    Offer { pools, rejected }
 }
 
 /// Reads `path` and sends every fed listener's pool; a missing file is an empty pool.
@@ -92,18 +93,8 @@ async fn publish(
             String::new()
         }
     };
-    let (pools, rejected) = pools(&text, fed, listeners);
-    for (address, reason) in rejected {
-        warn!(path = %path.display(), nameserver = %address, reason = reason.name(), "refused a nameserver");
-        let _ = events
-            .send(SourceEvent::Rejected {
-                source: SourceKind::ResolvConf,
-                address,
-                reason,
-            })
-            .await;
-    }
-    for (listener, upstreams) in pools {
+    let offer = pools(&text, fed, listeners);
+    for (listener, upstreams) in &offer.pools {
         if upstreams.is_empty() {
             warn!(
                 path = %path.display(),
@@ -113,14 +104,9 @@ async fn publish(
         } else {
             info!(path = %path.display(), listener_id = listener, upstreams = ?upstreams.iter().map(ToString::to_string).collect::<Vec<_>>(), "upstreams from resolv.conf");
         }
-        let _ = events
-            .send(SourceEvent::Pool {
-                listener,
-                upstreams,
-                source: SourceKind::ResolvConf,
-            })
-            .await;
     }
+    // A closed channel means shutdown; `watch` notices and returns.
+    let _ = offer.send(SourceKind::ResolvConf, events).await;
 }
 
 /// Publishes the pools from `path` now and after every change, until `events` closes.
@@ -130,7 +116,9 @@ pub async fn watch(
     listeners: HashSet<IpAddr>,
     events: mpsc::Sender<SourceEvent>,
 ) {
-    let directory = path.parent().map_or_else(|| PathBuf::from("/"), Path::to_owned);
+    let directory = path
+        .parent()
+        .map_or_else(|| PathBuf::from("/"), Path::to_owned);
     let file_name: Option<OsString> = path.file_name().map(ToOwned::to_owned);
     loop {
         publish(&path, &fed, &listeners, &events).await;
@@ -184,8 +172,14 @@ mod tests {
 
     fn fed() -> Vec<FedListener> {
         vec![
-            FedListener { id: 0, address: "169.254.10.10".parse().unwrap() },
-            FedListener { id: 1, address: "fd00:53::10".parse().unwrap() },
+            FedListener {
+                id: 0,
+                address: "169.254.10.10".parse().unwrap(),
+            },
+            FedListener {
+                id: 1,
+                address: "fd00:53::10".parse().unwrap(),
+            },
         ]
     }
 
@@ -194,7 +188,9 @@ mod tests {
     }
 
     fn ips(pool: &[Upstream]) -> Vec<String> {
-        pool.iter().map(|upstream| upstream.ip.to_string()).collect()
+        pool.iter()
+            .map(|upstream| upstream.ip.to_string())
+            .collect()
     }
 
     #[test]
@@ -206,17 +202,27 @@ mod tests {
                     search cluster.local example.com\n\
                     options edns0 trust-ad\n\
                     nameserver 10.0.0.2\n";
-        let (found, rejected) = pools(text, &fed(), &listeners());
+        let Offer {
+            pools: found,
+            rejected,
+        } = pools(text, &fed(), &listeners());
         assert_eq!(ips(&found[&0]), ["168.63.129.16", "10.0.0.2"]);
         assert_eq!(ips(&found[&1]), ["2001:4860:4860::8888"]);
         assert!(rejected.is_empty(), "{rejected:?}");
-        assert!(found[&0].iter().all(|upstream| upstream.udp_port == 53 && upstream.tcp_port == 53));
+        assert!(
+            found[&0]
+                .iter()
+                .all(|upstream| upstream.udp_port == 53 && upstream.tcp_port == 53)
+        );
     }
 
     #[test]
     fn the_listener_itself_is_never_its_own_upstream() {
         let text = "nameserver 169.254.10.10\nnameserver 127.0.0.53\nnameserver 10.0.0.2\n";
-        let (found, rejected) = pools(text, &fed(), &listeners());
+        let Offer {
+            pools: found,
+            rejected,
+        } = pools(text, &fed(), &listeners());
         assert_eq!(ips(&found[&0]), ["10.0.0.2"]);
         assert_eq!(
             rejected,
@@ -229,17 +235,24 @@ mod tests {
 
     #[test]
     fn nothing_usable_is_an_empty_pool() {
-        let (found, rejected) = pools("nameserver 127.0.0.53\nnameserver fe80::1%eth0\n", &fed(), &listeners());
+        let Offer {
+            pools: found,
+            rejected,
+        } = pools(
+            "nameserver 127.0.0.53\nnameserver fe80::1%eth0\n",
+            &fed(),
+            &listeners(),
+        );
         assert!(found[&0].is_empty() && found[&1].is_empty());
         assert_eq!(rejected.len(), 2);
-        let (found, _) = pools("", &fed(), &listeners());
+        let Offer { pools: found, .. } = pools("", &fed(), &listeners());
         assert!(found[&0].is_empty());
     }
 
     #[test]
     fn duplicates_and_comments_are_skipped() {
         let text = "nameserver 10.0.0.2\n#nameserver 10.0.0.3\nnameserver 10.0.0.2\nnameserver\n";
-        let (found, _) = pools(text, &fed(), &listeners());
+        let Offer { pools: found, .. } = pools(text, &fed(), &listeners());
         assert_eq!(ips(&found[&0]), ["10.0.0.2"]);
     }
 }

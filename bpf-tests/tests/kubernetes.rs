@@ -1,0 +1,366 @@
+//! The cluster listener's pool follows kube-dns's EndpointSlices: a fake API server on loopback
+//! speaks the real list/watch protocol to the real kube-rs client, and every step is checked in
+//! the kernel's pool map.
+
+use std::{net::IpAddr, time::Duration};
+
+use bpf_tests::{
+    bench::{Bench, CLUSTER_ID},
+    fake_kube::{FakeKube, endpoint_slice},
+    sandbox::{Sandbox, Tools},
+};
+use redirector_common::addr::port_from_be;
+
+fn tools() -> Tools {
+    bpf_tests::tools!()
+}
+
+/// The kernel pool of a listener as (address, udp port, tcp port), sorted.
+fn kernel_pool(bench: &Bench, id: u32) -> anyhow::Result<Vec<(IpAddr, u16, u16)>> {
+    let mut pool: Vec<_> = bench
+        .maps
+        .pool(id)?
+        .targets()
+        .iter()
+        .map(|target| {
+            (
+                IpAddr::from(target.addr),
+                port_from_be(target.udp_port_be),
+                port_from_be(target.tcp_port_be),
+            )
+        })
+        .collect();
+    pool.sort_unstable();
+    Ok(pool)
+}
+
+fn expect(addresses: &[&str], port: u16) -> Vec<(IpAddr, u16, u16)> {
+    let mut pool: Vec<_> = addresses
+        .iter()
+        .map(|address| (address.parse().expect("address"), port, port))
+        .collect();
+    pool.sort_unstable();
+    pool
+}
+
+fn wait_for_pool(
+    bench: &Bench,
+    id: u32,
+    expected: &[(IpAddr, u16, u16)],
+    step: &str,
+) -> anyhow::Result<()> {
+    bench
+        .wait_until(step, Duration::from_secs(10), |bench| {
+            Ok(kernel_pool(bench, id)? == expected)
+        })
+        .map_err(|error| {
+            let now = kernel_pool(bench, id).unwrap_or_default();
+            error.context(format!("kernel pool is {now:?}, expected {expected:?}"))
+        })
+}
+
+/// A bench whose cluster (v4) and v6 listeners follow kube-system/kube-dns through `kube`.
+fn bench(kube: &FakeKube) -> anyhow::Result<Bench> {
+    let mut sandbox = Sandbox::new(tools())?;
+    sandbox.start_standard_servers()?;
+    let kubeconfig = sandbox.write_file("kubeconfig", &kube.kubeconfig())?;
+    let listeners = r#"
+[[listener]]
+name = "node"
+address = "169.254.10.10"
+upstreams = ["198.18.2.2"]
+
+[[listener]]
+name = "cluster"
+address = "169.254.10.11"
+kube_dns = "kube-system/kube-dns"
+
+[[listener]]
+name = "v6"
+address = "fd00:53::10"
+kube_dns = "kube-system/kube-dns"
+"#;
+    let tables = format!(
+        "[interface]\nmanage = false\n\n[kubernetes]\nkubeconfig = {:?}\nresync_interval_ms = 2000\n",
+        kubeconfig.display().to_string()
+    );
+    let text = sandbox.config_toml_with(listeners, &tables);
+    Bench::with_config(sandbox, &text)
+}
+
+const V6_ID: u32 = 2;
+
+#[test]
+fn the_cluster_pool_follows_endpoint_slices_through_every_kind_of_change() -> anyhow::Result<()> {
+    let kube = FakeKube::start()?;
+    kube.apply(endpoint_slice(
+        "kube-dns-v4",
+        "kube-dns",
+        "IPv4",
+        53,
+        &[("10.244.0.5", true, false), ("10.244.1.7", true, false)],
+    ));
+    kube.apply(endpoint_slice(
+        "kube-dns-v6",
+        "kube-dns",
+        "IPv6",
+        53,
+        &[("fd00:10:244::5", true, false)],
+    ));
+    // Another Service's slice, never the cluster listener's.
+    kube.apply(endpoint_slice(
+        "other",
+        "other-service",
+        "IPv4",
+        53,
+        &[("10.9.9.9", true, false)],
+    ));
+    let bench = bench(&kube)?;
+
+    // Initial list: each family into its own pool.
+    wait_for_pool(
+        &bench,
+        CLUSTER_ID,
+        &expect(&["10.244.0.5", "10.244.1.7"], 53),
+        "initial list",
+    )?;
+    wait_for_pool(
+        &bench,
+        V6_ID,
+        &expect(&["fd00:10:244::5"], 53),
+        "initial list, IPv6",
+    )?;
+
+    // An endpoint added; named ports change.
+    kube.apply(endpoint_slice(
+        "kube-dns-v4",
+        "kube-dns",
+        "IPv4",
+        1053,
+        &[
+            ("10.244.0.5", true, false),
+            ("10.244.1.7", true, false),
+            ("10.244.2.9", true, false),
+        ],
+    ));
+    wait_for_pool(
+        &bench,
+        CLUSTER_ID,
+        &expect(&["10.244.0.5", "10.244.1.7", "10.244.2.9"], 1053),
+        "endpoint added",
+    )?;
+
+    // Not ready, then terminating: out of the pool.
+    kube.apply(endpoint_slice(
+        "kube-dns-v4",
+        "kube-dns",
+        "IPv4",
+        1053,
+        &[
+            ("10.244.0.5", false, false),
+            ("10.244.1.7", true, true),
+            ("10.244.2.9", true, false),
+        ],
+    ));
+    wait_for_pool(
+        &bench,
+        CLUSTER_ID,
+        &expect(&["10.244.2.9"], 1053),
+        "not ready and terminating",
+    )?;
+
+    // Flapping readiness ends where it ends.
+    for round in 0..10 {
+        let ready = round % 2 == 0;
+        kube.apply(endpoint_slice(
+            "kube-dns-v4",
+            "kube-dns",
+            "IPv4",
+            1053,
+            &[("10.244.0.5", ready, false), ("10.244.2.9", true, false)],
+        ));
+    }
+    wait_for_pool(
+        &bench,
+        CLUSTER_ID,
+        &expect(&["10.244.2.9"], 1053),
+        "after flapping",
+    )?;
+
+    // Implausible addresses are refused, counted, never written.
+    kube.apply(endpoint_slice(
+        "kube-dns-v4",
+        "kube-dns",
+        "IPv4",
+        53,
+        &[
+            ("127.0.0.1", true, false),
+            ("169.254.10.11", true, false),
+            ("10.244.3.3", true, false),
+        ],
+    ));
+    wait_for_pool(
+        &bench,
+        CLUSTER_ID,
+        &expect(&["10.244.3.3"], 53),
+        "implausible addresses",
+    )?;
+    assert!(bench.agent.stats.rejections("kubernetes", "loopback") >= 1);
+    assert!(
+        bench
+            .agent
+            .stats
+            .rejections("kubernetes", "listener address")
+            >= 1
+    );
+
+    // A slice deleted: its endpoints leave.
+    kube.delete("kube-dns-v6");
+    wait_for_pool(&bench, V6_ID, &[], "slice deleted")?;
+
+    // Bookmarks change nothing.
+    kube.bookmark();
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(
+        kernel_pool(&bench, CLUSTER_ID)?,
+        expect(&["10.244.3.3"], 53)
+    );
+
+    // A malformed object: the last good pool stays; fixed, it is taken.
+    let mut broken = endpoint_slice(
+        "kube-dns-v4",
+        "kube-dns",
+        "IPv4",
+        53,
+        &[("10.244.4.4", true, false)],
+    );
+    broken["endpoints"] = serde_json::json!("not a list");
+    kube.apply(broken);
+    std::thread::sleep(Duration::from_millis(1500));
+    assert_eq!(
+        kernel_pool(&bench, CLUSTER_ID)?,
+        expect(&["10.244.3.3"], 53),
+        "a malformed object must not change the pool"
+    );
+    kube.apply(endpoint_slice(
+        "kube-dns-v4",
+        "kube-dns",
+        "IPv4",
+        53,
+        &[("10.244.4.4", true, false)],
+    ));
+    wait_for_pool(
+        &bench,
+        CLUSTER_ID,
+        &expect(&["10.244.4.4"], 53),
+        "malformed object fixed",
+    )?;
+    Ok(())
+}
+
+#[test]
+fn an_api_outage_keeps_the_last_pool_and_history_loss_relists() -> anyhow::Result<()> {
+    let kube = FakeKube::start()?;
+    kube.apply(endpoint_slice(
+        "kube-dns-v4",
+        "kube-dns",
+        "IPv4",
+        53,
+        &[("10.244.0.5", true, false)],
+    ));
+    let bench = bench(&kube)?;
+    wait_for_pool(
+        &bench,
+        CLUSTER_ID,
+        &expect(&["10.244.0.5"], 53),
+        "initial list",
+    )?;
+
+    // Down: requests fail, watches end; the pool stays as it was, through resyncs.
+    kube.set_down(true);
+    kube.apply(endpoint_slice(
+        "kube-dns-v4",
+        "kube-dns",
+        "IPv4",
+        53,
+        &[("10.244.5.5", true, false)],
+    ));
+    std::thread::sleep(Duration::from_secs(3));
+    assert_eq!(
+        kernel_pool(&bench, CLUSTER_ID)?,
+        expect(&["10.244.0.5"], 53),
+        "an outage must not change the pool"
+    );
+    // Back: the watcher resumes from its last version and catches up with what changed.
+    let (_, watches_before) = kube.requests();
+    kube.set_down(false);
+    wait_for_pool(
+        &bench,
+        CLUSTER_ID,
+        &expect(&["10.244.5.5"], 53),
+        "after the outage",
+    )?;
+    assert!(kube.requests().1 > watches_before, "the watcher came back");
+
+    // History gone (410 Gone on the resumed watch): relist, then follow again.
+    let (lists_before, _) = kube.requests();
+    kube.expire_history();
+    kube.apply(endpoint_slice(
+        "kube-dns-v4",
+        "kube-dns",
+        "IPv4",
+        53,
+        &[("10.244.6.6", true, false)],
+    ));
+    wait_for_pool(
+        &bench,
+        CLUSTER_ID,
+        &expect(&["10.244.6.6"], 53),
+        "after 410 Gone",
+    )?;
+    assert!(
+        kube.requests().0 > lists_before,
+        "the watcher relisted after 410"
+    );
+    Ok(())
+}
+
+#[test]
+fn a_burst_of_a_thousand_updates_is_coalesced() -> anyhow::Result<()> {
+    let kube = FakeKube::start()?;
+    kube.apply(endpoint_slice(
+        "kube-dns-v4",
+        "kube-dns",
+        "IPv4",
+        53,
+        &[("10.244.0.1", true, false)],
+    ));
+    let bench = bench(&kube)?;
+    wait_for_pool(
+        &bench,
+        CLUSTER_ID,
+        &expect(&["10.244.0.1"], 53),
+        "initial list",
+    )?;
+    let writes_before = bench.agent.stats.pool_writes("cluster");
+    for round in 0..1000u32 {
+        let last = format!("10.244.{}.{}", 1 + round / 250, 1 + round % 250);
+        kube.apply(endpoint_slice(
+            "kube-dns-v4",
+            "kube-dns",
+            "IPv4",
+            53,
+            &[("10.244.0.1", true, false), (last.as_str(), true, false)],
+        ));
+    }
+    wait_for_pool(
+        &bench,
+        CLUSTER_ID,
+        &expect(&["10.244.0.1", "10.244.4.250"], 53),
+        "after the burst",
+    )?;
+    let writes = bench.agent.stats.pool_writes("cluster") - writes_before;
+    println!("1000 EndpointSlice updates became {writes} pool writes");
+    assert!(writes < 200, "the burst was not coalesced: {writes} writes");
+    Ok(())
+}

@@ -1,0 +1,361 @@
+//! The agent's lifecycle: restarts (kill -9, SIGTERM, a new binary) under a continuous query
+//! stream lose no query, state survives them, one agent runs per node, pins of another version
+//! are refused, uninstall leaves nothing behind, and the node pool follows resolv.conf.
+
+use std::{net::IpAddr, time::Duration};
+
+use bpf_tests::{
+    bench::{Bench, NODE_ID, standard_listeners},
+    cli::{redirector, set_state, start_agent},
+    command::run,
+    dns::now_ms,
+    sandbox::{CacheSpec, Ns, Query, Sandbox, Tools, Transport},
+    stream::Stream,
+    topology::{NODE_LISTENER, UPSTREAM_A_V4, UPSTREAM_B_V4, dns, who},
+};
+use nix::sys::signal::Signal;
+use redirector_common::{LAYOUT_VERSION, addr::port_from_be};
+
+fn tools() -> Tools {
+    bpf_tests::tools!()
+}
+
+fn answered_by(sandbox: &Sandbox) -> anyhow::Result<&'static str> {
+    let outcome = sandbox.query(Ns::Pod, Query::new(dns(NODE_LISTENER), Transport::Udp))?;
+    Ok(who(outcome.answer()))
+}
+
+fn config(sandbox: &Sandbox) -> anyhow::Result<std::path::PathBuf> {
+    sandbox.write_file(
+        "config.toml",
+        &sandbox.config_toml(&standard_listeners(sandbox)),
+    )
+}
+
+#[test]
+fn restarts_under_a_query_stream_lose_no_query_and_keep_state() -> anyhow::Result<()> {
+    let mut sandbox = Sandbox::new(tools())?;
+    sandbox.start_standard_servers()?;
+    let config = config(&sandbox)?;
+    let mut agent = start_agent(&config)?;
+    assert_eq!(set_state(&sandbox, "cluster", "upstream")?.code, 0);
+
+    let stream = Stream::start(
+        &sandbox,
+        Ns::Pod,
+        dns(NODE_LISTENER),
+        Duration::from_secs(7),
+    )?;
+    std::thread::sleep(Duration::from_millis(800));
+    drop(agent); // kill -9
+    std::thread::sleep(Duration::from_millis(600));
+    agent = start_agent(&config)?; // adopts the pins
+    std::thread::sleep(Duration::from_millis(800));
+    agent.signal(Signal::SIGTERM)?;
+    agent.wait_exit(Duration::from_secs(10))?;
+    std::thread::sleep(Duration::from_millis(600));
+    agent = start_agent(&config)?; // the same binary again: what an upgrade does
+    std::thread::sleep(Duration::from_millis(800));
+    // A kill while the cache dies: the kernel alone fails over, the next agent fails back.
+    drop(agent);
+    let killed = now_ms();
+    sandbox.stop_server("cache")?;
+    std::thread::sleep(Duration::from_millis(500));
+    sandbox.start_cache("cache", &CacheSpec::standard())?;
+    let agent = start_agent(&config)?;
+    let report = stream.finish()?;
+
+    println!("restarts: {}", report.summary());
+    assert!(report.records.len() > 300, "{}", report.summary());
+    assert_eq!(
+        report.failures_between(0, u64::MAX),
+        0,
+        "a query failed across the restarts: {}",
+        report.summary()
+    );
+    assert!(
+        report.first_upstream_answer(killed).is_some(),
+        "the kernel failed over without an agent"
+    );
+    let back = report
+        .last_cache_answer(u64::MAX)
+        .map(|record| record.sent_ms);
+    assert!(
+        back.is_some_and(|back| back > killed),
+        "the new agent failed back: {}",
+        report.summary()
+    );
+
+    // The operator's override survived every restart.
+    let state = set_state(&sandbox, "cluster", "upstream")?;
+    assert!(state.stdout.contains("(was upstream)"), "{state:?}");
+    drop(agent);
+    let uninstall = redirector(&["uninstall", "--config", &config.display().to_string()])?;
+    assert_eq!(uninstall.code, 0, "{uninstall:?}");
+    Ok(())
+}
+
+#[test]
+fn one_agent_per_node_and_pins_of_another_version_are_refused() -> anyhow::Result<()> {
+    let mut sandbox = Sandbox::new(tools())?;
+    sandbox.start_standard_servers()?;
+    let config = config(&sandbox)?;
+    let config_arg = config.display().to_string();
+    let mut first = start_agent(&config)?;
+
+    let second = redirector(&["run", "--config", &config_arg])?;
+    assert_eq!(second.code, 1, "{second:?}");
+    assert!(
+        second
+            .stderr
+            .contains(&format!("another redirector agent (pid {})", first.pid())),
+        "{second:?}"
+    );
+    let refused = redirector(&["uninstall", "--config", &config_arg])?;
+    assert_eq!(
+        refused.code, 1,
+        "uninstall must refuse while the agent runs: {refused:?}"
+    );
+
+    first.signal(Signal::SIGTERM)?;
+    first.wait_exit(Duration::from_secs(10))?;
+    // Pretend the pins are another version's.
+    {
+        use aya::maps::{Array, Map, MapData};
+        let path = sandbox.pin_dir().join("maps/DATAPATH_CONFIG");
+        let mut map: Array<MapData, redirector_common::datapath::DatapathConfig> =
+            Array::try_from(Map::from_map_data(MapData::from_pin(&path)?)?)?;
+        let mut value = map.get(&0, 0)?;
+        value.layout_version = LAYOUT_VERSION + 97;
+        map.set(0, value, 0)?;
+    }
+    let refused = redirector(&["run", "--config", &config_arg])?;
+    assert_eq!(refused.code, 1, "{refused:?}");
+    assert!(
+        refused.stderr.contains(&format!(
+            "holds the maps of another redirector version (layout {}, this one needs {LAYOUT_VERSION})",
+            LAYOUT_VERSION + 97
+        )),
+        "{refused:?}"
+    );
+    assert!(refused.stderr.contains("--replace"), "{refused:?}");
+    assert_eq!(
+        answered_by(&sandbox)?,
+        "cache",
+        "the old programs still steer"
+    );
+
+    let mut command = std::process::Command::new(bpf_tests::sandbox::redirector_bin());
+    command.args(["run", "--replace", "--config", &config_arg]);
+    let replaced = bpf_tests::command::TestProcess::start(
+        "redirector run --replace",
+        command,
+        "redirector is steering",
+        Duration::from_secs(30),
+    )?;
+    assert_eq!(answered_by(&sandbox)?, "cache");
+    drop(replaced);
+    assert_eq!(redirector(&["uninstall", "--config", &config_arg])?.code, 0);
+    Ok(())
+}
+
+#[test]
+fn uninstall_leaves_no_program_map_pin_address_or_lock_behind() -> anyhow::Result<()> {
+    let mut sandbox = Sandbox::new(tools())?;
+    // A link of the sandbox's own for the listener addresses (the kernel has no dummy driver).
+    let link = sandbox.add_listener_link()?;
+    let listeners = "[[listener]]\nname = \"owned\"\naddress = \"169.254.20.10\"\nupstreams = [\"198.18.2.2\"]\n\n[[listener]]\nname = \"owned6\"\naddress = \"fd00:53::20\"\nupstreams = [\"fd00:2::2\"]\n";
+    let tables = format!("[interface]\nname = {link:?}\nkind = \"existing\"\n");
+    let config =
+        sandbox.write_file("config.toml", &sandbox.config_toml_with(listeners, &tables))?;
+    let config_arg = config.display().to_string();
+    let mut agent = start_agent(&config)?;
+
+    let node = sandbox.netns(Ns::Node).name().to_owned();
+    let addresses = run("ip", ["-n", &node, "addr", "show", "dev", &link])?;
+    assert!(addresses.contains("169.254.20.10/32"), "{addresses}");
+    assert!(addresses.contains("fd00:53::20/128"), "{addresses}");
+    assert!(
+        !addresses.contains("tentative"),
+        "IPv6 must be usable at once: {addresses}"
+    );
+    // Usable at once: a cache binds the IPv6 listener address right away.
+    sandbox.start_cache(
+        "cache",
+        &CacheSpec {
+            listen: vec![
+                dns("169.254.20.10".parse::<IpAddr>()?),
+                dns("fd00:53::20".parse::<IpAddr>()?),
+            ],
+            ..CacheSpec::standard()
+        },
+    )?;
+
+    // A restart adopts the link and its addresses.
+    agent.signal(Signal::SIGTERM)?;
+    agent.wait_exit(Duration::from_secs(10))?;
+    let agent = start_agent(&config)?;
+    let programs = redirector::datapath::pinned_program_ids(&sandbox.pin_dir());
+    assert_eq!(programs.len(), redirector::datapath::ALL_PROGRAMS.len());
+    let maps = run(
+        "bpftool",
+        [
+            "map",
+            "show",
+            "pinned",
+            &sandbox
+                .pin_dir()
+                .join("maps/LISTENERS")
+                .display()
+                .to_string(),
+        ],
+    )?;
+    let map_id: String = maps.chars().take_while(char::is_ascii_digit).collect();
+    drop(agent);
+
+    let uninstall = redirector(&["uninstall", "--config", &config_arg])?;
+    assert_eq!(uninstall.code, 0, "{uninstall:?}");
+    assert!(
+        uninstall
+            .stdout
+            .contains(&format!("listener addresses removed from {link}")),
+        "{uninstall:?}"
+    );
+    for (name, id) in programs {
+        assert!(
+            run("bpftool", ["prog", "show", "id", &id.to_string()]).is_err(),
+            "program {name} ({id}) still loaded"
+        );
+    }
+    assert!(
+        run("bpftool", ["map", "show", "id", &map_id]).is_err(),
+        "map {map_id} still exists"
+    );
+    assert_eq!(sandbox.attached_programs()?, "");
+    assert!(!sandbox.pin_dir().exists());
+    let addresses = run("ip", ["-n", &node, "addr", "show", "dev", &link])?;
+    assert!(
+        !addresses.contains("169.254.20.10") && !addresses.contains("fd00:53::20"),
+        "{addresses}"
+    );
+    assert!(!sandbox.lock_file().exists(), "the lock file is gone");
+    Ok(())
+}
+
+#[test]
+fn listener_ids_and_modes_survive_a_changed_configuration() -> anyhow::Result<()> {
+    let mut sandbox = Sandbox::new(tools())?;
+    sandbox.start_standard_servers()?;
+    let listeners = |names: &[&str]| -> String {
+        names
+            .iter()
+            .map(|name| match *name {
+                "node" => "[[listener]]\nname = \"node\"\naddress = \"169.254.10.10\"\nupstreams = [\"198.18.2.2\"]\n",
+                "cluster" => "[[listener]]\nname = \"cluster\"\naddress = \"169.254.10.11\"\nupstreams = [\"198.18.2.3\"]\n",
+                _ => "[[listener]]\nname = \"v6\"\naddress = \"fd00:53::10\"\nupstreams = [\"fd00:2::2\"]\n",
+            })
+            .collect()
+    };
+    let write =
+        |names: &[&str]| sandbox.write_file("config.toml", &sandbox.config_toml(&listeners(names)));
+    let config = write(&["node", "cluster"])?;
+    let mut agent = start_agent(&config)?;
+    assert_eq!(set_state(&sandbox, "cluster", "upstream")?.code, 0);
+    agent.signal(Signal::SIGTERM)?;
+    agent.wait_exit(Duration::from_secs(10))?;
+
+    // Reordered, with a new listener: `cluster` keeps its id and its mode.
+    write(&["v6", "cluster", "node"])?;
+    let mut agent = start_agent(&config)?;
+    let cluster = sandbox.query(
+        Ns::Pod,
+        Query::new(dns(bpf_tests::topology::CLUSTER_LISTENER), Transport::Udp),
+    )?;
+    assert_eq!(who(cluster.answer()), "upstream B", "{cluster:?}");
+    assert_eq!(answered_by(&sandbox)?, "cache");
+    let state = set_state(&sandbox, "v6", "auto")?;
+    assert_eq!(state.code, 0, "{state:?}");
+    agent.signal(Signal::SIGTERM)?;
+    agent.wait_exit(Duration::from_secs(10))?;
+
+    // `cluster` removed: its address is no listener any more (DNS there reaches the cache as sent).
+    write(&["node"])?;
+    let agent = start_agent(&config)?;
+    let cluster = sandbox.query(
+        Ns::Pod,
+        Query::new(dns(bpf_tests::topology::CLUSTER_LISTENER), Transport::Udp),
+    )?;
+    assert_eq!(who(cluster.answer()), "cache", "{cluster:?}");
+    let gone = set_state(&sandbox, "cluster", "cache")?;
+    assert!(
+        gone.stderr
+            .contains("there is no listener \"cluster\"; the running agent has: node"),
+        "{gone:?}"
+    );
+    drop(agent);
+    assert_eq!(
+        redirector(&["uninstall", "--config", &config.display().to_string()])?.code,
+        0
+    );
+    Ok(())
+}
+
+#[test]
+fn the_node_pool_follows_its_resolv_conf() -> anyhow::Result<()> {
+    let mut sandbox = Sandbox::new(tools())?;
+    sandbox.start_standard_servers()?;
+    let resolv = sandbox.write_file("resolv.conf", &format!("nameserver {UPSTREAM_A_V4}\n"))?;
+    let listeners = format!(
+        "[[listener]]\nname = \"node\"\naddress = \"169.254.10.10\"\nresolv_conf = {:?}\n",
+        resolv.display().to_string()
+    );
+    let text = sandbox.config_toml(&listeners);
+    let bench = Bench::with_config(sandbox, &text)?;
+    let pool = |bench: &Bench| -> anyhow::Result<Vec<(IpAddr, u16)>> {
+        Ok(bench
+            .maps
+            .pool(NODE_ID)?
+            .targets()
+            .iter()
+            .map(|target| (IpAddr::from(target.addr), port_from_be(target.udp_port_be)))
+            .collect())
+    };
+    let wait_for = |bench: &Bench, expected: Vec<(IpAddr, u16)>, step: &str| {
+        bench.wait_until(step, Duration::from_secs(5), |bench| {
+            Ok(pool(bench)? == expected)
+        })
+    };
+    let a = (IpAddr::V4(UPSTREAM_A_V4), 53);
+    let b = (IpAddr::V4(UPSTREAM_B_V4), 53);
+    wait_for(&bench, vec![a], "initial file")?;
+
+    // Atomic rename (how resolved writes it), IPv6 first, comments and options, the listener
+    // itself and the stub resolver among the nameservers.
+    let staged = resolv.with_file_name("resolv.conf.new");
+    std::fs::write(
+        &staged,
+        format!(
+            "# written by a test\nnameserver fd00:2::2\nnameserver 169.254.10.10\nnameserver 127.0.0.53\nnameserver {UPSTREAM_B_V4}\nsearch cluster.local\noptions edns0 trust-ad\n"
+        ),
+    )?;
+    std::fs::rename(&staged, &resolv)?;
+    wait_for(&bench, vec![b], "after an atomic rename")?;
+    assert!(
+        bench
+            .agent
+            .stats
+            .rejections("resolv.conf", "listener address")
+            >= 1
+    );
+
+    // Deleted: no usable upstream, an empty pool (the policy, `pass`, applies).
+    std::fs::remove_file(&resolv)?;
+    wait_for(&bench, vec![], "after deletion")?;
+    // Recreated in place.
+    std::fs::write(
+        &resolv,
+        format!("nameserver {UPSTREAM_A_V4}\nnameserver {UPSTREAM_B_V4}\n"),
+    )?;
+    wait_for(&bench, vec![a, b], "after re-creation")?;
+    Ok(())
+}

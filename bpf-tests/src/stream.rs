@@ -136,13 +136,42 @@ impl StreamReport {
             .count()
     }
 
-    /// A one-line summary of who answered, for test output.
+    /// A summary of who answered, for test output, followed by every failed query: when it was
+    /// sent (relative to the first query), from which socket kind, and what went wrong.
     #[must_use]
     pub fn summary(&self) -> String {
         let mut counts = std::collections::BTreeMap::new();
         for record in &self.records {
             *counts.entry(Self::answered_by(record)).or_insert(0) += 1;
         }
-        format!("{} queries: {counts:?}", self.records.len())
+        let start = self
+            .records
+            .iter()
+            .map(|record| record.sent_ms)
+            .min()
+            .unwrap_or_default();
+        let failures: String = self
+            .records
+            .iter()
+            .filter_map(|record| {
+                let error = record.error.as_ref()?;
+                let offset = record.sent_ms.saturating_sub(start);
+                Some(format!(
+                    "\n  failed at +{offset} ms ({}): {error}",
+                    record.kind
+                ))
+            })
+            .collect();
+        format!("{} queries: {counts:?}{failures}", self.records.len())
+    }
+
+    /// When the first query was sent (milliseconds since the epoch).
+    #[must_use]
+    pub fn started_ms(&self) -> u64 {
+        self.records
+            .iter()
+            .map(|record| record.sent_ms)
+            .min()
+            .unwrap_or_default()
     }
 }

@@ -90,6 +90,22 @@ kube_dns = "kube-system/kube-dns"
 
 const V6_ID: u32 = 2;
 
+/// A fake API server whose kube-dns has one ready IPv4 endpoint, `first`, and a bench whose
+/// kernel pool already holds it.
+fn started_with(first: &str) -> anyhow::Result<(FakeKube, Bench)> {
+    let kube = FakeKube::start()?;
+    kube.apply(endpoint_slice(
+        "kube-dns-v4",
+        "kube-dns",
+        "IPv4",
+        53,
+        &[(first, true, false)],
+    ));
+    let bench = bench(&kube)?;
+    wait_for_pool(&bench, CLUSTER_ID, &expect(&[first], 53), "initial list")?;
+    Ok((kube, bench))
+}
+
 #[test]
 fn the_cluster_pool_follows_endpoint_slices_through_every_kind_of_change() -> anyhow::Result<()> {
     let kube = FakeKube::start()?;
@@ -260,21 +276,7 @@ fn the_cluster_pool_follows_endpoint_slices_through_every_kind_of_change() -> an
 
 #[test]
 fn an_api_outage_keeps_the_last_pool_and_history_loss_relists() -> anyhow::Result<()> {
-    let kube = FakeKube::start()?;
-    kube.apply(endpoint_slice(
-        "kube-dns-v4",
-        "kube-dns",
-        "IPv4",
-        53,
-        &[("10.244.0.5", true, false)],
-    ));
-    let bench = bench(&kube)?;
-    wait_for_pool(
-        &bench,
-        CLUSTER_ID,
-        &expect(&["10.244.0.5"], 53),
-        "initial list",
-    )?;
+    let (kube, bench) = started_with("10.244.0.5")?;
 
     // Down: requests fail, watches end; the pool stays as it was, through resyncs.
     kube.set_down(true);
@@ -327,21 +329,7 @@ fn an_api_outage_keeps_the_last_pool_and_history_loss_relists() -> anyhow::Resul
 
 #[test]
 fn a_burst_of_a_thousand_updates_is_coalesced() -> anyhow::Result<()> {
-    let kube = FakeKube::start()?;
-    kube.apply(endpoint_slice(
-        "kube-dns-v4",
-        "kube-dns",
-        "IPv4",
-        53,
-        &[("10.244.0.1", true, false)],
-    ));
-    let bench = bench(&kube)?;
-    wait_for_pool(
-        &bench,
-        CLUSTER_ID,
-        &expect(&["10.244.0.1"], 53),
-        "initial list",
-    )?;
+    let (kube, bench) = started_with("10.244.0.1")?;
     let writes_before = bench.agent.stats.pool_writes("cluster");
     for round in 0..1000u32 {
         let last = format!("10.244.{}.{}", 1 + round / 250, 1 + round % 250);

@@ -108,11 +108,7 @@ impl Connection {
             Err(rtnetlink::Error::NetlinkError(error)) if error.raw_code() == -libc::ENODEV => {
                 Ok(None)
             }
-            Err(source) => Err(InterfaceError::Netlink {
-                action: "looking up the link",
-                name: name.to_owned(),
-                source,
-            }),
+            Err(source) => Err(netlink(name, "looking up the link")(source)),
         }
     }
 
@@ -125,11 +121,7 @@ impl Connection {
             .execute()
             .try_collect()
             .await
-            .map_err(|source| InterfaceError::Netlink {
-                action: "listing addresses",
-                name: name.to_owned(),
-                source,
-            })?;
+            .map_err(netlink(name, "listing addresses"))?;
         Ok(messages
             .iter()
             .flat_map(|message| &message.attributes)
@@ -141,6 +133,16 @@ impl Connection {
     }
 }
 
+/// Wraps what netlink said while doing `action` to the link `name`.
+fn netlink(name: &str, action: &'static str) -> impl FnOnce(rtnetlink::Error) -> InterfaceError {
+    let name = name.to_owned();
+    move |source| InterfaceError::Netlink {
+        action,
+        name,
+        source,
+    }
+}
+
 /// Makes sure the listener link exists, is up and carries every one of `addresses`. Returns the
 /// addresses it added.
 pub async fn ensure(
@@ -149,13 +151,6 @@ pub async fn ensure(
     worker: &NetnsWorker,
 ) -> Result<Vec<IpAddr>, InterfaceError> {
     let name = settings.name.as_str();
-    let netlink = |action| {
-        move |source| InterfaceError::Netlink {
-            action,
-            name: name.to_owned(),
-            source,
-        }
-    };
     let connection = Connection::open(worker).await?;
     let index = match (connection.link_index(name).await?, settings.kind) {
         (Some(index), _) => index,
@@ -219,7 +214,7 @@ pub async fn ensure(
         request
             .execute()
             .await
-            .map_err(netlink("adding a listener address"))?;
+            .map_err(netlink(name, "adding a listener address"))?;
         added.push(address);
     }
     connection
@@ -228,7 +223,7 @@ pub async fn ensure(
         .set(LinkUnspec::new_with_index(index).up().build())
         .execute()
         .await
-        .map_err(netlink("setting the link up"))?;
+        .map_err(netlink(name, "setting the link up"))?;
     if !added.is_empty() {
         info!(link = name, addresses = ?added, "added listener addresses");
     }
@@ -243,13 +238,6 @@ pub async fn remove(
     worker: &NetnsWorker,
 ) -> Result<(), InterfaceError> {
     let name = settings.name.as_str();
-    let netlink = |action| {
-        move |source| InterfaceError::Netlink {
-            action,
-            name: name.to_owned(),
-            source,
-        }
-    };
     let connection = Connection::open(worker).await?;
     let Some(index) = connection.link_index(name).await? else {
         return Ok(());
@@ -261,7 +249,7 @@ pub async fn remove(
             .del(index)
             .execute()
             .await
-            .map_err(netlink("deleting the listener link"))?;
+            .map_err(netlink(name, "deleting the listener link"))?;
         info!(link = name, "deleted the listener link");
         return Ok(());
     }
@@ -274,7 +262,7 @@ pub async fn remove(
         .execute()
         .try_collect()
         .await
-        .map_err(netlink("listing addresses"))?;
+        .map_err(netlink(name, "listing addresses"))?;
     for message in messages {
         let ours = message.attributes.iter().any(
             |attribute| matches!(attribute, AddressAttribute::Address(ip) if wanted.contains(ip)),
@@ -286,7 +274,7 @@ pub async fn remove(
                 .del(message)
                 .execute()
                 .await
-                .map_err(netlink("removing a listener address"))?;
+                .map_err(netlink(name, "removing a listener address"))?;
         }
     }
     info!(link = name, "removed the listener addresses");

@@ -169,6 +169,19 @@ impl Bench {
         })
     }
 
+    /// Stops the agent the way `AgentThread` does (which uninstalls it) and returns the sandbox.
+    #[must_use]
+    pub fn stop(self) -> Sandbox {
+        let Self {
+            agent,
+            maps,
+            sandbox,
+        } = self;
+        drop(agent);
+        drop(maps);
+        sandbox
+    }
+
     /// The standard servers (cache on every listener address, upstreams A and B) and
     /// `standard_listeners`.
     pub fn standard(tools: Tools) -> anyhow::Result<Self> {

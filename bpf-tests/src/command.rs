@@ -88,6 +88,8 @@ pub struct TestProcess {
     name: String,
     child: Child,
     lines: mpsc::Receiver<String>,
+    /// Every line consumed from `lines` so far.
+    printed: Vec<String>,
 }
 
 impl TestProcess {
@@ -115,6 +117,7 @@ impl TestProcess {
             name: name.to_owned(),
             child,
             lines,
+            printed: Vec::new(),
         };
         process.wait_for_line(ready, limit)?;
         Ok(process)
@@ -122,7 +125,15 @@ impl TestProcess {
 
     /// Every line printed so far and not yet consumed.
     pub fn drain(&mut self) -> Vec<String> {
-        self.lines.try_iter().collect()
+        let fresh: Vec<String> = self.lines.try_iter().collect();
+        self.printed.extend(fresh.iter().cloned());
+        fresh
+    }
+
+    /// Every line the process printed so far, from its start.
+    pub fn printed(&mut self) -> &[String] {
+        self.drain();
+        &self.printed
     }
 
     /// Waits until the process prints a line containing `needle`; returns that line. On failure
@@ -132,7 +143,11 @@ impl TestProcess {
         let mut seen = Vec::new();
         loop {
             let left = deadline.saturating_duration_since(std::time::Instant::now());
-            match self.lines.recv_timeout(left) {
+            let received = self.lines.recv_timeout(left);
+            if let Ok(line) = &received {
+                self.printed.push(line.clone());
+            }
+            match received {
                 Ok(line) if line.contains(needle) => return Ok(line),
                 Ok(line) => seen.push(line),
                 Err(mpsc::RecvTimeoutError::Timeout) => bail!(

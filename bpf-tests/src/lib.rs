@@ -11,6 +11,7 @@ pub mod caches;
 pub mod cgroup;
 pub mod cli;
 pub mod command;
+pub mod conntrack;
 pub mod dns;
 pub mod fake_kube;
 pub mod netns;

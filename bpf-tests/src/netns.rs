@@ -55,6 +55,13 @@ impl NetNs {
         Ok(())
     }
 
+    /// Runs `program args...` inside the namespace and returns its stdout.
+    pub fn run(&self, program: &str, args: &[&str]) -> anyhow::Result<String> {
+        let mut full = vec!["netns", "exec", &self.name, program];
+        full.extend_from_slice(args);
+        run("ip", full).with_context(|| format!("{program} {} in {}", args.join(" "), self.name))
+    }
+
     /// A command that runs `program` inside the namespace.
     #[must_use]
     pub fn command(&self, program: &str) -> Command {

@@ -601,6 +601,18 @@ impl Sandbox {
         cgroup: &TestCgroup,
         query: Query,
     ) -> anyhow::Result<QueryOutcome> {
+        let mut outcomes = self.queries_in(ns, cgroup, query, 1)?;
+        outcomes.pop().context("dns-query printed no outcome")
+    }
+
+    /// Runs `count` queries one after the other from `ns` in `cgroup`, each from a fresh socket.
+    pub fn queries_in(
+        &self,
+        ns: Ns,
+        cgroup: &TestCgroup,
+        query: Query,
+        count: u16,
+    ) -> anyhow::Result<Vec<QueryOutcome>> {
         let (mut command, _procs) =
             self.client_command(ns, cgroup, &self.tools.dns_query.display().to_string())?;
         command.args([
@@ -608,6 +620,8 @@ impl Sandbox {
             &query.server.to_string(),
             "--transport",
             query.transport.arg(),
+            "--count",
+            &count.to_string(),
         ]);
         if query.mapped {
             command.arg("--mapped");
@@ -615,14 +629,19 @@ impl Sandbox {
         if query.aaaa {
             command.arg("--aaaa");
         }
-        let output = output_within(&mut command, Duration::from_secs(10))?;
+        let output = output_within(&mut command, Duration::from_secs(60))?;
         let stdout = String::from_utf8_lossy(&output.stdout);
-        serde_json::from_str(stdout.trim()).with_context(|| {
-            format!(
-                "dns-query printed {stdout:?} (stderr {:?})",
-                String::from_utf8_lossy(&output.stderr)
-            )
-        })
+        stdout
+            .lines()
+            .map(|line| {
+                serde_json::from_str(line.trim()).with_context(|| {
+                    format!(
+                        "dns-query printed {line:?} (stderr {:?})",
+                        String::from_utf8_lossy(&output.stderr)
+                    )
+                })
+            })
+            .collect()
     }
 
     /// Runs one query from `ns` in the test cgroup (where the programs apply).

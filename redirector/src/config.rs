@@ -68,6 +68,8 @@ pub struct Config {
     pub interface: InterfaceSettings,
     /// How the agent talks to Kubernetes (listeners with `kube_dns`).
     pub kubernetes: KubernetesSettings,
+    /// The nftables table that keeps DNS to and from the caches out of conntrack.
+    pub conntrack: ConntrackSettings,
     /// The listeners, in file order.
     pub listeners: Vec<Listener>,
 }
@@ -163,6 +165,31 @@ impl Default for KubernetesSettings {
         Self {
             kubeconfig: None,
             resync_interval: Duration::from_secs(60),
+        }
+    }
+}
+
+/// The conntrack bypass: the agent's nftables table of raw-priority `notrack` rules.
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub struct ConntrackSettings {
+    /// Install and keep the table (false: DNS to the listeners stays tracked).
+    pub bypass: bool,
+    /// Also untrack DNS to and from the upstream pools (failover traffic). Off by default:
+    /// NetworkPolicy implementations match replies by conntrack state.
+    pub untrack_upstreams: bool,
+    /// The `nft` binary.
+    pub nft: PathBuf,
+    /// How often the table is compared with what the agent installed (and restored).
+    pub check_interval: Duration,
+}
+
+impl Default for ConntrackSettings {
+    fn default() -> Self {
+        Self {
+            bypass: true,
+            untrack_upstreams: false,
+            nft: PathBuf::from("/usr/sbin/nft"),
+            check_interval: Duration::from_secs(5),
         }
     }
 }
@@ -408,6 +435,8 @@ struct RawConfig {
     interface: RawInterface,
     #[serde(default)]
     kubernetes: RawKubernetes,
+    #[serde(default)]
+    conntrack: RawConntrack,
     #[serde(default, rename = "listener")]
     listeners: Vec<RawListener>,
 }
@@ -425,6 +454,15 @@ struct RawInterface {
 struct RawKubernetes {
     kubeconfig: Option<PathBuf>,
     resync_interval_ms: Option<u64>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawConntrack {
+    bypass: Option<bool>,
+    untrack_upstreams: Option<bool>,
+    nft: Option<PathBuf>,
+    check_interval_ms: Option<u64>,
 }
 
 #[derive(Deserialize, Default)]
@@ -535,6 +573,8 @@ impl Config {
             },
         };
 
+        let conntrack = validate_conntrack(raw.conntrack)?;
+
         let mut names: HashMap<String, String> = HashMap::new();
         let mut addresses: HashMap<IpAddr, String> = HashMap::new();
         let mut listeners = Vec::with_capacity(raw.listeners.len());
@@ -575,6 +615,7 @@ impl Config {
                 .unwrap_or_else(|| PathBuf::from(DEFAULT_LOCK_FILE)),
             interface,
             kubernetes,
+            conntrack,
             listeners,
         })
     }
@@ -588,6 +629,26 @@ impl Config {
             .find(|(_, listener)| listener.name == name)
             .map(|(id, listener)| (id as u32, listener))
     }
+}
+
+fn validate_conntrack(raw: RawConntrack) -> Result<ConntrackSettings, ConfigError> {
+    let defaults = ConntrackSettings::default();
+    let check_interval = match raw.check_interval_ms {
+        Some(0) => {
+            return Err(ConfigError::BadTiming {
+                key: "conntrack.check_interval_ms",
+                problem: "0 would check in a busy loop; give milliseconds, e.g. 5000".to_owned(),
+            });
+        }
+        Some(ms) => Duration::from_millis(ms),
+        None => defaults.check_interval,
+    };
+    Ok(ConntrackSettings {
+        bypass: raw.bypass.unwrap_or(defaults.bypass),
+        untrack_upstreams: raw.untrack_upstreams.unwrap_or(defaults.untrack_upstreams),
+        nft: raw.nft.unwrap_or(defaults.nft),
+        check_interval,
+    })
 }
 
 fn validate_interface(raw: RawInterface) -> Result<InterfaceSettings, ConfigError> {
@@ -1278,6 +1339,8 @@ mod tests {
         assert_eq!(config.kubernetes, KubernetesSettings::default());
         assert_eq!(config.interface, InterfaceSettings::default());
         assert_eq!(config.lock_file, PathBuf::from(DEFAULT_LOCK_FILE));
+        assert_eq!(config.conntrack, ConntrackSettings::default());
+        assert!(config.conntrack.bypass && !config.conntrack.untrack_upstreams);
 
         let message = refusal(
             "[[listener]]\nname = \"n\"\naddress = \"10.0.0.1\"\nupstreams = [\"10.0.0.2\"]\nkube_dns = \"kube-system/kube-dns\"\n",
@@ -1317,6 +1380,34 @@ mod tests {
             ));
             assert!(message.starts_with("interface.name"), "{name}: {message}");
         }
+    }
+
+    #[test]
+    fn conntrack_settings_and_their_refusals() {
+        let config = Config::parse(
+            "[conntrack]\nbypass = true\nuntrack_upstreams = true\nnft = \"/usr/sbin/nft\"\ncheck_interval_ms = 1000\n[[listener]]\nname = \"n\"\naddress = \"10.0.0.1\"\n",
+        )
+        .unwrap();
+        assert_eq!(
+            config.conntrack,
+            ConntrackSettings {
+                bypass: true,
+                untrack_upstreams: true,
+                nft: PathBuf::from("/usr/sbin/nft"),
+                check_interval: Duration::from_secs(1),
+            }
+        );
+        let message = refusal(
+            "[conntrack]\ncheck_interval_ms = 0\n[[listener]]\nname = \"n\"\naddress = \"10.0.0.1\"\n",
+        );
+        assert!(
+            message.starts_with("conntrack.check_interval_ms"),
+            "{message}"
+        );
+        let message = refusal(
+            "[conntrack]\nnotrack = true\n[[listener]]\nname = \"n\"\naddress = \"10.0.0.1\"\n",
+        );
+        assert!(message.contains("notrack"), "{message}");
     }
 
     #[test]

@@ -7,6 +7,7 @@
 pub mod agent;
 pub mod cgroup;
 pub mod config;
+pub mod conntrack_bypass;
 pub mod datapath;
 pub mod interface;
 pub mod liveness;

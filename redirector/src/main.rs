@@ -184,7 +184,7 @@ fn uninstall(path: &std::path::Path) -> anyhow::Result<()> {
         .context("cannot start the async runtime")?;
     let report = runtime.block_on(redirector::agent::uninstall(&config))?;
     println!(
-        "uninstalled: {}; pins under {} removed{}",
+        "uninstalled: {}; pins under {} removed{}{}",
         if report.detached {
             "programs detached"
         } else {
@@ -194,7 +194,12 @@ fn uninstall(path: &std::path::Path) -> anyhow::Result<()> {
         report
             .interface
             .map(|name| format!("; listener addresses removed from {name}"))
-            .unwrap_or_default()
+            .unwrap_or_default(),
+        if report.conntrack_table_removed {
+            "; nftables table inet redirector removed"
+        } else {
+            ""
+        }
     );
     Ok(())
 }

@@ -18,6 +18,8 @@ const DEBIAN_PACKAGES: &[&str] = &[
     "dnsmasq-base",
     "unbound",
     "nftables",
+    // Coexistence tests: rules of iptables-nft and iptables-legacy beside the agent's table.
+    "iptables",
     "conntrack",
     "dnsperf",
 ];

@@ -1,7 +1,8 @@
 //! A test DNS client: sends one query the way a real client would (unconnected UDP, connected
 //! UDP, or TCP; optionally from a dual-stack AF_INET6 socket to an IPv4-mapped address) and
 //! prints what it saw as one JSON line: the answer, where the reply came from (`recvfrom`), and
-//! the connected peer (`getpeername`).
+//! the connected peer (`getpeername`). With `--count N`, it does so N times, each from a fresh
+//! socket (as glibc does for every lookup), one line each.
 
 use std::{
     io::{Read as _, Write as _},
@@ -38,11 +39,22 @@ struct Args {
     /// Give up after this many milliseconds.
     #[arg(long, default_value_t = 2000)]
     timeout_ms: u64,
+    /// How many queries to send, one after the other, each from a fresh socket.
+    #[arg(long, default_value_t = 1)]
+    count: u16,
 }
 
 fn main() {
     let args = Args::parse();
-    let outcome = match ask(&args) {
+    let first_id = u16::try_from(std::process::id() & 0xffff).unwrap_or(1);
+    for sequence in 0..args.count {
+        report(ask(&args, first_id.wrapping_add(sequence)));
+    }
+}
+
+/// Prints one query's outcome as a JSON line.
+fn report(result: anyhow::Result<QueryOutcome>) {
+    let outcome = match result {
         Ok(outcome) => outcome,
         Err(error) => QueryOutcome {
             ok: false,
@@ -60,7 +72,7 @@ fn main() {
     );
 }
 
-fn ask(args: &Args) -> anyhow::Result<QueryOutcome> {
+fn ask(args: &Args, id: u16) -> anyhow::Result<QueryOutcome> {
     let server = if args.mapped {
         match args.server.ip() {
             IpAddr::V4(v4) => SocketAddr::new(IpAddr::V6(v4.to_ipv6_mapped()), args.server.port()),
@@ -69,7 +81,6 @@ fn ask(args: &Args) -> anyhow::Result<QueryOutcome> {
     } else {
         args.server
     };
-    let id = u16::try_from(std::process::id() & 0xffff).unwrap_or(1);
     let record_type = if args.aaaa {
         RecordType::AAAA
     } else {

@@ -16,7 +16,11 @@ use tokio::{
 use tracing::{debug, info, warn};
 
 use super::{Agent, Transition, current_route};
-use crate::{liveness::probe::ProbeOutcome, sources::SourceEvent};
+use crate::{
+    conntrack_bypass::{self, ruleset::Ruleset},
+    liveness::probe::ProbeOutcome,
+    sources::SourceEvent,
+};
 
 /// How long source events are collected before the pools are written: a burst of endpoint
 /// changes becomes one write per listener.
@@ -35,9 +39,12 @@ impl Agent {
         reconcile_tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
         let mut resync_tick = tokio::time::interval(self.config.kubernetes.resync_interval);
         resync_tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
-        // Counts were just seeded and pools just written.
+        let mut bypass_tick = tokio::time::interval(self.config.conntrack.check_interval);
+        bypass_tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        // Counts were just seeded, pools and the bypass table just written.
         reconcile_tick.tick().await;
         resync_tick.tick().await;
+        bypass_tick.tick().await;
         let mut dirty: HashSet<u32> = HashSet::new();
         let mut write_at: Option<Instant> = None;
         let mut retry = FIRST_RETRY;
@@ -55,6 +62,7 @@ impl Agent {
                     if self.write_pools(&mut dirty) {
                         write_at = None;
                         retry = FIRST_RETRY;
+                        self.follow_pools_in_bypass().await;
                     } else {
                         write_at = Some(Instant::now() + retry);
                         retry = (retry * 2).min(MAX_RETRY);
@@ -65,6 +73,7 @@ impl Agent {
                     write_at.get_or_insert_with(Instant::now);
                 }
                 _ = probe_tick.tick() => self.probe_round().await,
+                _ = bypass_tick.tick(), if self.bypass.is_some() => self.check_bypass().await,
                 _ = reconcile_tick.tick() => self.reconcile_round().await,
             }
             self.observe_routes();
@@ -131,6 +140,36 @@ impl Agent {
         let written = failed.is_empty();
         dirty.extend(failed);
         written
+    }
+
+    /// Compares the conntrack bypass table with what was installed; restores it when changed.
+    async fn check_bypass(&mut self) {
+        if let Some(bypass) = self.bypass.as_mut() {
+            bypass.check().await;
+        }
+        self.record_bypass();
+    }
+
+    /// With `conntrack.untrack_upstreams`, untracks the upstream pools as they are now.
+    async fn follow_pools_in_bypass(&mut self) {
+        if !self.config.conntrack.untrack_upstreams {
+            return;
+        }
+        let Some(bypass) = self.bypass.as_mut() else {
+            return;
+        };
+        let upstreams = conntrack_bypass::upstream_endpoints(
+            self.listeners
+                .iter()
+                .filter_map(|listener| listener.desired.as_ref())
+                .flatten(),
+        );
+        let desired = Ruleset {
+            local: conntrack_bypass::local_endpoints(&self.config),
+            upstream: Some(upstreams),
+        };
+        bypass.set_desired(desired).await;
+        self.record_bypass();
     }
 
     /// Probes every cache at once and folds the results into the verdicts.

@@ -30,6 +30,11 @@ pub use uninstall::{UninstallReport, uninstall};
 use crate::{
     cgroup::{self, Cgroup, CgroupError},
     config::{Config, EmptyPoolPolicy, Liveness, UpstreamSource},
+    conntrack_bypass::{
+        self, ConntrackBypass,
+        nft::{Nft, NftError},
+        ruleset::Ruleset,
+    },
     datapath::{self, Datapath, DatapathError, ListenerEntry, Maps, PinnedState},
     interface::{self, InterfaceError},
     liveness::{
@@ -139,6 +144,11 @@ pub enum AgentError {
     /// Loading, attaching or filling the datapath failed.
     #[error(transparent)]
     Datapath(#[from] DatapathError),
+    /// The conntrack bypass table could not be removed.
+    #[error(
+        "removing the nftables table inet redirector failed; remove it with `nft delete table inet redirector`"
+    )]
+    ConntrackBypass(#[source] NftError),
 }
 
 /// How the agent starts.
@@ -172,6 +182,8 @@ pub struct Agent {
     stats: Arc<AgentStats>,
     events: mpsc::Receiver<SourceEvent>,
     sources: Vec<JoinHandle<()>>,
+    /// `None` when `conntrack.bypass` is off.
+    bypass: Option<ConntrackBypass>,
     lock: InstanceLock,
 }
 
@@ -237,6 +249,9 @@ impl Agent {
                 .collect();
             interface::ensure(&config.interface, &addresses, &worker).await?;
         }
+        // Before the programs steer anything, so that steered DNS is untracked from the first
+        // query; never fatal.
+        let bypass = start_conntrack_bypass(config, netns).await?;
 
         let skips = environment::skip_entries(&skip_cgroups, &ids, &attach);
         maps.configure(&skips, netns_cookie)?;
@@ -291,8 +306,10 @@ impl Agent {
             stats: Arc::new(AgentStats::default()),
             events,
             sources,
+            bypass,
             lock,
         };
+        agent.record_bypass();
         agent.log_listeners()?;
         info!(
             cgroup = %attach.path.display(),
@@ -302,6 +319,17 @@ impl Agent {
             "redirector is steering"
         );
         Ok(agent)
+    }
+
+    /// Publishes where the conntrack bypass stands.
+    fn record_bypass(&self) {
+        let (status, restorations) = self
+            .bypass
+            .as_ref()
+            .map_or((conntrack_bypass::BypassStatus::Disabled, 0), |bypass| {
+                (bypass.status().clone(), bypass.restorations())
+            });
+        self.stats.record_conntrack_bypass(status, restorations);
     }
 
     fn log_listeners(&mut self) -> Result<(), AgentError> {
@@ -372,6 +400,41 @@ impl Agent {
             "agent stopped; steering and in-kernel failover stay in place (`redirector uninstall` removes them)"
         );
     }
+}
+
+/// Installs the conntrack bypass table when configured (its failure is reported, never fatal);
+/// when not, removes one an earlier configuration left.
+async fn start_conntrack_bypass(
+    config: &Config,
+    netns: Option<&Path>,
+) -> Result<Option<ConntrackBypass>, AgentError> {
+    // A worker of its own: an nft run must not delay the probes.
+    let worker = NetnsWorker::start(netns).map_err(AgentError::CacheNetns)?;
+    let nft = Nft::new(&config.conntrack.nft, worker);
+    if !config.conntrack.bypass {
+        if let Err(error) = conntrack_bypass::remove(&nft).await
+            && !error.is_unavailable()
+        {
+            warn!(error = %error, "conntrack.bypass is off, but removing an earlier bypass table failed");
+        }
+        return Ok(None);
+    }
+    let static_pools: Vec<Upstream> = config
+        .listeners
+        .iter()
+        .filter_map(static_pool)
+        .flatten()
+        .collect();
+    let desired = Ruleset {
+        local: conntrack_bypass::local_endpoints(config),
+        upstream: config
+            .conntrack
+            .untrack_upstreams
+            .then(|| conntrack_bypass::upstream_endpoints(&static_pools)),
+    };
+    let mut bypass = ConntrackBypass::new(nft, desired);
+    bypass.check().await;
+    Ok(Some(bypass))
 }
 
 /// The configured pool of a static listener (`None` for dynamic sources).

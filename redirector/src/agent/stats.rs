@@ -9,6 +9,8 @@ use std::{
 
 use redirector_common::listener::{Reason, Route};
 
+use crate::conntrack_bypass::BypassStatus;
+
 /// Transitions kept in memory (the oldest are dropped beyond this).
 const TRANSITION_LOG: usize = 4096;
 
@@ -36,6 +38,7 @@ pub struct AgentStats {
     pool_syncs: Mutex<HashMap<String, u64>>,
     pool_writes: Mutex<HashMap<String, u64>>,
     rejections: Mutex<HashMap<(&'static str, &'static str), u64>>,
+    conntrack_bypass: Mutex<(BypassStatus, u64)>,
 }
 
 impl AgentStats {
@@ -82,6 +85,22 @@ impl AgentStats {
         if let Ok(mut rejections) = self.rejections.lock() {
             *rejections.entry((source, reason)).or_default() += 1;
         }
+    }
+
+    /// Records where the conntrack bypass stands and how often its table was restored.
+    pub fn record_conntrack_bypass(&self, status: BypassStatus, restorations: u64) {
+        if let Ok(mut bypass) = self.conntrack_bypass.lock() {
+            *bypass = (status, restorations);
+        }
+    }
+
+    /// Where the conntrack bypass stands and how often its table was restored.
+    #[must_use]
+    pub fn conntrack_bypass(&self) -> (BypassStatus, u64) {
+        self.conntrack_bypass
+            .lock()
+            .map(|bypass| bypass.clone())
+            .unwrap_or_default()
     }
 
     /// How often `listener`'s desired pool changed (source updates that changed it).

@@ -3,10 +3,16 @@
 
 use std::net::IpAddr;
 
-use tracing::info;
+use tracing::{info, warn};
 
 use super::AgentError;
-use crate::{config::Config, datapath, interface, lock::InstanceLock, netns::NetnsWorker};
+use crate::{
+    config::Config,
+    conntrack_bypass::{self, nft::Nft},
+    datapath, interface,
+    lock::InstanceLock,
+    netns::NetnsWorker,
+};
 
 /// What `uninstall` removed.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -15,6 +21,9 @@ pub struct UninstallReport {
     pub detached: bool,
     /// The listener interface's name, when its addresses (or the link) were removed.
     pub interface: Option<String>,
+    /// The conntrack bypass table is gone (false: nftables is not usable here, so there was
+    /// none).
+    pub conntrack_table_removed: bool,
 }
 
 /// Removes everything the agent of `config` created. Nothing to remove is no error.
@@ -24,11 +33,19 @@ pub async fn uninstall(config: &Config) -> Result<UninstallReport, AgentError> {
     datapath::remove_pins(&config.pin_dir)?;
     let mut report = UninstallReport {
         detached,
-        interface: None,
+        ..UninstallReport::default()
     };
+    let worker =
+        NetnsWorker::start(config.cache_netns.as_deref()).map_err(AgentError::CacheNetns)?;
+    // Also when the bypass is off now: an earlier configuration may have had it on.
+    match conntrack_bypass::remove(&Nft::new(&config.conntrack.nft, worker.clone())).await {
+        Ok(()) => report.conntrack_table_removed = true,
+        Err(error) if error.is_unavailable() => {
+            warn!(error = %error, "nftables is not usable here, so there is no conntrack bypass table to remove");
+        }
+        Err(source) => return Err(AgentError::ConntrackBypass(source)),
+    }
     if config.interface.manage {
-        let worker =
-            NetnsWorker::start(config.cache_netns.as_deref()).map_err(AgentError::CacheNetns)?;
         let addresses: Vec<IpAddr> = config
             .listeners
             .iter()

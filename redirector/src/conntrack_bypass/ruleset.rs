@@ -1,0 +1,254 @@
+//! The agent's nftables table, rendered from what it must untrack. Pure text: unit-tested here,
+//! applied by `nft` as one batch (one kernel transaction).
+//!
+//! ```text
+//! table inet redirector
+//!   set local4/local6       protocol . address . port of every listener and cache
+//!   set upstream4/upstream6 the same for the upstream pools (only with untrack_upstreams)
+//!   chain prerouting (raw)  requests arriving for a local endpoint (pods over their veth);
+//!                           pods' requests to an upstream and the replies arriving from it
+//!   chain output (raw)      requests of host-network clients to a local endpoint or an upstream;
+//!                           the caches' replies
+//! ```
+//! Raw priority (-300) runs before conntrack (-200), so an untracked packet never creates an
+//! entry. Sets keyed by `meta l4proto . address . th port` match exactly the endpoints given (a
+//! cache on another port, kube-dns's separate TCP port), never "anything on port 53".
+
+use std::{collections::BTreeSet, fmt::Write as _, net::IpAddr};
+
+/// The table's family and name: `inet` covers IPv4 and IPv6 in one table.
+pub const TABLE: &str = "inet redirector";
+
+/// A transport protocol of DNS.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Protocol {
+    /// UDP.
+    Udp,
+    /// TCP.
+    Tcp,
+}
+
+impl Protocol {
+    fn keyword(self) -> &'static str {
+        match self {
+            Self::Udp => "udp",
+            Self::Tcp => "tcp",
+        }
+    }
+}
+
+/// One DNS endpoint whose traffic is untracked.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Endpoint {
+    /// The protocol.
+    pub protocol: Protocol,
+    /// The address (IPv4-mapped addresses are written as IPv4).
+    pub address: IpAddr,
+    /// The port.
+    pub port: u16,
+}
+
+impl Endpoint {
+    /// `address:port` over UDP and over TCP (separate ports when kube-dns names them apart).
+    #[must_use]
+    pub fn both(address: IpAddr, udp_port: u16, tcp_port: u16) -> [Self; 2] {
+        let address = address.to_canonical();
+        [
+            Self {
+                protocol: Protocol::Udp,
+                address,
+                port: udp_port,
+            },
+            Self {
+                protocol: Protocol::Tcp,
+                address,
+                port: tcp_port,
+            },
+        ]
+    }
+}
+
+/// What the table untracks.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Ruleset {
+    /// The listeners and caches: requests to them and their replies.
+    pub local: BTreeSet<Endpoint>,
+    /// The upstream pools, when failover traffic is untracked too (`None`: it stays tracked).
+    pub upstream: Option<BTreeSet<Endpoint>>,
+}
+
+impl Ruleset {
+    /// The whole table as one `nft -f` batch that replaces any previous version of it: the
+    /// leading `add` makes the `delete` valid on a first install, and the kernel applies the three
+    /// as one transaction, so packets see the old table or the new one, never none.
+    #[must_use]
+    pub fn render(&self) -> String {
+        let mut text = format!("add table {TABLE}\ndelete table {TABLE}\ntable {TABLE} {{\n");
+        text.push_str(
+            "\tcomment \"redirector: DNS to and from the node-local caches bypasses conntrack\"\n",
+        );
+        set(&mut text, "local4", false, &self.local);
+        set(&mut text, "local6", true, &self.local);
+        if let Some(upstream) = &self.upstream {
+            set(&mut text, "upstream4", false, upstream);
+            set(&mut text, "upstream6", true, upstream);
+        }
+
+        text.push_str(
+            "\tchain prerouting {\n\t\ttype filter hook prerouting priority raw; policy accept;\n",
+        );
+        rule(
+            &mut text,
+            "local",
+            "daddr",
+            "dport",
+            "requests to a listener or cache",
+        );
+        if self.upstream.is_some() {
+            // Both directions: a forwarded TCP connection tracked one way only turns invalid.
+            rule(
+                &mut text,
+                "upstream",
+                "daddr",
+                "dport",
+                "pod requests to an upstream",
+            );
+            rule(
+                &mut text,
+                "upstream",
+                "saddr",
+                "sport",
+                "replies from an upstream",
+            );
+        }
+        text.push_str("\t}\n");
+
+        text.push_str(
+            "\tchain output {\n\t\ttype filter hook output priority raw; policy accept;\n",
+        );
+        rule(
+            &mut text,
+            "local",
+            "daddr",
+            "dport",
+            "host requests to a listener or cache",
+        );
+        rule(&mut text, "local", "saddr", "sport", "replies of a cache");
+        if self.upstream.is_some() {
+            rule(
+                &mut text,
+                "upstream",
+                "daddr",
+                "dport",
+                "host requests to an upstream",
+            );
+        }
+        text.push_str("\t}\n}\n");
+        text
+    }
+
+    /// A batch that removes the table, and succeeds when there is none.
+    #[must_use]
+    pub fn removal() -> String {
+        format!("add table {TABLE}\ndelete table {TABLE}\n")
+    }
+}
+
+/// Writes the set `name` of the endpoints of one family.
+fn set(text: &mut String, name: &str, ipv6: bool, endpoints: &BTreeSet<Endpoint>) {
+    let family = if ipv6 { "ipv6_addr" } else { "ipv4_addr" };
+    let _ = write!(
+        text,
+        "\tset {name} {{\n\t\ttype inet_proto . {family} . inet_service\n"
+    );
+    let elements: Vec<String> = endpoints
+        .iter()
+        .filter(|endpoint| endpoint.address.is_ipv6() == ipv6)
+        .map(|endpoint| {
+            format!(
+                "{} . {} . {}",
+                endpoint.protocol.keyword(),
+                endpoint.address,
+                endpoint.port
+            )
+        })
+        .collect();
+    // nft refuses an empty element list; an empty set is written without one.
+    if !elements.is_empty() {
+        let _ = writeln!(text, "\t\telements = {{ {} }}", elements.join(", "));
+    }
+    text.push_str("\t}\n");
+}
+
+/// Writes the IPv4 and IPv6 `notrack` rules matching the `sets` (prefix) on `address`/`port`.
+fn rule(text: &mut String, sets: &str, address: &str, port: &str, comment: &str) {
+    for (family, suffix) in [("ip", "4"), ("ip6", "6")] {
+        let _ = writeln!(
+            text,
+            "\t\tmeta l4proto . {family} {address} . th {port} @{sets}{suffix} notrack comment \"{comment}\""
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn local() -> BTreeSet<Endpoint> {
+        let mut local = BTreeSet::new();
+        local.extend(Endpoint::both("169.254.10.10".parse().unwrap(), 53, 53));
+        local.extend(Endpoint::both("fd00:53::10".parse().unwrap(), 53, 53));
+        local.extend(Endpoint::both(
+            "::ffff:169.254.20.10".parse().unwrap(),
+            5353,
+            5353,
+        ));
+        local
+    }
+
+    #[test]
+    fn every_listener_and_cache_in_its_family_set() {
+        let text = Ruleset {
+            local: local(),
+            upstream: None,
+        }
+        .render();
+        assert!(text.starts_with("add table inet redirector\ndelete table inet redirector\n"));
+        assert!(
+            text.contains("elements = { udp . 169.254.10.10 . 53, udp . 169.254.20.10 . 5353, tcp . 169.254.10.10 . 53, tcp . 169.254.20.10 . 5353 }"),
+            "{text}"
+        );
+        assert!(
+            text.contains("elements = { udp . fd00:53::10 . 53, tcp . fd00:53::10 . 53 }"),
+            "{text}"
+        );
+        assert!(text.contains("meta l4proto . ip daddr . th dport @local4 notrack"));
+        assert!(text.contains("meta l4proto . ip6 saddr . th sport @local6 notrack"));
+        assert!(
+            !text.contains("upstream"),
+            "failover traffic stays tracked by default: {text}"
+        );
+    }
+
+    #[test]
+    fn upstreams_are_untracked_only_when_asked_and_empty_sets_have_no_elements() {
+        let text = Ruleset {
+            local: local(),
+            upstream: Some(Endpoint::both("10.244.0.5".parse().unwrap(), 53, 5353).into()),
+        }
+        .render();
+        assert!(
+            text.contains("elements = { udp . 10.244.0.5 . 53, tcp . 10.244.0.5 . 5353 }"),
+            "{text}"
+        );
+        let prerouting = text.split("chain prerouting").nth(1).unwrap();
+        let prerouting = prerouting.split("chain output").next().unwrap();
+        // Both directions of forwarded pod traffic, or TCP turns invalid half-tracked.
+        assert!(prerouting.contains("meta l4proto . ip daddr . th dport @upstream4 notrack"));
+        assert!(prerouting.contains("meta l4proto . ip saddr . th sport @upstream4 notrack"));
+        assert!(text.contains("meta l4proto . ip6 daddr . th dport @upstream6 notrack"));
+        let upstream6 = text.split("set upstream6 {").nth(1).unwrap();
+        let upstream6 = upstream6.split("\t}").next().unwrap();
+        assert!(!upstream6.contains("elements"), "{upstream6}");
+    }
+}

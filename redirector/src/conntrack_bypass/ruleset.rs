@@ -94,56 +94,21 @@ impl Ruleset {
             set(&mut text, "upstream6", true, upstream);
         }
 
-        text.push_str(
-            "\tchain prerouting {\n\t\ttype filter hook prerouting priority raw; policy accept;\n",
-        );
-        rule(
-            &mut text,
-            "local",
-            "daddr",
-            "dport",
-            "requests to a listener or cache",
-        );
-        if self.upstream.is_some() {
-            // Both directions: a forwarded TCP connection tracked one way only turns invalid.
-            rule(
-                &mut text,
-                "upstream",
-                "daddr",
-                "dport",
-                "pod requests to an upstream",
+        // Each chain is named after its hook.
+        for (hook, rules) in [("prerouting", PREROUTING), ("output", OUTPUT)] {
+            let _ = writeln!(
+                text,
+                "\tchain {hook} {{\n\t\ttype filter hook {hook} priority raw; policy accept;"
             );
-            rule(
-                &mut text,
-                "upstream",
-                "saddr",
-                "sport",
-                "replies from an upstream",
-            );
+            for (sets, way, comment) in rules {
+                if *sets == Sets::Upstream && self.upstream.is_none() {
+                    continue;
+                }
+                rule(&mut text, *sets, *way, comment);
+            }
+            text.push_str("\t}\n");
         }
-        text.push_str("\t}\n");
-
-        text.push_str(
-            "\tchain output {\n\t\ttype filter hook output priority raw; policy accept;\n",
-        );
-        rule(
-            &mut text,
-            "local",
-            "daddr",
-            "dport",
-            "host requests to a listener or cache",
-        );
-        rule(&mut text, "local", "saddr", "sport", "replies of a cache");
-        if self.upstream.is_some() {
-            rule(
-                &mut text,
-                "upstream",
-                "daddr",
-                "dport",
-                "host requests to an upstream",
-            );
-        }
-        text.push_str("\t}\n}\n");
+        text.push_str("}\n");
         text
     }
 
@@ -180,12 +145,52 @@ fn set(text: &mut String, name: &str, ipv6: bool, endpoints: &BTreeSet<Endpoint>
     text.push_str("\t}\n");
 }
 
-/// Writes the IPv4 and IPv6 `notrack` rules matching the `sets` (prefix) on `address`/`port`.
-fn rule(text: &mut String, sets: &str, address: &str, port: &str, comment: &str) {
+/// Which sets a rule matches.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Sets {
+    /// `local4`/`local6`: listeners and caches.
+    Local,
+    /// `upstream4`/`upstream6`: the upstream pools.
+    Upstream,
+}
+
+/// Which way a rule matches the endpoints: packets to them (requests) or from them (replies).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Way {
+    To,
+    From,
+}
+
+/// The rules of the prerouting chain: what arrives from other namespaces (pods) and replies
+/// coming back. Upstream traffic is untracked both ways: a forwarded TCP connection tracked one
+/// way only turns invalid.
+const PREROUTING: &[(Sets, Way, &str)] = &[
+    (Sets::Local, Way::To, "requests to a listener or cache"),
+    (Sets::Upstream, Way::To, "pod requests to an upstream"),
+    (Sets::Upstream, Way::From, "replies from an upstream"),
+];
+
+/// The rules of the output chain: what this namespace sends.
+const OUTPUT: &[(Sets, Way, &str)] = &[
+    (Sets::Local, Way::To, "host requests to a listener or cache"),
+    (Sets::Local, Way::From, "replies of a cache"),
+    (Sets::Upstream, Way::To, "host requests to an upstream"),
+];
+
+/// Writes the IPv4 and IPv6 `notrack` rules for `sets`, matched `way`.
+fn rule(text: &mut String, sets: Sets, way: Way, comment: &str) {
+    let prefix = match sets {
+        Sets::Local => "local",
+        Sets::Upstream => "upstream",
+    };
+    let (address, port) = match way {
+        Way::To => ("daddr", "dport"),
+        Way::From => ("saddr", "sport"),
+    };
     for (family, suffix) in [("ip", "4"), ("ip6", "6")] {
         let _ = writeln!(
             text,
-            "\t\tmeta l4proto . {family} {address} . th {port} @{sets}{suffix} notrack comment \"{comment}\""
+            "\t\tmeta l4proto . {family} {address} . th {port} @{prefix}{suffix} notrack comment \"{comment}\""
         );
     }
 }

@@ -60,6 +60,8 @@ pub struct AgentThread {
     thread: Option<JoinHandle<()>>,
     /// What the agent observed.
     pub stats: Arc<AgentStats>,
+    /// Where it serves `/metrics`, `/healthz` and `/readyz`.
+    pub metrics: Option<SocketAddr>,
 }
 
 impl AgentThread {
@@ -67,7 +69,8 @@ impl AgentThread {
     /// Returns once the agent has started (or failed to).
     pub fn start(config: &Config) -> anyhow::Result<Self> {
         let config = config.clone();
-        let (started, start_result) = std::sync::mpsc::channel::<anyhow::Result<Arc<AgentStats>>>();
+        let (started, start_result) =
+            std::sync::mpsc::channel::<anyhow::Result<(Arc<AgentStats>, Option<SocketAddr>)>>();
         let (shutdown, stop) = tokio::sync::oneshot::channel::<()>();
         let thread = std::thread::Builder::new()
             .name("agent".to_owned())
@@ -91,7 +94,7 @@ impl AgentThread {
                             return;
                         }
                     };
-                    let _ = started.send(Ok(agent.stats()));
+                    let _ = started.send(Ok((agent.stats(), agent.metrics_address())));
                     agent
                         .run(async {
                             let _ = stop.await;
@@ -104,13 +107,14 @@ impl AgentThread {
                 });
             })
             .context("starting the agent thread")?;
-        let stats = start_result
+        let (stats, metrics) = start_result
             .recv()
             .context("the agent thread died while starting")??;
         Ok(Self {
             shutdown: Some(shutdown),
             thread: Some(thread),
             stats,
+            metrics,
         })
     }
 }

@@ -1,5 +1,6 @@
-//! Real caches for the failover tests: our test server, dnsmasq and unbound from Debian, each run
-//! in the node namespace and the cache's cgroup, serving the node listener's address.
+//! Real caches for the failover tests: our test server, dnsmasq and unbound from Debian, and
+//! redirector's own embedded cache, each run in the node namespace and the cache's cgroup,
+//! serving the node listener's address.
 
 use std::net::SocketAddr;
 
@@ -17,12 +18,23 @@ pub enum CacheKind {
     Dnsmasq,
     /// unbound (Debian's unbound).
     Unbound,
+    /// `redirector cache`, forwarding to a test server on the node's loopback that answers as
+    /// the cache (so its answers are told apart from the upstreams').
+    Embedded,
 }
 
 impl CacheKind {
     /// Every kind.
-    pub const ALL: [Self; 3] = [Self::TestServer, Self::Dnsmasq, Self::Unbound];
+    pub const ALL: [Self; 4] = [
+        Self::TestServer,
+        Self::Dnsmasq,
+        Self::Unbound,
+        Self::Embedded,
+    ];
 }
+
+/// Where the embedded cache's backend listens (the node namespace's loopback).
+const EMBEDDED_BACKEND: &str = "127.0.0.1:5300";
 
 /// Starts `kind` as process `name`, serving `NODE_LISTENER:53` and answering the probe names
 /// (`localhost.` and the test name) with the cache's identity.
@@ -88,6 +100,38 @@ pub fn start_cache(sandbox: &mut Sandbox, kind: CacheKind, name: &str) -> anyhow
                 "unbound",
                 &args,
                 "start of service",
+            )
+        }
+        CacheKind::Embedded => {
+            let backend = format!("{name}-backend");
+            if sandbox.process(&backend).is_err() {
+                sandbox.start_cache(
+                    &backend,
+                    &CacheSpec {
+                        listen: vec![EMBEDDED_BACKEND.parse()?],
+                        ..CacheSpec::standard()
+                    },
+                )?;
+            }
+            let config = sandbox.write_file(
+                &format!("embedded-{name}.toml"),
+                &format!(
+                    "listen = [\"{address}\"]\ndefault_servers = [\"{EMBEDDED_BACKEND}\"]\nupstream_timeout_ms = 200\n"
+                ),
+            )?;
+            let args = vec![
+                "cache".to_owned(),
+                "--config".to_owned(),
+                config.display().to_string(),
+            ];
+            let binary = crate::sandbox::redirector_bin().display().to_string();
+            sandbox.start_process(
+                name,
+                Some(Ns::Node),
+                Some(&cgroup),
+                &binary,
+                &args,
+                "embedded cache serving",
             )
         }
     }

@@ -46,12 +46,46 @@ pub fn set_state(sandbox: &Sandbox, listener: &str, mode: &str) -> anyhow::Resul
 
 /// Starts `redirector run --config CONFIG` and waits until it steers.
 pub fn start_agent(config: &std::path::Path) -> anyhow::Result<TestProcess> {
+    start_agent_with(config, &[], &[])
+}
+
+/// The same with extra arguments and environment variables.
+pub fn start_agent_with(
+    config: &std::path::Path,
+    args: &[&str],
+    env: &[(&str, &std::ffi::OsStr)],
+) -> anyhow::Result<TestProcess> {
     let mut command = Command::new(redirector_bin());
     command.args(["run", "--config", &config.display().to_string()]);
+    command.args(args);
+    command.envs(env.iter().map(|(key, value)| (*key, *value)));
     TestProcess::start(
         "redirector run",
         command,
         "redirector is steering",
         Duration::from_secs(30),
     )
+}
+
+/// The metrics address a `redirector run` logged (`serving /metrics ... address=...`), from
+/// either log format.
+pub fn logged_metrics_address(agent: &mut TestProcess) -> anyhow::Result<std::net::SocketAddr> {
+    let line = agent
+        .printed()
+        .iter()
+        .find(|line| line.contains("serving /metrics"))
+        .cloned()
+        .ok_or_else(|| anyhow::anyhow!("the agent did not log its metrics address"))?;
+    let after = line
+        .split("address")
+        .nth(1)
+        .ok_or_else(|| anyhow::anyhow!("no address in {line:?}"))?;
+    let address: String = after
+        .trim_start_matches(['=', '"', ':'])
+        .chars()
+        .take_while(|c| c.is_ascii_digit() || *c == '.' || *c == ':')
+        .collect();
+    address
+        .parse()
+        .map_err(|error| anyhow::anyhow!("{address:?} in {line:?}: {error}"))
 }

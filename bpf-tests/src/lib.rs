@@ -14,6 +14,7 @@ pub mod command;
 pub mod conntrack;
 pub mod dns;
 pub mod fake_kube;
+pub mod http;
 pub mod netns;
 pub mod sandbox;
 pub mod stream;

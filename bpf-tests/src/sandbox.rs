@@ -448,7 +448,7 @@ impl Sandbox {
 
     /// An agent configuration for this sandbox: its cgroup, pin directory, lock file and node
     /// namespace, probes every 250 ms (the defaults' hysteresis), socket counts reconciled every
-    /// 500 ms, the listener addresses left to the sandbox (they are on the node's loopback), then
+    /// 500 ms, metrics on a free loopback port, the listener addresses left to the sandbox (they are on the node's loopback), then
     /// `listeners` (TOML `[[listener]]` sections).
     #[must_use]
     pub fn config_toml(&self, listeners: &str) -> String {
@@ -460,7 +460,7 @@ impl Sandbox {
     #[must_use]
     pub fn config_toml_with(&self, listeners: &str, tables: &str) -> String {
         format!(
-            "cgroup = {:?}\npin_dir = {:?}\nlock_file = {:?}\ncache_netns = {:?}\nsocket_reconcile_interval_ms = 500\n\n[probe]\ninterval_ms = 250\ntimeout_ms = 200\n\n{tables}\n{listeners}",
+            "cgroup = {:?}\npin_dir = {:?}\nlock_file = {:?}\ncache_netns = {:?}\nsocket_reconcile_interval_ms = 500\n\n[probe]\ninterval_ms = 250\ntimeout_ms = 200\n\n[metrics]\naddress = \"127.0.0.1:0\"\n\n{tables}\n{listeners}",
             self.cgroup.path().display().to_string(),
             self.pin_dir().display().to_string(),
             self.lock_file().display().to_string(),

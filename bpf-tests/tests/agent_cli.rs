@@ -100,9 +100,7 @@ fn run_steers_until_sigterm_and_state_flips_listeners() -> anyhow::Result<()> {
     let state = set_state(&sandbox, "node", "cache")?;
     assert_eq!(state.code, 1);
     assert!(
-        state
-            .stderr
-            .contains("is the agent running with this pin directory?"),
+        state.stderr.starts_with("error: no redirector state under"),
         "{state:?}"
     );
     Ok(())

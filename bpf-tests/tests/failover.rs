@@ -141,6 +141,11 @@ fn kill_9_of_unbound_fails_over_in_the_kernel() -> anyhow::Result<()> {
     kill_9_fails_over_in_the_kernel(CacheKind::Unbound)
 }
 
+#[test]
+fn kill_9_of_the_embedded_cache_fails_over_in_the_kernel() -> anyhow::Result<()> {
+    kill_9_fails_over_in_the_kernel(CacheKind::Embedded)
+}
+
 fn clean_stop_and_restart(kind: CacheKind) -> anyhow::Result<()> {
     let mut bench = bench_with(kind)?;
     let started = now_ms();
@@ -207,6 +212,11 @@ fn sigterm_and_restart_of_unbound_fail_over_and_back() -> anyhow::Result<()> {
     clean_stop_and_restart(CacheKind::Unbound)
 }
 
+#[test]
+fn clean_stop_and_restart_of_the_embedded_cache() -> anyhow::Result<()> {
+    clean_stop_and_restart(CacheKind::Embedded)
+}
+
 fn hang_and_resume(kind: CacheKind) -> anyhow::Result<()> {
     let mut bench = bench_with(kind)?;
     let started = now_ms();
@@ -264,6 +274,11 @@ fn sigstop_of_dnsmasq_fails_over_by_probes_and_sigcont_back() -> anyhow::Result<
 #[test]
 fn sigstop_of_unbound_fails_over_by_probes_and_sigcont_back() -> anyhow::Result<()> {
     hang_and_resume(CacheKind::Unbound)
+}
+
+#[test]
+fn hang_and_resume_of_the_embedded_cache() -> anyhow::Result<()> {
+    hang_and_resume(CacheKind::Embedded)
 }
 
 #[test]

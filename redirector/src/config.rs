@@ -70,6 +70,8 @@ pub struct Config {
     pub kubernetes: KubernetesSettings,
     /// The nftables table that keeps DNS to and from the caches out of conntrack.
     pub conntrack: ConntrackSettings,
+    /// The HTTP endpoint for `/metrics`, `/healthz` and `/readyz`.
+    pub metrics: MetricsSettings,
     /// The listeners, in file order.
     pub listeners: Vec<Listener>,
 }
@@ -165,6 +167,31 @@ impl Default for KubernetesSettings {
         Self {
             kubeconfig: None,
             resync_interval: Duration::from_secs(60),
+        }
+    }
+}
+
+/// The default metrics address: loopback, because an agent on every node must not open an
+/// unauthenticated port on every node's addresses unless the operator chooses to; 9353 is next to
+/// CoreDNS's 9153 and unclaimed in Prometheus's list of default ports.
+pub const DEFAULT_METRICS_ADDRESS: &str = "127.0.0.1:9353";
+
+/// The HTTP endpoint for metrics and health.
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub struct MetricsSettings {
+    /// Serve it.
+    pub enabled: bool,
+    /// Where (port 0: any free port, for tests).
+    pub address: SocketAddr,
+}
+
+impl Default for MetricsSettings {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            address: DEFAULT_METRICS_ADDRESS
+                .parse()
+                .unwrap_or_else(|_| SocketAddr::from(([127, 0, 0, 1], 9353))),
         }
     }
 }
@@ -405,6 +432,14 @@ pub enum ConfigError {
         /// The text given.
         name: String,
     },
+    /// A metrics address that is no socket address.
+    #[error(
+        "metrics.address: {value:?} is not an address with a port (write it like 127.0.0.1:9353)"
+    )]
+    BadMetricsAddress {
+        /// The value given.
+        value: String,
+    },
     /// A reverse map that cannot work.
     #[error(
         "reverse_nat_entries: {value} is too small; give at least {min} (the default is {default})"
@@ -437,6 +472,8 @@ struct RawConfig {
     kubernetes: RawKubernetes,
     #[serde(default)]
     conntrack: RawConntrack,
+    #[serde(default)]
+    metrics: RawMetrics,
     #[serde(default, rename = "listener")]
     listeners: Vec<RawListener>,
 }
@@ -454,6 +491,13 @@ struct RawInterface {
 struct RawKubernetes {
     kubeconfig: Option<PathBuf>,
     resync_interval_ms: Option<u64>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawMetrics {
+    enabled: Option<bool>,
+    address: Option<String>,
 }
 
 #[derive(Deserialize, Default)]
@@ -574,6 +618,7 @@ impl Config {
         };
 
         let conntrack = validate_conntrack(raw.conntrack)?;
+        let metrics = validate_metrics(raw.metrics)?;
 
         let mut names: HashMap<String, String> = HashMap::new();
         let mut addresses: HashMap<IpAddr, String> = HashMap::new();
@@ -616,6 +661,7 @@ impl Config {
             interface,
             kubernetes,
             conntrack,
+            metrics,
             listeners,
         })
     }
@@ -629,6 +675,20 @@ impl Config {
             .find(|(_, listener)| listener.name == name)
             .map(|(id, listener)| (id as u32, listener))
     }
+}
+
+fn validate_metrics(raw: RawMetrics) -> Result<MetricsSettings, ConfigError> {
+    let defaults = MetricsSettings::default();
+    let address = match raw.address {
+        Some(text) => text
+            .parse::<SocketAddr>()
+            .map_err(|_| ConfigError::BadMetricsAddress { value: text })?,
+        None => defaults.address,
+    };
+    Ok(MetricsSettings {
+        enabled: raw.enabled.unwrap_or(defaults.enabled),
+        address,
+    })
 }
 
 fn validate_conntrack(raw: RawConntrack) -> Result<ConntrackSettings, ConfigError> {
@@ -1340,6 +1400,8 @@ mod tests {
         assert_eq!(config.interface, InterfaceSettings::default());
         assert_eq!(config.lock_file, PathBuf::from(DEFAULT_LOCK_FILE));
         assert_eq!(config.conntrack, ConntrackSettings::default());
+        assert_eq!(config.metrics.address.to_string(), DEFAULT_METRICS_ADDRESS);
+        assert!(config.metrics.enabled);
         assert!(config.conntrack.bypass && !config.conntrack.untrack_upstreams);
 
         let message = refusal(
@@ -1408,6 +1470,10 @@ mod tests {
             "[conntrack]\nnotrack = true\n[[listener]]\nname = \"n\"\naddress = \"10.0.0.1\"\n",
         );
         assert!(message.contains("notrack"), "{message}");
+        let message = refusal(
+            "[metrics]\naddress = \"localhost\"\n[[listener]]\nname = \"n\"\naddress = \"10.0.0.1\"\n",
+        );
+        assert!(message.starts_with("metrics.address"), "{message}");
     }
 
     #[test]

@@ -86,6 +86,22 @@ impl InstanceLock {
     }
 }
 
+/// The pid of the agent holding the lock at `path`, if one does. Never creates the file; takes
+/// the lock only for the instant of the test (a shared lock, which conflicts with the agent's).
+#[must_use]
+pub fn holder(path: &Path) -> Option<String> {
+    let file = File::open(path).ok()?;
+    match Flock::lock(file, FlockArg::LockSharedNonblock) {
+        Ok(_unlocked_on_drop) => None,
+        Err((mut file, errno)) if errno == nix::errno::Errno::EWOULDBLOCK => {
+            let mut pid = String::new();
+            let _ = file.read_to_string(&mut pid);
+            Some(pid.trim().to_owned())
+        }
+        Err(_) => None,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -95,6 +111,7 @@ mod tests {
         let path =
             std::env::temp_dir().join(format!("redirector-lock-test-{}", std::process::id()));
         let first = InstanceLock::acquire(&path).unwrap();
+        assert_eq!(holder(&path), Some(std::process::id().to_string()));
         let error = InstanceLock::acquire(&path).unwrap_err();
         assert!(
             error
@@ -103,6 +120,7 @@ mod tests {
             "{error}"
         );
         drop(first);
+        assert_eq!(holder(&path), None, "released");
         let again = InstanceLock::acquire(&path).expect("free again once released");
         drop(again);
         let _ = std::fs::remove_file(&path);

@@ -6,11 +6,15 @@ use anyhow::{Context as _, bail};
 use clap::{Parser, Subcommand, ValueEnum};
 use redirector::{
     agent::{Agent, StartOptions},
-    config::{Config, DEFAULT_CONFIG_PATH, DEFAULT_PIN_DIR},
+    config::{Config, ConntrackSettings, DEFAULT_CONFIG_PATH, DEFAULT_LOCK_FILE, DEFAULT_PIN_DIR},
+    conntrack_bypass::nft::Nft,
     datapath::Maps,
+    dns_cache::{CacheConfig, CacheServer},
+    netns::NetnsWorker,
+    telemetry,
 };
 use redirector_common::listener::{
-    LIVENESS_SOCKETS_AND_PROBES, MODE_AUTO, MODE_CACHE, MODE_UPSTREAM, Reason, Route, explain,
+    LIVENESS_SOCKETS_AND_PROBES, MODE_AUTO, MODE_CACHE, MODE_UPSTREAM, Route, explain,
 };
 use tracing_subscriber::EnvFilter;
 
@@ -34,6 +38,19 @@ enum Command {
     },
     /// Force a listener to the cache or to its upstreams, or give it back to automatic failover.
     State(StateArgs),
+    /// Show every listener's state, the programs, the conntrack bypass and whether an agent
+    /// runs, from the pinned maps (works while the agent is stopped).
+    Status(StatusArgs),
+    /// Run the embedded caching DNS forwarder (a small stand-in for CoreDNS on a dev box or in
+    /// a demo) until SIGINT or SIGTERM.
+    Cache {
+        /// Its configuration file (TOML: listen, default_servers, [[zone]], ...).
+        #[arg(long)]
+        config: PathBuf,
+        /// Log filter.
+        #[arg(long, env = "REDIRECTOR_LOG", default_value = "info")]
+        log_level: String,
+    },
     /// Validate a configuration file and exit.
     CheckConfig {
         /// The configuration file.
@@ -59,6 +76,31 @@ struct RunArgs {
     /// Replace pins of another redirector version instead of refusing to start.
     #[arg(long)]
     replace: bool,
+    /// Log format: human (default) or json (one object per line).
+    #[arg(long, env = "REDIRECTOR_LOG_FORMAT", value_enum, default_value_t = LogFormat::Human)]
+    log_format: LogFormat,
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum LogFormat {
+    /// Lines for people.
+    Human,
+    /// One JSON object per line, for log pipelines.
+    Json,
+}
+
+#[derive(clap::Args, Debug)]
+struct StatusArgs {
+    /// The agent's configuration file: its pin directory, lock file, caches' namespace and nft
+    /// (defaults are used when the file does not exist).
+    #[arg(long, env = "REDIRECTOR_CONFIG", default_value = DEFAULT_CONFIG_PATH)]
+    config: PathBuf,
+    /// The pin directory (overrides the configuration's).
+    #[arg(long, env = "REDIRECTOR_PIN_DIR")]
+    pin_dir: Option<PathBuf>,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(clap::Args, Debug)]
@@ -92,14 +134,6 @@ impl Mode {
             Self::Auto => MODE_AUTO,
         }
     }
-
-    fn name_of(raw: u32) -> &'static str {
-        match raw {
-            MODE_CACHE => "cache",
-            MODE_UPSTREAM => "upstream",
-            _ => "auto",
-        }
-    }
 }
 
 fn main() -> ExitCode {
@@ -108,6 +142,8 @@ fn main() -> ExitCode {
         Command::Run(args) => run(args),
         Command::Uninstall { config } => uninstall(&config),
         Command::State(args) => set_state(&args),
+        Command::Status(args) => status(&args),
+        Command::Cache { config, log_level } => cache(&config, &log_level),
         Command::CheckConfig { config } => check_config(&config),
     };
     match result {
@@ -119,14 +155,17 @@ fn main() -> ExitCode {
     }
 }
 
-fn init_logging(filter: &str) -> anyhow::Result<()> {
+fn init_logging(filter: &str, format: LogFormat) -> anyhow::Result<()> {
     let filter = EnvFilter::try_new(filter).with_context(|| {
         format!("the log level {filter:?} is not a valid filter (try info or debug)")
     })?;
-    tracing_subscriber::fmt()
+    let logger = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .init();
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Human => logger.init(),
+        LogFormat::Json => logger.json().flatten_event(true).init(),
+    }
     Ok(())
 }
 
@@ -142,7 +181,7 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         .log_level
         .or_else(|| config.log_level.clone())
         .unwrap_or_else(|| "info".to_owned());
-    init_logging(&filter)?;
+    init_logging(&filter, args.log_format)?;
     if !nix::unistd::geteuid().is_root() {
         bail!(
             "redirector run needs root (CAP_BPF, CAP_NET_ADMIN, CAP_SYS_ADMIN): run it with sudo or as a systemd service"
@@ -177,7 +216,10 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
 
 fn uninstall(path: &std::path::Path) -> anyhow::Result<()> {
     let config = Config::load(path)?;
-    init_logging(config.log_level.as_deref().unwrap_or("warn"))?;
+    init_logging(
+        config.log_level.as_deref().unwrap_or("warn"),
+        LogFormat::Human,
+    )?;
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -205,7 +247,8 @@ fn uninstall(path: &std::path::Path) -> anyhow::Result<()> {
 }
 
 fn set_state(args: &StateArgs) -> anyhow::Result<()> {
-    let mut maps = Maps::open_pinned(&args.pin_dir)?;
+    let mut maps = Maps::open_pinned(&args.pin_dir)
+        .map_err(|error| explain_pin_error(error.into(), &args.pin_dir))?;
     let Some((id, info)) = maps.listener_by_name(&args.listener)? else {
         let known: Vec<String> = maps
             .listeners()?
@@ -233,22 +276,97 @@ fn set_state(args: &StateArgs) -> anyhow::Result<()> {
     println!(
         "listener {} ({address}): mode {} (was {}); DNS goes to {target} ({})",
         args.listener,
-        Mode::name_of(mode.mode),
-        Mode::name_of(previous.mode),
-        reason_text(reason),
+        telemetry::snapshot::mode_name(mode.mode),
+        telemetry::snapshot::mode_name(previous.mode),
+        telemetry::snapshot::reason_text(reason),
     );
     Ok(())
 }
 
-/// A reason as the CLI prints it.
-fn reason_text(reason: Reason) -> &'static str {
-    match reason {
-        Reason::Override => "operator override",
-        Reason::NoSockets => "the cache has no socket",
-        Reason::ProbesFailing => "the cache fails its probes",
-        Reason::AwaitingConfirmation => "the cache is back, awaiting its probes",
-        Reason::Healthy => "the cache is healthy",
+fn status(args: &StatusArgs) -> anyhow::Result<()> {
+    // Without a configuration file, the defaults say where to look.
+    let (pin_dir, lock_file, cache_netns, nft_binary) = if args.config.exists() {
+        let config = Config::load(&args.config)?;
+        (
+            config.pin_dir,
+            config.lock_file,
+            config.cache_netns,
+            config.conntrack.nft,
+        )
+    } else {
+        (
+            PathBuf::from(DEFAULT_PIN_DIR),
+            PathBuf::from(DEFAULT_LOCK_FILE),
+            None,
+            ConntrackSettings::default().nft,
+        )
+    };
+    let pin_dir = args.pin_dir.clone().unwrap_or(pin_dir);
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    let report = runtime.block_on(async {
+        let worker = NetnsWorker::start(cache_netns.as_deref())?;
+        let nft = Nft::new(&nft_binary, worker);
+        anyhow::Ok(telemetry::status::gather(&pin_dir, &lock_file, &nft).await?)
+    });
+    let report = report.map_err(|error| explain_pin_error(error, &pin_dir))?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{}", telemetry::status::render_table(&report));
     }
+    Ok(())
+}
+
+/// Turns "cannot open a pin" into what the operator should do.
+fn explain_pin_error(error: anyhow::Error, pin_dir: &std::path::Path) -> anyhow::Error {
+    let io = error
+        .chain()
+        .find_map(|cause| cause.downcast_ref::<std::io::Error>())
+        .map(std::io::Error::kind);
+    match io {
+        Some(std::io::ErrorKind::NotFound) => anyhow::anyhow!(
+            "no redirector state under {}: no agent has run here since boot, it was \
+             uninstalled, or its pins are elsewhere (give --pin-dir)",
+            pin_dir.display()
+        ),
+        Some(std::io::ErrorKind::PermissionDenied) => anyhow::anyhow!(
+            "reading the pinned maps under {} needs root (CAP_BPF and CAP_SYS_ADMIN): run it with sudo",
+            pin_dir.display()
+        ),
+        _ => error,
+    }
+}
+
+fn cache(path: &std::path::Path, log_level: &str) -> anyhow::Result<()> {
+    let config = CacheConfig::load(path)?;
+    init_logging(log_level, LogFormat::Human)?;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    runtime.block_on(async {
+        use tokio::signal::unix::{SignalKind, signal};
+        let mut terminate = signal(SignalKind::terminate()).context("cannot watch SIGTERM")?;
+        let mut interrupt = signal(SignalKind::interrupt()).context("cannot watch SIGINT")?;
+        let server = CacheServer::bind(config).await?;
+        tracing::info!(
+            listen = ?server.local_addrs(),
+            "embedded cache serving"
+        );
+        server
+            .serve(async {
+                tokio::select! {
+                    _ = terminate.recv() => {}
+                    _ = interrupt.recv() => {}
+                }
+            })
+            .await;
+        tracing::info!("embedded cache stopped");
+        anyhow::Ok(())
+    })
 }
 
 fn check_config(path: &std::path::Path) -> anyhow::Result<()> {

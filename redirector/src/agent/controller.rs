@@ -17,9 +17,10 @@ use tracing::{debug, info, warn};
 
 use super::{Agent, Transition, current_route};
 use crate::{
-    conntrack_bypass::{self, ruleset::Ruleset},
+    conntrack_bypass::{self, Checked, ruleset::Ruleset},
     liveness::probe::ProbeOutcome,
-    sources::SourceEvent,
+    sd_notify,
+    sources::{SourceEvent, SourceKind},
 };
 
 /// How long source events are collected before the pools are written: a burst of endpoint
@@ -49,6 +50,8 @@ impl Agent {
         let mut write_at: Option<Instant> = None;
         let mut retry = FIRST_RETRY;
         tokio::pin!(shutdown);
+        self.stats.heartbeat();
+        self.announce_readiness();
         loop {
             tokio::select! {
                 () = &mut shutdown => return,
@@ -77,6 +80,20 @@ impl Agent {
                 _ = reconcile_tick.tick() => self.reconcile_round().await,
             }
             self.observe_routes();
+            self.stats.heartbeat();
+            self.announce_readiness();
+        }
+    }
+
+    /// Once every pool was synced, marks the agent ready (`/readyz`) and tells systemd.
+    fn announce_readiness(&mut self) {
+        if self.stats.is_ready() || !self.listeners.iter().all(|listener| listener.synced) {
+            return;
+        }
+        self.stats.set_ready();
+        info!("ready: programs attached and every upstream pool synced");
+        if let Err(error) = sd_notify::notify("READY=1") {
+            warn!(error = %error, "cannot tell systemd the agent is ready (NOTIFY_SOCKET)");
         }
     }
 
@@ -104,6 +121,12 @@ impl Agent {
                 self.stats.record_rejection(source.name(), reason.name());
                 None
             }
+            SourceEvent::Failed { source } => {
+                if source == SourceKind::Kubernetes {
+                    self.stats.record_error("kube_api");
+                }
+                None
+            }
         }
     }
 
@@ -112,13 +135,20 @@ impl Agent {
     fn write_pools(&mut self, dirty: &mut HashSet<u32>) -> bool {
         let mut failed = HashSet::new();
         for id in dirty.drain() {
-            let Some(runtime) = self.listeners.iter().find(|runtime| runtime.id == id) else {
+            let Some(runtime) = self.listeners.iter_mut().find(|runtime| runtime.id == id) else {
                 continue;
             };
             let Some(desired) = &runtime.desired else {
                 continue;
             };
-            match self.maps.set_pool(id, desired) {
+            let started = Instant::now();
+            let written = self.maps.set_pool(id, desired);
+            if written.is_ok() {
+                runtime.synced = true;
+                self.stats
+                    .record_source_sync(runtime.source, started.elapsed());
+            }
+            match written {
                 Ok(true) => {
                     self.stats.record_pool_write(&runtime.name);
                     info!(
@@ -133,6 +163,7 @@ impl Agent {
                 Ok(false) => {}
                 Err(error) => {
                     warn!(listener = %runtime.name, error = %error, "writing the upstream pool failed; retrying");
+                    self.stats.record_error("pool_write");
                     failed.insert(id);
                 }
             }
@@ -144,8 +175,10 @@ impl Agent {
 
     /// Compares the conntrack bypass table with what was installed; restores it when changed.
     async fn check_bypass(&mut self) {
-        if let Some(bypass) = self.bypass.as_mut() {
-            bypass.check().await;
+        if let Some(bypass) = self.bypass.as_mut()
+            && bypass.check().await == Checked::NotInstalled
+        {
+            self.stats.record_error("nftables");
         }
         self.record_bypass();
     }
@@ -168,7 +201,9 @@ impl Agent {
             local: conntrack_bypass::local_endpoints(&self.config),
             upstream: Some(upstreams),
         };
-        bypass.set_desired(desired).await;
+        if bypass.set_desired(desired).await == Checked::NotInstalled {
+            self.stats.record_error("nftables");
+        }
         self.record_bypass();
     }
 

@@ -14,7 +14,7 @@ mod uninstall;
 
 use std::{
     collections::{HashMap, HashSet},
-    net::IpAddr,
+    net::{IpAddr, SocketAddr},
     path::{Path, PathBuf},
     sync::Arc,
 };
@@ -22,7 +22,7 @@ use std::{
 use redirector_common::listener::{
     LIVENESS_PROBES, LIVENESS_SOCKETS_AND_PROBES, Reason, Route, explain,
 };
-pub use stats::{AgentStats, Transition};
+pub use stats::{AgentStats, ERROR_KINDS, SourceSyncs, Transition};
 use tokio::{sync::mpsc, task::JoinHandle};
 use tracing::{info, warn};
 pub use uninstall::{UninstallReport, uninstall};
@@ -47,6 +47,7 @@ use crate::{
     lock::{InstanceLock, LockError},
     netns::{self, NetnsError, NetnsWorker},
     sources::{self, FedListener, SourceEvent, Upstream},
+    telemetry,
 };
 
 /// Why the agent could not start or stop cleanly.
@@ -144,6 +145,9 @@ pub enum AgentError {
     /// Loading, attaching or filling the datapath failed.
     #[error(transparent)]
     Datapath(#[from] DatapathError),
+    /// The metrics endpoint could not be opened.
+    #[error(transparent)]
+    Telemetry(#[from] telemetry::http::BindError),
     /// The conntrack bypass table could not be removed.
     #[error(
         "removing the nftables table inet redirector failed; remove it with `nft delete table inet redirector`"
@@ -169,6 +173,10 @@ struct ListenerRuntime {
     observed: (Route, Reason),
     /// The pool the configuration or a source wants (`None`: a source has not spoken yet).
     desired: Option<Vec<Upstream>>,
+    /// Where the pool comes from (`static`, `kubernetes`, `resolv.conf`).
+    source: &'static str,
+    /// The pool was synced into the kernel at least once (static pools: at start).
+    synced: bool,
 }
 
 /// A running agent: programs attached (and pinned), maps filled and pinned.
@@ -184,6 +192,8 @@ pub struct Agent {
     sources: Vec<JoinHandle<()>>,
     /// `None` when `conntrack.bypass` is off.
     bypass: Option<ConntrackBypass>,
+    /// The metrics and health endpoint: its address and task.
+    telemetry: Option<(SocketAddr, JoinHandle<()>)>,
     lock: InstanceLock,
 }
 
@@ -296,6 +306,21 @@ impl Agent {
             warn!(error = %error, "re-counting the caches' sockets after attaching failed; the next pass retries");
         }
 
+        let stats = Arc::new(AgentStats::default());
+        let telemetry = if config.metrics.enabled {
+            let listener = telemetry::http::bind(config.metrics.address).await?;
+            let address = listener.local_addr().unwrap_or(config.metrics.address);
+            let endpoint = telemetry::http::Endpoint {
+                maps: std::sync::Mutex::new(Maps::open_pinned(&config.pin_dir)?),
+                stats: Arc::clone(&stats),
+                health_window: health_window(config),
+            };
+            info!(address = %address, "serving /metrics, /healthz and /readyz");
+            Some((address, telemetry::http::serve(listener, endpoint)))
+        } else {
+            None
+        };
+
         let (events, sources) = start_sources(config, &ids, kube_client);
         let mut agent = Self {
             datapath,
@@ -303,10 +328,11 @@ impl Agent {
             reconciler,
             listeners,
             config: config.clone(),
-            stats: Arc::new(AgentStats::default()),
+            stats,
             events,
             sources,
             bypass,
+            telemetry,
             lock,
         };
         agent.record_bypass();
@@ -335,6 +361,8 @@ impl Agent {
     fn log_listeners(&mut self) -> Result<(), AgentError> {
         for (listener, runtime) in self.config.listeners.iter().zip(self.listeners.iter_mut()) {
             runtime.observed = current_route(&self.maps, runtime.id, runtime.liveness)?;
+            self.stats
+                .record_initial_route(&runtime.name, runtime.observed.0);
             let counts = self.maps.socket_counts(runtime.id)?;
             let upstreams = match &listener.source {
                 UpstreamSource::Static => listener
@@ -381,6 +409,12 @@ impl Agent {
         Arc::clone(&self.stats)
     }
 
+    /// Where `/metrics`, `/healthz` and `/readyz` are served (`None`: disabled).
+    #[must_use]
+    pub fn metrics_address(&self) -> Option<SocketAddr> {
+        self.telemetry.as_ref().map(|(address, _)| *address)
+    }
+
     /// The cgroup the programs are attached to.
     #[must_use]
     pub fn cgroup(&self) -> Option<&Path> {
@@ -391,8 +425,14 @@ impl Agent {
     /// failing over (a hung cache is not noticed without the agent's probes). `uninstall`
     /// removes everything.
     pub fn shutdown(self) {
+        if let Err(error) = crate::sd_notify::notify("STOPPING=1") {
+            warn!(error = %error, "cannot tell systemd the agent is stopping");
+        }
         for source in &self.sources {
             source.abort();
+        }
+        if let Some((_, server)) = &self.telemetry {
+            server.abort();
         }
         info!(
             pin_dir = %self.config.pin_dir.display(),
@@ -435,6 +475,22 @@ async fn start_conntrack_bypass(
     let mut bypass = ConntrackBypass::new(nft, desired);
     bypass.check().await;
     Ok(Some(bypass))
+}
+
+/// How long the control loop may go without a turn before `/healthz` fails: it turns at least
+/// at every probe interval; allow three, and never less than ten seconds (a slow socket-table
+/// dump or nft run is no stall).
+fn health_window(config: &Config) -> std::time::Duration {
+    (config.probe.interval * 3).max(std::time::Duration::from_secs(10))
+}
+
+/// The name of a pool source in logs and metrics.
+fn source_name(source: &UpstreamSource) -> &'static str {
+    match source {
+        UpstreamSource::Static => "static",
+        UpstreamSource::Kubernetes { .. } => sources::SourceKind::Kubernetes.name(),
+        UpstreamSource::ResolvConf(_) => sources::SourceKind::ResolvConf.name(),
+    }
 }
 
 /// The configured pool of a static listener (`None` for dynamic sources).
@@ -501,6 +557,8 @@ async fn first_verdicts(
             tracker,
             observed: (Route::Cache, Reason::Healthy),
             desired: static_pool(listener),
+            source: source_name(&listener.source),
+            synced: listener.source == UpstreamSource::Static,
         });
     }
     Ok(listeners)
@@ -537,6 +595,11 @@ async fn kube_client(config: &Config) -> Result<Option<kube::Client>, AgentError
             .await
             .map_err(|error| AgentError::KubeConfig(kube::Error::InferConfig(error)))?,
     };
+    let mut kube_config = kube_config;
+    // The watcher retries with its own backoff and reports each failure, so an outage shows in
+    // the log and the metrics at once; the client's own retries (up to 15, for minutes) would
+    // hide it.
+    kube_config.default_retry = false;
     kube::Client::try_from(kube_config)
         .map(Some)
         .map_err(AgentError::KubeConfig)

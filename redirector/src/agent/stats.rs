@@ -1,12 +1,20 @@
-//! What the agent observed: route transitions with their causes, and probe results. Shared with
-//! whoever watches the agent (tests now, metrics later).
+//! What the agent observed: route transitions with their causes, time spent failed over, probe
+//! results, pool syncs per source, errors, the conntrack bypass, readiness and liveness. Shared
+//! with the metrics endpoint, `status`-like views and the tests.
 
 use std::{
     collections::HashMap,
-    sync::Mutex,
-    time::{Duration, SystemTime},
+    sync::{
+        Mutex, MutexGuard,
+        atomic::{AtomicBool, AtomicU64, Ordering},
+    },
+    time::{Duration, Instant, SystemTime},
 };
 
+use prometheus_client::metrics::{
+    family::Family,
+    histogram::{Histogram, exponential_buckets},
+};
 use redirector_common::listener::{Reason, Route};
 
 use crate::conntrack_bypass::BypassStatus;
@@ -29,152 +37,323 @@ pub struct Transition {
     pub at: SystemTime,
 }
 
-/// Counters and logs of one agent.
+/// Kinds of errors the agent survives and counts. Errors while it sets up (attaching, pinning,
+/// the listener interface) stop it with a message instead: a half-set-up agent must not run.
+pub const ERROR_KINDS: [&str; 3] = ["pool_write", "nftables", "kube_api"];
+
+/// The label set of a per-listener histogram.
+pub type ListenerLabel = [(&'static str, String); 1];
+
+/// One source's pool syncs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SourceSyncs {
+    /// Successful syncs (a pool written, or found already right).
+    pub count: u64,
+    /// When the last one succeeded.
+    pub last_success: Option<SystemTime>,
+}
+
+/// The mutable part, under one lock.
 #[derive(Debug, Default)]
+struct Observations {
+    transitions: Vec<Transition>,
+    by_reason: HashMap<(String, Reason), u64>,
+    probes: HashMap<(String, bool), (u64, Duration)>,
+    pool_syncs: HashMap<String, u64>,
+    pool_writes: HashMap<String, u64>,
+    source_syncs: HashMap<&'static str, SourceSyncs>,
+    rejections: HashMap<(&'static str, &'static str), u64>,
+    errors: HashMap<&'static str, u64>,
+    /// Per listener: time spent away from the cache before the current episode, and since when
+    /// the current one lasts.
+    failover: HashMap<String, (Duration, Option<Instant>)>,
+    conntrack_bypass: (BypassStatus, u64),
+}
+
+/// Counters and logs of one agent.
+#[derive(Debug)]
 pub struct AgentStats {
-    transitions: Mutex<Vec<Transition>>,
-    by_reason: Mutex<HashMap<(String, Reason), u64>>,
-    probes: Mutex<HashMap<(String, bool), (u64, Duration)>>,
-    pool_syncs: Mutex<HashMap<String, u64>>,
-    pool_writes: Mutex<HashMap<String, u64>>,
-    rejections: Mutex<HashMap<(&'static str, &'static str), u64>>,
-    conntrack_bypass: Mutex<(BypassStatus, u64)>,
+    observations: Mutex<Observations>,
+    probe_latency: Family<ListenerLabel, Histogram>,
+    sync_duration: Family<[(&'static str, &'static str); 1], Histogram>,
+    ready: AtomicBool,
+    /// Milliseconds since `started` of the control loop's last turn.
+    heartbeat_ms: AtomicU64,
+    started: Instant,
+}
+
+impl Default for AgentStats {
+    fn default() -> Self {
+        Self {
+            observations: Mutex::default(),
+            // 100 µs to about 1.6 s: probes answer in well under a millisecond when healthy.
+            probe_latency: Family::new_with_constructor(|| {
+                Histogram::new(exponential_buckets(0.000_1, 2.0, 15))
+            }),
+            // 10 µs to about 5 s: a pool write is one map update.
+            sync_duration: Family::new_with_constructor(|| {
+                Histogram::new(exponential_buckets(0.000_01, 3.0, 13))
+            }),
+            ready: AtomicBool::new(false),
+            heartbeat_ms: AtomicU64::new(0),
+            started: Instant::now(),
+        }
+    }
 }
 
 impl AgentStats {
+    fn observations(&self) -> MutexGuard<'_, Observations> {
+        // A panic while holding the lock must not stop the agent from reporting.
+        self.observations
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Records where a listener's route starts (at the agent's start).
+    pub fn record_initial_route(&self, listener: &str, route: Route) {
+        let mut observations = self.observations();
+        let since = (route != Route::Cache).then(Instant::now);
+        observations
+            .failover
+            .insert(listener.to_owned(), (Duration::ZERO, since));
+    }
+
     /// Records a transition.
     pub fn record_transition(&self, transition: Transition) {
-        if let Ok(mut counts) = self.by_reason.lock() {
-            *counts
-                .entry((transition.listener.clone(), transition.reason))
-                .or_default() += 1;
-        }
-        if let Ok(mut log) = self.transitions.lock() {
-            if log.len() == TRANSITION_LOG {
-                log.remove(0);
+        let mut observations = self.observations();
+        *observations
+            .by_reason
+            .entry((transition.listener.clone(), transition.reason))
+            .or_default() += 1;
+        let episode = observations
+            .failover
+            .entry(transition.listener.clone())
+            .or_default();
+        match (transition.to, episode.1) {
+            (Route::Cache, Some(since)) => {
+                episode.0 += since.elapsed();
+                episode.1 = None;
             }
-            log.push(transition);
+            (Route::Upstream, None) => episode.1 = Some(Instant::now()),
+            _ => {}
         }
+        if observations.transitions.len() == TRANSITION_LOG {
+            observations.transitions.remove(0);
+        }
+        observations.transitions.push(transition);
     }
 
     /// Records a probe result (and its latency when it succeeded).
     pub fn record_probe(&self, listener: &str, alive: bool, latency: Duration) {
-        if let Ok(mut probes) = self.probes.lock() {
-            let entry = probes.entry((listener.to_owned(), alive)).or_default();
-            entry.0 += 1;
-            entry.1 += latency;
+        if alive {
+            self.probe_latency
+                .get_or_create(&[("listener", listener.to_owned())])
+                .observe(latency.as_secs_f64());
         }
+        let mut observations = self.observations();
+        let entry = observations
+            .probes
+            .entry((listener.to_owned(), alive))
+            .or_default();
+        entry.0 += 1;
+        entry.1 += latency;
     }
 
     /// Records that a source changed a listener's desired pool.
     pub fn record_pool_sync(&self, listener: &str) {
-        if let Ok(mut syncs) = self.pool_syncs.lock() {
-            *syncs.entry(listener.to_owned()).or_default() += 1;
-        }
+        let mut observations = self.observations();
+        *observations
+            .pool_syncs
+            .entry(listener.to_owned())
+            .or_default() += 1;
     }
 
     /// Records a write of a listener's pool into the kernel.
     pub fn record_pool_write(&self, listener: &str) {
-        if let Ok(mut writes) = self.pool_writes.lock() {
-            *writes.entry(listener.to_owned()).or_default() += 1;
-        }
+        let mut observations = self.observations();
+        *observations
+            .pool_writes
+            .entry(listener.to_owned())
+            .or_default() += 1;
+    }
+
+    /// Records a successful sync of a pool from `source` (written, or found right) that took
+    /// `duration`.
+    pub fn record_source_sync(&self, source: &'static str, duration: Duration) {
+        self.sync_duration
+            .get_or_create(&[("source", source)])
+            .observe(duration.as_secs_f64());
+        let mut observations = self.observations();
+        let syncs = observations.source_syncs.entry(source).or_default();
+        syncs.count += 1;
+        syncs.last_success = Some(SystemTime::now());
     }
 
     /// Records an address a source offered and redirector refused.
     pub fn record_rejection(&self, source: &'static str, reason: &'static str) {
-        if let Ok(mut rejections) = self.rejections.lock() {
-            *rejections.entry((source, reason)).or_default() += 1;
-        }
+        let mut observations = self.observations();
+        *observations.rejections.entry((source, reason)).or_default() += 1;
+    }
+
+    /// Records an error the agent survived, by kind (one of [`ERROR_KINDS`]).
+    pub fn record_error(&self, kind: &'static str) {
+        let mut observations = self.observations();
+        *observations.errors.entry(kind).or_default() += 1;
     }
 
     /// Records where the conntrack bypass stands and how often its table was restored.
     pub fn record_conntrack_bypass(&self, status: BypassStatus, restorations: u64) {
-        if let Ok(mut bypass) = self.conntrack_bypass.lock() {
-            *bypass = (status, restorations);
-        }
+        let mut observations = self.observations();
+        observations.conntrack_bypass = (status, restorations);
+    }
+
+    /// Marks the agent ready: programs attached and every pool synced once.
+    pub fn set_ready(&self) {
+        self.ready.store(true, Ordering::Release);
+    }
+
+    /// Whether the agent is ready.
+    #[must_use]
+    pub fn is_ready(&self) -> bool {
+        self.ready.load(Ordering::Acquire)
+    }
+
+    /// Records a turn of the control loop.
+    pub fn heartbeat(&self) {
+        let elapsed = u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX);
+        self.heartbeat_ms.store(elapsed, Ordering::Release);
+    }
+
+    /// How long ago the control loop last turned.
+    #[must_use]
+    pub fn since_heartbeat(&self) -> Duration {
+        let last = Duration::from_millis(self.heartbeat_ms.load(Ordering::Acquire));
+        self.started.elapsed().saturating_sub(last)
     }
 
     /// Where the conntrack bypass stands and how often its table was restored.
     #[must_use]
     pub fn conntrack_bypass(&self) -> (BypassStatus, u64) {
-        self.conntrack_bypass
-            .lock()
-            .map(|bypass| bypass.clone())
-            .unwrap_or_default()
+        self.observations().conntrack_bypass.clone()
     }
 
     /// How often `listener`'s desired pool changed (source updates that changed it).
     #[must_use]
     pub fn pool_syncs(&self, listener: &str) -> u64 {
-        self.pool_syncs
-            .lock()
-            .ok()
-            .and_then(|syncs| syncs.get(listener).copied())
+        self.observations()
+            .pool_syncs
+            .get(listener)
+            .copied()
             .unwrap_or(0)
     }
 
     /// How often `listener`'s pool was written into the kernel.
     #[must_use]
     pub fn pool_writes(&self, listener: &str) -> u64 {
-        self.pool_writes
-            .lock()
-            .ok()
-            .and_then(|writes| writes.get(listener).copied())
+        self.observations()
+            .pool_writes
+            .get(listener)
+            .copied()
             .unwrap_or(0)
+    }
+
+    /// Each source's syncs.
+    #[must_use]
+    pub fn source_syncs(&self) -> HashMap<&'static str, SourceSyncs> {
+        self.observations().source_syncs.clone()
     }
 
     /// How many addresses `source` offered that were refused for `reason`.
     #[must_use]
     pub fn rejections(&self, source: &str, reason: &str) -> u64 {
-        self.rejections
-            .lock()
-            .ok()
-            .and_then(|rejections| {
-                rejections
-                    .iter()
-                    .find(|((s, r), _)| *s == source && *r == reason)
-                    .map(|(_, count)| *count)
-            })
-            .unwrap_or(0)
+        self.observations()
+            .rejections
+            .iter()
+            .find(|((s, r), _)| *s == source && *r == reason)
+            .map_or(0, |(_, count)| *count)
+    }
+
+    /// Every refusal count, by (source, reason).
+    #[must_use]
+    pub fn all_rejections(&self) -> HashMap<(&'static str, &'static str), u64> {
+        self.observations().rejections.clone()
+    }
+
+    /// Errors survived, by kind.
+    #[must_use]
+    pub fn errors(&self) -> HashMap<&'static str, u64> {
+        self.observations().errors.clone()
     }
 
     /// Every transition of `listener` still in the log, oldest first.
     #[must_use]
     pub fn transitions(&self, listener: &str) -> Vec<Transition> {
-        self.transitions
-            .lock()
-            .map(|log| {
-                log.iter()
-                    .filter(|transition| transition.listener == listener)
-                    .cloned()
-                    .collect()
-            })
-            .unwrap_or_default()
+        self.observations()
+            .transitions
+            .iter()
+            .filter(|transition| transition.listener == listener)
+            .cloned()
+            .collect()
+    }
+
+    /// Transition counts by (listener, reason).
+    #[must_use]
+    pub fn transitions_by_reason(&self) -> HashMap<(String, Reason), u64> {
+        self.observations().by_reason.clone()
     }
 
     /// How many transitions of `listener` had `reason`.
     #[must_use]
     pub fn transitions_by(&self, listener: &str, reason: Reason) -> u64 {
-        self.by_reason
-            .lock()
-            .ok()
-            .and_then(|counts| counts.get(&(listener.to_owned(), reason)).copied())
+        self.observations()
+            .by_reason
+            .get(&(listener.to_owned(), reason))
+            .copied()
             .unwrap_or(0)
+    }
+
+    /// How long `listener` has spent routed away from its cache since the agent started.
+    #[must_use]
+    pub fn failover_time(&self, listener: &str) -> Duration {
+        self.observations()
+            .failover
+            .get(listener)
+            .map(|(before, since)| *before + since.map_or(Duration::ZERO, |since| since.elapsed()))
+            .unwrap_or_default()
     }
 
     /// (successful, failed) probes of `listener`.
     #[must_use]
     pub fn probes(&self, listener: &str) -> (u64, u64) {
-        self.probes
-            .lock()
-            .map(|probes| {
-                let count = |alive| {
-                    probes
-                        .get(&(listener.to_owned(), alive))
-                        .map_or(0, |(count, _)| *count)
-                };
-                (count(true), count(false))
-            })
-            .unwrap_or((0, 0))
+        let observations = self.observations();
+        let count = |alive| {
+            observations
+                .probes
+                .get(&(listener.to_owned(), alive))
+                .map_or(0, |(count, _)| *count)
+        };
+        (count(true), count(false))
+    }
+
+    /// Probe counts as (listener, alive, count).
+    #[must_use]
+    pub fn probe_counts(&self) -> Vec<(String, bool, u64)> {
+        self.observations()
+            .probes
+            .iter()
+            .map(|((listener, alive), (count, _))| (listener.clone(), *alive, *count))
+            .collect()
+    }
+
+    /// The probe latency histograms, by listener.
+    #[must_use]
+    pub fn probe_latency(&self) -> &Family<ListenerLabel, Histogram> {
+        &self.probe_latency
+    }
+
+    /// The pool sync duration histograms, by source.
+    #[must_use]
+    pub fn sync_duration(&self) -> &Family<[(&'static str, &'static str); 1], Histogram> {
+        &self.sync_duration
     }
 }

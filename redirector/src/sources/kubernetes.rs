@@ -155,6 +155,15 @@ pub async fn watch(
             Err(error) => {
                 // The watcher backs off and retries; the pool stays as last known.
                 warn!(service = %format!("{namespace}/{service}"), error = %error, "watching EndpointSlices failed; keeping the last known pool");
+                if events
+                    .send(SourceEvent::Failed {
+                        source: SourceKind::Kubernetes,
+                    })
+                    .await
+                    .is_err()
+                {
+                    return;
+                }
                 false
             }
         };

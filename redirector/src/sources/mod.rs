@@ -94,6 +94,11 @@ pub enum SourceEvent {
         /// Where they come from.
         source: SourceKind,
     },
+    /// The source failed to reach what it follows (the pools stay as they are).
+    Failed {
+        /// Which source.
+        source: SourceKind,
+    },
     /// An address the source offered and redirector refused.
     Rejected {
         /// Where it came from.

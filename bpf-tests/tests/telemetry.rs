@@ -1,0 +1,430 @@
+//! What operators see: `/metrics` agrees with the kernel and with what happened, `/readyz` waits
+//! for every pool and systemd hears READY=1 at that moment, `redirector status` tells the truth
+//! with the agent running and stopped, logs come as JSON on request, and mistakes an operator
+//! can make get one sentence and the fix.
+
+use std::{os::unix::net::UnixDatagram, time::Duration};
+
+use bpf_tests::{
+    bench::{Bench, NODE_ID, standard_listeners},
+    cli::{logged_metrics_address, redirector, start_agent, start_agent_with},
+    command::run,
+    fake_kube::{FakeKube, endpoint_slice},
+    http::{get, sample},
+    sandbox::{Ns, Query, Sandbox, Tools, Transport},
+    topology::{NODE_LISTENER, dns, who},
+};
+use nix::sys::signal::Signal;
+use redirector_common::listener::MODE_UPSTREAM;
+
+fn tools() -> Tools {
+    bpf_tests::tools!()
+}
+
+fn queries(sandbox: &Sandbox, count: u16) -> anyhow::Result<Vec<&'static str>> {
+    let outcomes = sandbox.queries_in(
+        Ns::Pod,
+        sandbox.cgroup(),
+        Query::new(dns(NODE_LISTENER), Transport::Udp),
+        count,
+    )?;
+    Ok(outcomes
+        .iter()
+        .map(|outcome| who(outcome.answer()))
+        .collect())
+}
+
+#[test]
+fn metrics_agree_with_the_kernel_and_with_what_happened() -> anyhow::Result<()> {
+    let mut bench = Bench::standard(tools())?;
+    let address = bench.agent.metrics.expect("metrics are served");
+    assert!(
+        queries(&bench.sandbox, 5)?
+            .iter()
+            .all(|who| *who == "cache")
+    );
+    bench.set_mode(NODE_ID, MODE_UPSTREAM)?;
+    assert!(
+        queries(&bench.sandbox, 3)?
+            .iter()
+            .all(|who| who.starts_with("upstream"))
+    );
+    // The override is seen by the control loop at its next turn.
+    bench.wait_until("the override observed", Duration::from_secs(5), |bench| {
+        Ok(!bench.agent.stats.transitions("node").is_empty())
+    })?;
+    std::thread::sleep(Duration::from_millis(300));
+
+    let response = get(address, "/metrics")?;
+    assert_eq!(response.status, 200);
+    let metrics = response.body;
+    let node = |decision: &str| {
+        sample(
+            &metrics,
+            &format!(
+                "redirector_steering_decisions_total{{listener=\"node\",family=\"ipv4\",protocol=\"udp\",decision=\"{decision}\"}}"
+            ),
+        )
+    };
+    let kernel = bench.counters(NODE_ID)?;
+    assert_eq!(node("cache"), Some(5.0), "{metrics}");
+    assert_eq!(node("upstream"), Some(3.0), "{metrics}");
+    assert_eq!(kernel.to_cache, 5);
+    assert_eq!(kernel.to_upstream, 3);
+    assert_eq!(
+        sample(
+            &metrics,
+            "redirector_listener_route{listener=\"node\",route=\"upstream\",reason=\"operator override\"}"
+        ),
+        Some(1.0),
+        "{metrics}"
+    );
+    assert_eq!(
+        sample(
+            &metrics,
+            "redirector_route_transitions_total{listener=\"node\",cause=\"override\"}"
+        ),
+        Some(1.0),
+        "{metrics}"
+    );
+    let failover = sample(
+        &metrics,
+        "redirector_failover_seconds_total{listener=\"node\"}",
+    );
+    assert!(failover.is_some_and(|seconds| seconds > 0.2), "{metrics}");
+    assert_eq!(
+        sample(&metrics, "redirector_pool_backends{listener=\"node\"}"),
+        Some(2.0)
+    );
+    assert_eq!(
+        sample(&metrics, "redirector_pool_backends{listener=\"cluster\"}"),
+        Some(0.0)
+    );
+    assert!(
+        sample(
+            &metrics,
+            "redirector_cache_sockets{listener=\"node\",protocol=\"udp\"}"
+        )
+        .is_some_and(|count| count >= 1.0),
+        "{metrics}"
+    );
+    assert!(
+        sample(
+            &metrics,
+            "redirector_probes_total{listener=\"node\",result=\"success\"}"
+        )
+        .is_some_and(|count| count >= 1.0),
+        "{metrics}"
+    );
+    assert!(
+        sample(
+            &metrics,
+            "redirector_probe_duration_seconds_count{listener=\"node\"}"
+        )
+        .is_some_and(|count| count >= 1.0),
+        "{metrics}"
+    );
+    assert_eq!(
+        sample(
+            &metrics,
+            "redirector_conntrack_bypass_active{status=\"active\"}"
+        ),
+        Some(1.0),
+        "{metrics}"
+    );
+    assert_eq!(
+        sample(&metrics, "redirector_errors_total{kind=\"pool_write\"}"),
+        Some(0.0)
+    );
+    assert_eq!(
+        sample(&metrics, "redirector_ready"),
+        Some(1.0),
+        "static pools: ready at once"
+    );
+    assert_eq!(
+        sample(&metrics, "redirector_pool_syncs_total{source=\"static\"}"),
+        None,
+        "static pools are not synced from a source"
+    );
+    assert!(metrics.ends_with("# EOF\n"), "OpenMetrics text");
+    assert_eq!(get(address, "/healthz")?.status, 200);
+    assert_eq!(get(address, "/readyz")?.status, 200);
+    assert_eq!(get(address, "/nothing")?.status, 404);
+    Ok(())
+}
+
+#[test]
+fn readyz_waits_for_every_pool_and_healthz_does_not() -> anyhow::Result<()> {
+    let kube = FakeKube::start()?;
+    kube.apply(endpoint_slice(
+        "kube-dns-v4",
+        "kube-dns",
+        "IPv4",
+        53,
+        &[("10.244.0.5", true, false)],
+    ));
+    kube.set_down(true);
+    let mut sandbox = Sandbox::new(tools())?;
+    sandbox.start_standard_servers()?;
+    let kubeconfig = sandbox.write_file("kubeconfig", &kube.kubeconfig())?;
+    let listeners = "[[listener]]\nname = \"node\"\naddress = \"169.254.10.10\"\nupstreams = [\"198.18.2.2\"]\n\n[[listener]]\nname = \"cluster\"\naddress = \"169.254.10.11\"\nkube_dns = \"kube-system/kube-dns\"\n";
+    let tables = format!(
+        "[interface]\nmanage = false\n\n[kubernetes]\nkubeconfig = {:?}\n",
+        kubeconfig.display().to_string()
+    );
+    let text = sandbox.config_toml_with(listeners, &tables);
+    let bench = Bench::with_config(sandbox, &text)?;
+    let address = bench.agent.metrics.expect("metrics are served");
+
+    // The API server is down: DNS works, the agent is alive, but not ready.
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(queries(&bench.sandbox, 1)?, ["cache"]);
+    assert_eq!(get(address, "/healthz")?.status, 200);
+    let readyz = get(address, "/readyz")?;
+    assert_eq!(readyz.status, 503, "{readyz:?}");
+    assert!(
+        readyz.body.contains("waiting for the first sync"),
+        "{readyz:?}"
+    );
+    let metrics = get(address, "/metrics")?.body;
+    assert_eq!(sample(&metrics, "redirector_ready"), Some(0.0), "{metrics}");
+
+    kube.set_down(false);
+    bench.wait_until(
+        "ready once the cluster pool synced",
+        Duration::from_secs(15),
+        |_| Ok(get(address, "/readyz")?.status == 200),
+    )?;
+    let metrics = get(address, "/metrics")?.body;
+    assert_eq!(
+        sample(&metrics, "redirector_pool_backends{listener=\"cluster\"}"),
+        Some(1.0)
+    );
+    assert!(
+        sample(
+            &metrics,
+            "redirector_pool_syncs_total{source=\"kubernetes\"}"
+        )
+        .is_some_and(|count| count >= 1.0),
+        "{metrics}"
+    );
+    assert!(
+        sample(&metrics, "redirector_errors_total{kind=\"kube_api\"}")
+            .is_some_and(|count| count >= 1.0),
+        "the outage was counted: {metrics}"
+    );
+    assert!(
+        sample(
+            &metrics,
+            "redirector_pool_last_sync_age_seconds{source=\"kubernetes\"}"
+        )
+        .is_some_and(|age| age < 15.0),
+        "{metrics}"
+    );
+    Ok(())
+}
+
+#[test]
+fn systemd_hears_ready_when_readyz_turns_ready_and_logs_can_be_json() -> anyhow::Result<()> {
+    let mut sandbox = Sandbox::new(tools())?;
+    sandbox.start_standard_servers()?;
+    let config = sandbox.write_file(
+        "config.toml",
+        &sandbox.config_toml(&standard_listeners(&sandbox)),
+    )?;
+    let socket_path = sandbox.lock_file().with_file_name("notify.sock");
+    let notifications = UnixDatagram::bind(&socket_path)?;
+    notifications.set_read_timeout(Some(Duration::from_secs(30)))?;
+    let mut agent = start_agent_with(
+        &config,
+        &["--log-format", "json"],
+        &[("NOTIFY_SOCKET", socket_path.as_os_str())],
+    )?;
+    let mut buffer = [0u8; 256];
+    let length = notifications.recv(&mut buffer)?;
+    assert_eq!(&buffer[..length], b"READY=1");
+    let address = logged_metrics_address(&mut agent)?;
+    assert_eq!(
+        get(address, "/readyz")?.status,
+        200,
+        "ready when systemd hears it"
+    );
+
+    let steering = agent
+        .printed()
+        .iter()
+        .find(|line| line.contains("redirector is steering"))
+        .cloned()
+        .expect("the agent logged that it steers");
+    let record: serde_json::Value = serde_json::from_str(&steering)
+        .map_err(|error| anyhow::anyhow!("not JSON: {steering}: {error}"))?;
+    assert_eq!(record["message"], "redirector is steering", "{record}");
+    assert_eq!(record["level"], "INFO", "{record}");
+
+    agent.signal(Signal::SIGTERM)?;
+    let length = notifications.recv(&mut buffer)?;
+    assert_eq!(&buffer[..length], b"STOPPING=1");
+    agent.wait_exit(Duration::from_secs(10))?;
+    assert_eq!(
+        redirector(&["uninstall", "--config", &config.display().to_string()])?.code,
+        0
+    );
+    Ok(())
+}
+
+#[test]
+fn status_tells_the_truth_with_the_agent_running_and_stopped() -> anyhow::Result<()> {
+    let mut sandbox = Sandbox::new(tools())?;
+    sandbox.start_standard_servers()?;
+    let config = sandbox.write_file(
+        "config.toml",
+        &sandbox.config_toml(&standard_listeners(&sandbox)),
+    )?;
+    let config_arg = config.display().to_string();
+    let mut agent = start_agent(&config)?;
+    assert_eq!(queries(&sandbox, 2)?, ["cache", "cache"]);
+
+    let status = redirector(&["status", "--config", &config_arg])?;
+    assert_eq!(status.code, 0, "{status:?}");
+    let text = &status.stdout;
+    assert!(
+        text.contains(&format!("agent:     running (pid {})", agent.pid())),
+        "{text}"
+    );
+    let programs = redirector::datapath::ALL_PROGRAMS.len();
+    assert!(
+        text.contains(&format!("programs:  {programs} of {programs} attached")),
+        "{text}"
+    );
+    assert!(
+        text.contains("bypass table inet redirector present"),
+        "{text}"
+    );
+    let row = text
+        .lines()
+        .find(|line| line.starts_with("node "))
+        .expect("a row for node");
+    for cell in [
+        "169.254.10.10",
+        "auto",
+        "cache",
+        "the cache is healthy",
+        "up",
+        "198.18.2.2:53,198.18.2.3:53",
+    ] {
+        assert!(row.contains(cell), "{cell} in {row}");
+    }
+
+    let json = redirector(&["status", "--config", &config_arg, "--json"])?;
+    let report: serde_json::Value = serde_json::from_str(&json.stdout)?;
+    assert_eq!(report["agent"]["running"], true);
+    assert_eq!(
+        report["programs"]["attached"].as_array().map(Vec::len),
+        Some(programs)
+    );
+    let node = &report["listeners"][0];
+    assert_eq!(node["name"], "node");
+    assert_eq!(node["route"], "cache");
+    assert_eq!(node["counters"]["udp"]["to_cache"], 2, "{node}");
+    assert!(
+        node["cache_sockets"][0]
+            .as_i64()
+            .is_some_and(|udp| udp >= 1),
+        "{node}"
+    );
+
+    assert_eq!(
+        bpf_tests::cli::set_state(&sandbox, "node", "upstream")?.code,
+        0
+    );
+    agent.signal(Signal::SIGTERM)?;
+    agent.wait_exit(Duration::from_secs(10))?;
+    let stopped = redirector(&["status", "--config", &config_arg])?;
+    assert_eq!(stopped.code, 0, "{stopped:?}");
+    assert!(
+        stopped.stdout.starts_with("agent:     NOT RUNNING"),
+        "{}",
+        stopped.stdout
+    );
+    let row = stopped
+        .stdout
+        .lines()
+        .find(|line| line.starts_with("node "))
+        .expect("a row for node");
+    assert!(
+        row.contains("upstream") && row.contains("operator override"),
+        "{row}"
+    );
+
+    assert_eq!(redirector(&["uninstall", "--config", &config_arg])?.code, 0);
+    let gone = redirector(&["status", "--config", &config_arg])?;
+    assert_eq!(gone.code, 1);
+    assert!(
+        gone.stderr.starts_with("error: no redirector state under"),
+        "{gone:?}"
+    );
+    Ok(())
+}
+
+#[test]
+fn operator_mistakes_get_one_sentence_and_the_fix() -> anyhow::Result<()> {
+    let mut sandbox = Sandbox::new(tools())?;
+    sandbox.start_standard_servers()?;
+    let config = sandbox.write_file(
+        "config.toml",
+        &sandbox.config_toml(&standard_listeners(&sandbox)),
+    )?;
+    let agent = start_agent(&config)?;
+    let pin_dir = sandbox.pin_dir().display().to_string();
+
+    // Not root: status, and state.
+    let binary = bpf_tests::sandbox::redirector_bin().display().to_string();
+    for args in [
+        vec!["status", "--pin-dir", &pin_dir],
+        vec![
+            "state",
+            "--listener",
+            "node",
+            "--set",
+            "cache",
+            "--pin-dir",
+            &pin_dir,
+        ],
+    ] {
+        let mut full = vec!["--reuid=65534", "--regid=65534", "--clear-groups", &binary];
+        full.extend(args.iter().copied());
+        let error = run("setpriv", &full).expect_err("refused without root");
+        let message = format!("{error:#}");
+        assert!(
+            message.contains("needs root") && message.contains("sudo"),
+            "{message}"
+        );
+        assert!(
+            !message.contains("backtrace") && !message.contains("panicked"),
+            "{message}"
+        );
+    }
+    // No state where it looks.
+    let nowhere = sandbox.lock_file().with_file_name("no-pins-here");
+    let missing = redirector(&["status", "--pin-dir", &nowhere.display().to_string()])?;
+    assert_eq!(missing.code, 1);
+    assert_eq!(missing.stderr.lines().count(), 1, "{missing:?}");
+    assert!(missing.stderr.contains("(give --pin-dir)"), "{missing:?}");
+    // A pin directory on no bpf filesystem.
+    let not_bpffs = sandbox.write_file(
+        "not-bpffs.toml",
+        &sandbox
+            .config_toml(&standard_listeners(&sandbox))
+            .replace(&pin_dir, &nowhere.display().to_string()),
+    )?;
+    drop(agent);
+    let refused = redirector(&["run", "--config", &not_bpffs.display().to_string()])?;
+    assert_eq!(refused.code, 1);
+    assert!(
+        refused.stderr.contains("is not on a bpf filesystem")
+            && refused.stderr.contains("mount -t bpf bpf"),
+        "{refused:?}"
+    );
+    assert!(!refused.stderr.contains("backtrace"), "{refused:?}");
+    Ok(())
+}

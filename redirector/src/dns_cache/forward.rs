@@ -1,0 +1,324 @@
+//! Asking upstream servers: one question, the servers in order, each over UDP (a fresh connected
+//! socket, so a closed port fails at once) and again over TCP when its reply is truncated.
+
+use std::{
+    fmt, io,
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
+    sync::atomic::{AtomicU16, Ordering},
+    time::Duration,
+};
+
+use hickory_proto::{
+    ProtoError,
+    op::{Edns, Message, MessageType, OpCode, Query, ResponseCode},
+};
+use tokio::net::{TcpStream, UdpSocket};
+
+use super::framing::{read_frame, write_frame};
+
+/// The UDP payload size advertised upstream (and to clients): the DNS flag day 2020 value, which
+/// avoids IP fragmentation.
+pub(crate) const EDNS_PAYLOAD: u16 = 1232;
+
+/// Why no upstream gave an answer; one failure per attempt, in order.
+#[derive(Debug, thiserror::Error)]
+#[error("no upstream answered: {}", DisplayAttempts(.attempts))]
+pub(crate) struct ForwardError {
+    /// Each server tried and what went wrong.
+    pub(crate) attempts: Vec<(SocketAddr, ExchangeError)>,
+}
+
+struct DisplayAttempts<'a>(&'a [(SocketAddr, ExchangeError)]);
+
+impl fmt::Display for DisplayAttempts<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.0.is_empty() {
+            return f.write_str("no server to ask");
+        }
+        for (index, (server, error)) in self.0.iter().enumerate() {
+            if index > 0 {
+                f.write_str("; ")?;
+            }
+            write!(f, "{server}: {error}")?;
+        }
+        Ok(())
+    }
+}
+
+/// Why one exchange with one server failed.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum ExchangeError {
+    /// A socket error (a closed port shows as "connection refused").
+    #[error("{transport}: {source}")]
+    Io {
+        /// "UDP" or "TCP".
+        transport: &'static str,
+        /// What the OS said.
+        #[source]
+        source: io::Error,
+    },
+    /// No matching answer in time.
+    #[error("{transport}: no answer within {timeout:?}")]
+    Timeout {
+        /// "UDP" or "TCP".
+        transport: &'static str,
+        /// The limit.
+        timeout: Duration,
+    },
+    /// A TCP reply that is not a DNS message.
+    #[error("TCP: the reply is not a DNS message: {source}")]
+    Malformed {
+        /// The decoder's complaint.
+        #[source]
+        source: ProtoError,
+    },
+    /// A TCP reply to another question.
+    #[error("TCP: the reply does not answer the question")]
+    Mismatch,
+    /// The server answered with an error code.
+    #[error("answered {code}")]
+    ErrorCode {
+        /// SERVFAIL, REFUSED, ...
+        code: ResponseCode,
+    },
+    /// The query could not be encoded (a bug, or a name hickory cannot write).
+    #[error("cannot encode the query: {source}")]
+    Encode {
+        /// The encoder's complaint.
+        #[source]
+        source: ProtoError,
+    },
+}
+
+/// Asks `servers` in order for `query`, each given `timeout` per transport; returns the first
+/// NOERROR or NXDOMAIN reply.
+pub(crate) async fn forward(
+    servers: &[SocketAddr],
+    query: &Query,
+    timeout: Duration,
+) -> Result<Message, ForwardError> {
+    let mut attempts = Vec::new();
+    for &server in servers {
+        match exchange(server, query, timeout).await {
+            Ok(reply) => return Ok(reply),
+            Err(error) => {
+                tracing::debug!(%server, %error, "upstream failed");
+                attempts.push((server, error));
+            }
+        }
+    }
+    Err(ForwardError { attempts })
+}
+
+/// One server: UDP, then TCP if the UDP reply is truncated.
+async fn exchange(
+    server: SocketAddr,
+    query: &Query,
+    timeout: Duration,
+) -> Result<Message, ExchangeError> {
+    let id = next_id();
+    let request = upstream_request(id, query).map_err(|source| ExchangeError::Encode { source })?;
+    let mut reply = tokio::time::timeout(timeout, udp_exchange(server, &request, id, query))
+        .await
+        .map_err(|_| ExchangeError::Timeout {
+            transport: "UDP",
+            timeout,
+        })??;
+    if reply.truncated() {
+        reply = tokio::time::timeout(timeout, tcp_exchange(server, &request, id, query))
+            .await
+            .map_err(|_| ExchangeError::Timeout {
+                transport: "TCP",
+                timeout,
+            })??;
+    }
+    match reply.response_code() {
+        ResponseCode::NoError | ResponseCode::NXDomain => Ok(reply),
+        code => Err(ExchangeError::ErrorCode { code }),
+    }
+}
+
+/// The query sent upstream: our own ID, recursion desired, EDNS with our payload size, no DO bit.
+fn upstream_request(id: u16, query: &Query) -> Result<Vec<u8>, ProtoError> {
+    let mut message = Message::new();
+    let mut edns = Edns::new();
+    edns.set_max_payload(EDNS_PAYLOAD);
+    message
+        .set_id(id)
+        .set_message_type(MessageType::Query)
+        .set_op_code(OpCode::Query)
+        .set_recursion_desired(true)
+        .add_query(query.clone())
+        .set_edns(edns);
+    message.to_vec()
+}
+
+async fn udp_exchange(
+    server: SocketAddr,
+    request: &[u8],
+    id: u16,
+    query: &Query,
+) -> Result<Message, ExchangeError> {
+    let io = |source| ExchangeError::Io {
+        transport: "UDP",
+        source,
+    };
+    let local = if server.is_ipv4() {
+        SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0)
+    } else {
+        SocketAddr::new(IpAddr::V6(Ipv6Addr::UNSPECIFIED), 0)
+    };
+    let socket = UdpSocket::bind(local).await.map_err(io)?;
+    socket.connect(server).await.map_err(io)?;
+    socket.send(request).await.map_err(io)?;
+    let mut buffer = vec![0; usize::from(u16::MAX)];
+    loop {
+        let length = socket.recv(&mut buffer).await.map_err(io)?;
+        // Anything else (garbage, a late reply to another query) is ignored: the real answer may
+        // still come, and the timeout bounds the wait.
+        if let Ok(reply) = Message::from_vec(&buffer[..length])
+            && answers(&reply, id, query)
+        {
+            return Ok(reply);
+        }
+    }
+}
+
+async fn tcp_exchange(
+    server: SocketAddr,
+    request: &[u8],
+    id: u16,
+    query: &Query,
+) -> Result<Message, ExchangeError> {
+    let io = |source| ExchangeError::Io {
+        transport: "TCP",
+        source,
+    };
+    let stream = TcpStream::connect(server).await.map_err(io)?;
+    write_frame(&stream, request).await.map_err(io)?;
+    let reply = read_frame(&stream)
+        .await
+        .map_err(io)?
+        .ok_or_else(|| io(io::ErrorKind::UnexpectedEof.into()))?;
+    let reply = Message::from_vec(&reply).map_err(|source| ExchangeError::Malformed { source })?;
+    if answers(&reply, id, query) {
+        Ok(reply)
+    } else {
+        Err(ExchangeError::Mismatch)
+    }
+}
+
+/// True if `reply` is the response to our query `id` for `query`. A server may leave the question
+/// out of an error reply (FORMERR, REFUSED, ...): that still counts, as the error it is.
+fn answers(reply: &Message, id: u16, query: &Query) -> bool {
+    if reply.id() != id || reply.message_type() != MessageType::Response {
+        return false;
+    }
+    match reply.queries() {
+        [] => reply.response_code() != ResponseCode::NoError,
+        [question] => {
+            question.query_type() == query.query_type()
+                && question.query_class() == query.query_class()
+                && question.name().to_lowercase() == query.name().to_lowercase()
+        }
+        _ => false,
+    }
+}
+
+/// A query ID nobody can predict cheaply: a per-process random start (std's hasher keys are
+/// random) plus a counter, hashed again. The fresh UDP source port of each exchange adds to it.
+fn next_id() -> u16 {
+    use std::hash::{BuildHasher as _, RandomState};
+    static COUNTER: AtomicU16 = AtomicU16::new(0);
+    let count = COUNTER.fetch_add(1, Ordering::Relaxed);
+    let hash = RandomState::new().hash_one(count).to_le_bytes();
+    u16::from_le_bytes([hash[0], hash[1]])
+}
+
+#[cfg(test)]
+mod tests {
+
+    use hickory_proto::rr::{Name, RecordType};
+
+    use super::*;
+
+    fn query() -> Query {
+        Query::query(
+            Name::from_ascii("www.example.com.").expect("name"),
+            RecordType::A,
+        )
+    }
+
+    fn reply(id: u16, question: Option<Query>, code: ResponseCode) -> Message {
+        let mut message = Message::new();
+        message
+            .set_id(id)
+            .set_message_type(MessageType::Response)
+            .set_response_code(code);
+        if let Some(question) = question {
+            message.add_query(question);
+        }
+        message
+    }
+
+    #[test]
+    fn only_the_reply_to_our_question_counts() {
+        let query = query();
+        assert!(answers(
+            &reply(9, Some(query.clone()), ResponseCode::NoError),
+            9,
+            &query
+        ));
+        let upper = Query::query(
+            Name::from_ascii("WWW.example.COM.").expect("name"),
+            RecordType::A,
+        );
+        assert!(
+            answers(&reply(9, Some(upper), ResponseCode::NoError), 9, &query),
+            "0x20 case changes are fine"
+        );
+        assert!(!answers(
+            &reply(8, Some(query.clone()), ResponseCode::NoError),
+            9,
+            &query
+        ));
+        let aaaa = Query::query(query.name().clone(), RecordType::AAAA);
+        assert!(!answers(
+            &reply(9, Some(aaaa), ResponseCode::NoError),
+            9,
+            &query
+        ));
+        let other = Query::query(
+            Name::from_ascii("evil.example.").expect("name"),
+            RecordType::A,
+        );
+        assert!(!answers(
+            &reply(9, Some(other), ResponseCode::NoError),
+            9,
+            &query
+        ));
+        assert!(answers(&reply(9, None, ResponseCode::FormErr), 9, &query));
+        assert!(!answers(&reply(9, None, ResponseCode::NoError), 9, &query));
+        let mut not_a_response = reply(9, Some(query.clone()), ResponseCode::NoError);
+        not_a_response.set_message_type(MessageType::Query);
+        assert!(!answers(&not_a_response, 9, &query));
+    }
+
+    #[test]
+    fn the_upstream_query_asks_for_recursion_with_edns() {
+        let encoded = upstream_request(42, &query()).expect("encodes");
+        let decoded = Message::from_vec(&encoded).expect("decodes");
+        assert_eq!(decoded.id(), 42);
+        assert!(decoded.recursion_desired());
+        assert_eq!(decoded.queries(), &[query()]);
+        let edns = decoded.extensions().as_ref().expect("EDNS");
+        assert_eq!(edns.max_payload(), EDNS_PAYLOAD);
+        assert!(!edns.flags().dnssec_ok);
+    }
+
+    #[test]
+    fn ids_vary() {
+        let ids: std::collections::HashSet<u16> = (0..64).map(|_| next_id()).collect();
+        assert!(ids.len() > 48, "{} distinct of 64", ids.len());
+    }
+}

@@ -1,0 +1,296 @@
+//! `/metrics`: Prometheus text, built at each scrape from the kernel's maps (counters, routes,
+//! socket counts, pools) and what the agent observed (transitions, probes, syncs, errors).
+//! Building a registry per scrape keeps every kernel-derived value exactly as the maps hold it,
+//! with no copy to keep in step; scrapes come seconds apart and cost a few map reads.
+
+use std::{sync::atomic::AtomicU64, time::SystemTime};
+
+use prometheus_client::{
+    encoding::text::encode,
+    metrics::{counter::Counter, family::Family, gauge::Gauge},
+    registry::{Registry, Unit},
+};
+
+use super::snapshot::{ListenerSnapshot, ProtocolCounters, reason_label};
+use crate::agent::{AgentStats, ERROR_KINDS};
+
+type Labels = Vec<(&'static str, String)>;
+type CounterFamily = Family<Labels, Counter>;
+type GaugeFamily = Family<Labels, Gauge>;
+type SecondsCounter = Family<Labels, Counter<f64, AtomicU64>>;
+type SecondsGauge = Family<Labels, Gauge<f64, AtomicU64>>;
+
+fn labels(pairs: &[(&'static str, &str)]) -> Labels {
+    pairs
+        .iter()
+        .map(|(key, value)| (*key, (*value).to_owned()))
+        .collect()
+}
+
+/// Renders every metric. `listeners` from [`super::snapshot::listeners`].
+#[must_use]
+pub fn render(listeners: &[ListenerSnapshot], stats: &AgentStats) -> String {
+    let mut registry = Registry::with_prefix("redirector");
+
+    let build = GaugeFamily::default();
+    registry.register("build_info", "The running agent's version", build.clone());
+    build
+        .get_or_create(&labels(&[("version", env!("CARGO_PKG_VERSION"))]))
+        .set(1);
+    let ready = Gauge::<i64>::default();
+    registry.register(
+        "ready",
+        "1 once the programs are attached and every upstream pool was synced once",
+        ready.clone(),
+    );
+    ready.set(i64::from(stats.is_ready()));
+
+    register_listeners(&mut registry, listeners, stats);
+    register_agent(&mut registry, stats);
+
+    let mut text = String::new();
+    // Writing into a String cannot fail.
+    let _ = encode(&mut text, &registry);
+    text
+}
+
+/// What the kernel's maps say, per listener.
+fn register_listeners(registry: &mut Registry, listeners: &[ListenerSnapshot], stats: &AgentStats) {
+    let decisions = CounterFamily::default();
+    registry.register(
+        "steering_decisions",
+        "DNS syscalls (connect, unconnected send) to a listener, by where the programs sent them: \
+         cache, upstream, pass (empty pool, policy pass), fail (empty pool, policy fail), \
+         skipped (a skipped cgroup)",
+        decisions.clone(),
+    );
+    let rewritten = CounterFamily::default();
+    registry.register(
+        "replies_rewritten",
+        "Replies (recvmsg) and peer lookups (getpeername) shown as coming from the listener",
+        rewritten.clone(),
+    );
+    let misses = CounterFamily::default();
+    registry.register(
+        "reply_rewrite_misses",
+        "Replies on a steered socket with no translation left (evicted, or a direct server)",
+        misses.clone(),
+    );
+    let route = GaugeFamily::default();
+    registry.register(
+        "listener_route",
+        "1 for where a listener's DNS goes now (route cache or upstream), with why",
+        route.clone(),
+    );
+    let sockets = GaugeFamily::default();
+    registry.register(
+        "cache_sockets",
+        "The cache's sockets the kernel counts, by protocol",
+        sockets.clone(),
+    );
+    let backends = GaugeFamily::default();
+    registry.register(
+        "pool_backends",
+        "Upstream targets in a listener's pool",
+        backends.clone(),
+    );
+    let failover = SecondsCounter::default();
+    registry.register_with_unit(
+        "failover",
+        "Time a listener spent routed away from its cache since the agent started",
+        Unit::Seconds,
+        failover.clone(),
+    );
+
+    for listener in listeners {
+        let family = if listener.address.is_ipv4() {
+            "ipv4"
+        } else {
+            "ipv6"
+        };
+        let name = listener.name.as_str();
+        for (protocol, counters) in [
+            ("udp", listener.counters.udp),
+            ("tcp", listener.counters.tcp),
+        ] {
+            let ProtocolCounters {
+                to_cache,
+                to_upstream,
+                passed_through,
+                failed_empty_pool,
+                skipped_cgroup,
+                replies_rewritten,
+                reply_misses,
+            } = counters;
+            for (decision, count) in [
+                ("cache", to_cache),
+                ("upstream", to_upstream),
+                ("pass", passed_through),
+                ("fail", failed_empty_pool),
+                ("skipped", skipped_cgroup),
+            ] {
+                decisions
+                    .get_or_create(&labels(&[
+                        ("listener", name),
+                        ("family", family),
+                        ("protocol", protocol),
+                        ("decision", decision),
+                    ]))
+                    .inc_by(count);
+            }
+            let per_protocol = labels(&[
+                ("listener", name),
+                ("family", family),
+                ("protocol", protocol),
+            ]);
+            rewritten
+                .get_or_create(&per_protocol)
+                .inc_by(replies_rewritten);
+            misses.get_or_create(&per_protocol).inc_by(reply_misses);
+        }
+        for candidate in ["cache", "upstream"] {
+            route
+                .get_or_create(&labels(&[
+                    ("listener", name),
+                    ("route", candidate),
+                    (
+                        "reason",
+                        if candidate == listener.route {
+                            listener.reason
+                        } else {
+                            ""
+                        },
+                    ),
+                ]))
+                .set(i64::from(candidate == listener.route));
+        }
+        if let Some((udp, tcp)) = listener.cache_sockets {
+            for (protocol, count) in [("udp", udp), ("tcp", tcp)] {
+                sockets
+                    .get_or_create(&labels(&[("listener", name), ("protocol", protocol)]))
+                    .set(count.max(0));
+            }
+        }
+        backends
+            .get_or_create(&labels(&[("listener", name)]))
+            .set(i64::try_from(listener.pool.len()).unwrap_or(i64::MAX));
+        failover
+            .get_or_create(&labels(&[("listener", name)]))
+            .inc_by(stats.failover_time(name).as_secs_f64());
+    }
+}
+
+/// What the agent observed.
+fn register_agent(registry: &mut Registry, stats: &AgentStats) {
+    let transitions = CounterFamily::default();
+    registry.register(
+        "route_transitions",
+        "Route changes of a listener, by cause (no_sockets, probes_failing, override, healthy, ...)",
+        transitions.clone(),
+    );
+    for ((listener, reason), count) in stats.transitions_by_reason() {
+        transitions
+            .get_or_create(&labels(&[
+                ("listener", &listener),
+                ("cause", reason_label(reason)),
+            ]))
+            .inc_by(count);
+    }
+
+    registry.register_with_unit(
+        "probe_duration",
+        "Latency of successful probes of a listener's cache",
+        Unit::Seconds,
+        stats.probe_latency().clone(),
+    );
+    let probes = CounterFamily::default();
+    registry.register(
+        "probes",
+        "Probes of a listener's cache, by result",
+        probes.clone(),
+    );
+    registry.register_with_unit(
+        "pool_sync_duration",
+        "Time to sync one pool from its source into the kernel",
+        Unit::Seconds,
+        stats.sync_duration().clone(),
+    );
+    let syncs = CounterFamily::default();
+    registry.register(
+        "pool_syncs",
+        "Successful pool syncs, by source",
+        syncs.clone(),
+    );
+    let sync_age = SecondsGauge::default();
+    registry.register_with_unit(
+        "pool_last_sync_age",
+        "Time since the last successful pool sync, by source",
+        Unit::Seconds,
+        sync_age.clone(),
+    );
+    for (source, synced) in stats.source_syncs() {
+        let source_labels = labels(&[("source", source)]);
+        syncs.get_or_create(&source_labels).inc_by(synced.count);
+        if let Some(last) = synced.last_success {
+            let age = SystemTime::now()
+                .duration_since(last)
+                .unwrap_or_default()
+                .as_secs_f64();
+            sync_age.get_or_create(&source_labels).set(age);
+        }
+    }
+    let rejections = CounterFamily::default();
+    registry.register(
+        "upstream_rejections",
+        "Addresses a source offered and redirector refused, by reason",
+        rejections.clone(),
+    );
+    for ((source, reason), count) in stats.all_rejections() {
+        rejections
+            .get_or_create(&labels(&[("source", source), ("reason", reason)]))
+            .inc_by(count);
+    }
+    let errors = CounterFamily::default();
+    registry.register(
+        "errors",
+        "Errors the agent survived, by kind (pool_write, nftables, kube_api)",
+        errors.clone(),
+    );
+    let seen = stats.errors();
+    for kind in ERROR_KINDS {
+        errors
+            .get_or_create(&labels(&[("kind", kind)]))
+            .inc_by(seen.get(kind).copied().unwrap_or(0));
+    }
+    let (bypass, restorations) = stats.conntrack_bypass();
+    let active = GaugeFamily::default();
+    registry.register(
+        "conntrack_bypass_active",
+        "1 while the nftables table keeps DNS to the caches out of conntrack",
+        active.clone(),
+    );
+    active
+        .get_or_create(&labels(&[("status", bypass.name())]))
+        .set(i64::from(
+            bypass == crate::conntrack_bypass::BypassStatus::Active,
+        ));
+    let restored = Counter::<u64>::default();
+    registry.register(
+        "conntrack_bypass_restorations",
+        "Times the bypass table was found changed or removed and restored",
+        restored.clone(),
+    );
+    restored.inc_by(restorations);
+    probe_counts(&probes, stats);
+}
+
+fn probe_counts(probes: &CounterFamily, stats: &AgentStats) {
+    for (listener, alive, count) in stats.probe_counts() {
+        probes
+            .get_or_create(&labels(&[
+                ("listener", &listener),
+                ("result", if alive { "success" } else { "failure" }),
+            ]))
+            .inc_by(count);
+    }
+}

@@ -1,0 +1,308 @@
+//! `redirector status`: the node's redirector state from the pinned maps and links, the lock and
+//! the nftables table, so it tells the truth whether or not the agent runs.
+
+use std::{fmt::Write as _, path::Path};
+
+use serde::Serialize;
+
+use super::snapshot::{self, ListenerSnapshot};
+use crate::{
+    conntrack_bypass::{nft::Nft, ruleset::TABLE},
+    datapath::{self, DatapathError, Maps},
+    lock,
+};
+
+/// Everything `status` reports.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct StatusReport {
+    /// The agent process.
+    pub agent: AgentState,
+    /// The kernel programs.
+    pub programs: ProgramState,
+    /// The nftables table.
+    pub conntrack_bypass: BypassState,
+    /// Every listener.
+    pub listeners: Vec<ListenerSnapshot>,
+}
+
+/// Whether an agent runs.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct AgentState {
+    /// An agent holds the lock.
+    pub running: bool,
+    /// Its pid, as it wrote it.
+    pub pid: Option<String>,
+}
+
+/// The pinned programs.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct ProgramState {
+    /// Where they are pinned.
+    pub pin_dir: String,
+    /// Programs with a pinned attachment, with their kernel ids.
+    pub attached: Vec<(String, u32)>,
+    /// How many there are in all.
+    pub expected: usize,
+}
+
+/// The nftables table.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct BypassState {
+    /// `present`, `absent`, or `unknown` (nft could not be asked).
+    pub table: &'static str,
+    /// Why it is unknown.
+    pub detail: Option<String>,
+}
+
+/// Gathers the report: maps under `pin_dir`, the lock at `lock_file`, the table through `nft`.
+pub async fn gather(
+    pin_dir: &Path,
+    lock_file: &Path,
+    nft: &Nft,
+) -> Result<StatusReport, DatapathError> {
+    let maps = Maps::open_pinned(pin_dir)?;
+    let listeners = snapshot::listeners(&maps)?;
+    let pid = lock::holder(lock_file);
+    let conntrack_bypass = match nft.list_table(TABLE).await {
+        Ok(Some(_)) => BypassState {
+            table: "present",
+            detail: None,
+        },
+        Ok(None) => BypassState {
+            table: "absent",
+            detail: None,
+        },
+        Err(error) => BypassState {
+            table: "unknown",
+            detail: Some(error.to_string()),
+        },
+    };
+    Ok(StatusReport {
+        agent: AgentState {
+            running: pid.is_some(),
+            pid,
+        },
+        programs: ProgramState {
+            pin_dir: pin_dir.display().to_string(),
+            attached: datapath::pinned_program_ids(pin_dir)
+                .into_iter()
+                .map(|(name, id)| (name.to_owned(), id))
+                .collect(),
+            expected: datapath::ALL_PROGRAMS.len(),
+        },
+        conntrack_bypass,
+        listeners,
+    })
+}
+
+/// The report as a table for people.
+#[must_use]
+pub fn render_table(report: &StatusReport) -> String {
+    let mut text = String::new();
+    match (&report.agent.running, &report.agent.pid) {
+        (true, Some(pid)) => {
+            let _ = writeln!(text, "agent:     running (pid {pid})");
+        }
+        _ => {
+            let _ = writeln!(
+                text,
+                "agent:     NOT RUNNING: the pinned programs keep steering and failing over in the \
+                 kernel, but a hung cache is not detected and a restarted cache stays on the \
+                 upstreams until an agent runs"
+            );
+        }
+    }
+    let _ = writeln!(
+        text,
+        "programs:  {} of {} attached (pinned under {})",
+        report.programs.attached.len(),
+        report.programs.expected,
+        report.programs.pin_dir
+    );
+    let _ = writeln!(
+        text,
+        "conntrack: bypass table {} {}",
+        TABLE,
+        match (
+            report.conntrack_bypass.table,
+            &report.conntrack_bypass.detail
+        ) {
+            ("present", _) => "present: DNS to the caches is not tracked".to_owned(),
+            ("absent", _) => "absent: DNS to the caches is tracked".to_owned(),
+            (_, detail) => format!("unknown ({})", detail.as_deref().unwrap_or("nft failed")),
+        }
+    );
+    text.push('\n');
+
+    let mut rows = vec![
+        [
+            "LISTENER", "ADDRESS", "CACHE", "MODE", "ROUTE", "WHY", "SOCKETS", "PROBE", "POOL",
+        ]
+        .map(str::to_owned),
+    ];
+    for listener in &report.listeners {
+        let pool = if listener.pool.is_empty() {
+            format!("(empty: {})", listener.empty_pool)
+        } else {
+            listener
+                .pool
+                .iter()
+                .map(|target| {
+                    let address = std::net::SocketAddr::new(target.address, target.udp_port);
+                    if target.udp_port == target.tcp_port {
+                        address.to_string()
+                    } else {
+                        format!("{address}/tcp:{}", target.tcp_port)
+                    }
+                })
+                .collect::<Vec<_>>()
+                .join(",")
+        };
+        rows.push([
+            listener.name.clone(),
+            listener.address.to_string(),
+            listener.cache.to_string(),
+            listener.mode.to_owned(),
+            listener.route.to_owned(),
+            listener.reason.to_owned(),
+            listener.cache_sockets.map_or_else(
+                || "-".to_owned(),
+                |(udp, tcp)| format!("udp {udp}, tcp {tcp}"),
+            ),
+            listener.probe_verdict.to_owned(),
+            pool,
+        ]);
+    }
+    table(&mut text, &rows);
+
+    text.push_str("\ncounters since the maps were created (syscalls, not packets):\n");
+    let mut rows = vec![
+        [
+            "LISTENER",
+            "PROTO",
+            "CACHE",
+            "UPSTREAM",
+            "PASS",
+            "FAIL",
+            "SKIPPED",
+            "REWRITTEN",
+            "MISSES",
+        ]
+        .map(str::to_owned),
+    ];
+    for listener in &report.listeners {
+        for (protocol, counters) in [
+            ("udp", listener.counters.udp),
+            ("tcp", listener.counters.tcp),
+        ] {
+            rows.push([
+                listener.name.clone(),
+                protocol.to_owned(),
+                counters.to_cache.to_string(),
+                counters.to_upstream.to_string(),
+                counters.passed_through.to_string(),
+                counters.failed_empty_pool.to_string(),
+                counters.skipped_cgroup.to_string(),
+                counters.replies_rewritten.to_string(),
+                counters.reply_misses.to_string(),
+            ]);
+        }
+    }
+    table(&mut text, &rows);
+    text
+}
+
+/// Writes `rows` as left-aligned columns.
+fn table<const N: usize>(text: &mut String, rows: &[[String; N]]) {
+    let mut widths = [0usize; N];
+    for row in rows {
+        for (width, cell) in widths.iter_mut().zip(row) {
+            *width = (*width).max(cell.chars().count());
+        }
+    }
+    for row in rows {
+        let mut line = String::new();
+        for (cell, width) in row.iter().zip(widths) {
+            let _ = write!(line, "{cell:<width$}  ");
+        }
+        text.push_str(line.trim_end());
+        text.push('\n');
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::telemetry::snapshot::{CounterSnapshot, PoolTarget};
+
+    fn report(running: bool) -> StatusReport {
+        StatusReport {
+            agent: AgentState {
+                running,
+                pid: running.then(|| "4242".to_owned()),
+            },
+            programs: ProgramState {
+                pin_dir: "/sys/fs/bpf/redirector".to_owned(),
+                attached: vec![("dns_connect4".to_owned(), 17)],
+                expected: 13,
+            },
+            conntrack_bypass: BypassState {
+                table: "present",
+                detail: None,
+            },
+            listeners: vec![ListenerSnapshot {
+                id: 0,
+                name: "node".to_owned(),
+                address: "169.254.10.10".parse().unwrap(),
+                cache: "169.254.10.10:53".parse().unwrap(),
+                mode: "auto",
+                route: "upstream",
+                reason: "the cache has no socket",
+                cache_sockets: Some((0, 0)),
+                probe_verdict: "down",
+                pool: vec![PoolTarget {
+                    address: "10.0.0.2".parse().unwrap(),
+                    udp_port: 53,
+                    tcp_port: 5353,
+                }],
+                empty_pool: "pass",
+                counters: CounterSnapshot::default(),
+            }],
+        }
+    }
+
+    #[test]
+    fn the_table_says_where_dns_goes_and_why_and_whether_an_agent_runs() {
+        let text = render_table(&report(true));
+        assert!(
+            text.starts_with("agent:     running (pid 4242)\n"),
+            "{text}"
+        );
+        assert!(text.contains("programs:  1 of 13 attached"), "{text}");
+        let row = text.lines().find(|line| line.starts_with("node ")).unwrap();
+        for cell in [
+            "169.254.10.10:53",
+            "upstream",
+            "the cache has no socket",
+            "udp 0, tcp 0",
+            "down",
+            "10.0.0.2:53/tcp:5353",
+        ] {
+            assert!(row.contains(cell), "{cell} in {row}");
+        }
+        let stopped = render_table(&report(false));
+        assert!(
+            stopped.starts_with("agent:     NOT RUNNING: the pinned programs keep steering"),
+            "{stopped}"
+        );
+    }
+
+    #[test]
+    fn the_json_names_every_field() {
+        let json = serde_json::to_value(report(true)).unwrap();
+        assert_eq!(json["agent"]["pid"], "4242");
+        assert_eq!(json["listeners"][0]["route"], "upstream");
+        assert_eq!(json["listeners"][0]["pool"][0]["tcp_port"], 5353);
+        assert_eq!(json["conntrack_bypass"]["table"], "present");
+    }
+}

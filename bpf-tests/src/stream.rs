@@ -55,7 +55,17 @@ impl Stream {
         Ok(Self { process })
     }
 
-    /// Waits for the stream to end and returns its records.
+    /// The records completed since the last call (for a live display).
+    pub fn poll(&mut self) -> Vec<StreamRecord> {
+        self.process
+            .drain()
+            .iter()
+            .filter(|line| line.starts_with('{'))
+            .filter_map(|line| serde_json::from_str(line).ok())
+            .collect()
+    }
+
+    /// Waits for the stream to end and returns its records (every one, polled or not).
     pub fn finish(mut self) -> anyhow::Result<StreamReport> {
         let status = self.process.wait_exit(Duration::from_secs(120))?;
         anyhow::ensure!(status.success(), "dns-stream failed: {status}");
@@ -63,7 +73,7 @@ impl Stream {
         std::thread::sleep(Duration::from_millis(50));
         let records = self
             .process
-            .drain()
+            .printed()
             .iter()
             .filter(|line| line.starts_with('{'))
             .map(|line| serde_json::from_str(line).with_context(|| format!("bad record {line:?}")))

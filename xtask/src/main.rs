@@ -32,8 +32,12 @@ enum Task {
         filter: Option<String>,
     },
     /// Run the demo: a sandboxed node, the agent, DNS through a listener flipped to upstream and
-    /// back (needs root).
-    Demo,
+    /// back, then the cache killed mid-stream and restarted (needs root).
+    Demo {
+        /// The cache: embedded (redirector cache), test-server, dnsmasq or unbound.
+        #[arg(long, default_value = "embedded")]
+        cache: String,
+    },
     /// Remove sandboxes left by test runs that died (only those whose owner process is gone).
     Sweep,
 }
@@ -63,9 +67,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             setup::ensure()?;
             tasks::test(!no_lint, filter.as_deref())
         }
-        Task::Demo => {
+        Task::Demo { cache } => {
             setup::ensure()?;
-            tasks::demo()
+            tasks::demo(&cache)
         }
         Task::Sweep => sweep::run(),
     }

@@ -58,7 +58,7 @@ pub fn test(with_lints: bool, filter: Option<&str>) -> anyhow::Result<()> {
 }
 
 /// Builds and runs the demo.
-pub fn demo() -> anyhow::Result<()> {
+pub fn demo(cache: &str) -> anyhow::Result<()> {
     require_root("demo")?;
     sweep::run()?;
     cargo(
@@ -74,7 +74,8 @@ pub fn demo() -> anyhow::Result<()> {
     )?;
     let dir = target_dir().join("debug");
     let mut demo = Command::new(dir.join("demo"));
-    demo.env("REDIRECTOR_BIN", dir.join("redirector"))
+    demo.args(["--cache", cache])
+        .env("REDIRECTOR_BIN", dir.join("redirector"))
         .env("DNS_SERVER_BIN", dir.join("dns-server"))
         .env("DNS_QUERY_BIN", dir.join("dns-query"))
         .env("DNS_STREAM_BIN", dir.join("dns-stream"));

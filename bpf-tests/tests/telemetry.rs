@@ -428,3 +428,64 @@ fn operator_mistakes_get_one_sentence_and_the_fix() -> anyhow::Result<()> {
     assert!(!refused.stderr.contains("backtrace"), "{refused:?}");
     Ok(())
 }
+
+/// The translated size of a loaded program, from bpftool.
+fn xlated_bytes(id: u32) -> anyhow::Result<u64> {
+    let shown = run("bpftool", ["prog", "show", "id", &id.to_string(), "--json"])?;
+    let info: serde_json::Value = serde_json::from_str(&shown)?;
+    info["bytes_xlated"]
+        .as_u64()
+        .ok_or_else(|| anyhow::anyhow!("no bytes_xlated in {shown}"))
+}
+
+fn program_bytes(sandbox: &Sandbox, name: &str) -> anyhow::Result<u64> {
+    let id = redirector::datapath::pinned_program_ids(&sandbox.pin_dir())
+        .into_iter()
+        .find(|(program, _)| *program == name)
+        .map(|(_, id)| id)
+        .ok_or_else(|| anyhow::anyhow!("{name} is not attached"))?;
+    xlated_bytes(id)
+}
+
+#[test]
+fn kernel_log_reports_decisions_and_costs_nothing_when_off() -> anyhow::Result<()> {
+    let mut sandbox = Sandbox::new(tools())?;
+    sandbox.start_standard_servers()?;
+    let config = sandbox.write_file(
+        "config.toml",
+        &sandbox.config_toml(&standard_listeners(&sandbox)),
+    )?;
+    let mut agent = start_agent(&config)?;
+    let quiet = (
+        program_bytes(&sandbox, "dns_connect4")?,
+        program_bytes(&sandbox, "dns_release")?,
+    );
+    agent.signal(Signal::SIGTERM)?;
+    agent.wait_exit(Duration::from_secs(10))?;
+
+    let mut agent = start_agent_with(&config, &["--kernel-log"], &[])?;
+    let logging = (
+        program_bytes(&sandbox, "dns_connect4")?,
+        program_bytes(&sandbox, "dns_release")?,
+    );
+    println!("xlated bytes (connect4, sock_release): kernel_log off {quiet:?}, on {logging:?}");
+    assert!(
+        quiet.0 < logging.0 && quiet.1 < logging.1,
+        "off, the verifier removes the logging code: {quiet:?} vs {logging:?}"
+    );
+
+    sandbox.stop_server("cache")?;
+    assert!(queries(&sandbox, 1)?[0].starts_with("upstream"));
+    agent.wait_for_line("DNS to upstream", Duration::from_secs(5))?;
+    let printed = agent.printed().join("\n");
+    assert!(
+        printed.contains("the cache's last UDP socket closed; DNS fails over"),
+        "{printed}"
+    );
+    drop(agent);
+    assert_eq!(
+        redirector(&["uninstall", "--config", &config.display().to_string()])?.code,
+        0
+    );
+    Ok(())
+}

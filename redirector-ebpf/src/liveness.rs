@@ -13,6 +13,7 @@ use aya_ebpf::{
     helpers::{bpf_get_netns_cookie, bpf_get_socket_cookie},
     programs::SockContext,
 };
+use aya_log_ebpf::info;
 use redirector_common::{
     addr::NetAddr,
     binds::{BindKey, CacheSocket},
@@ -92,7 +93,7 @@ pub fn try_count_bind(ctx: &SockContext, family: BindFamily) -> Option<()> {
     CACHE_SOCKETS
         .insert(cookie, entry, u64::from(BPF_NOEXIST))
         .ok()?;
-    add_to_counts(&entry, 1);
+    add_to_counts(ctx, &entry, 1);
     Some(())
 }
 
@@ -109,14 +110,14 @@ pub fn try_uncount_release(ctx: &SockContext) -> Option<()> {
     let entry = unsafe { *entry };
     // Whoever removes the entry uncounts the socket (the agent removes sockets gone unseen).
     CACHE_SOCKETS.remove(cookie).ok()?;
-    add_to_counts(&entry, -1);
+    add_to_counts(ctx, &entry, -1);
     Some(())
 }
 
 /// Adds `delta` to the counts of every listener of `entry`, and records the cache going away for
 /// those whose UDP count reached zero.
 #[inline(always)]
-fn add_to_counts(entry: &CacheSocket, delta: i64) {
+fn add_to_counts(ctx: &SockContext, entry: &CacheSocket, delta: i64) {
     let mut id = 0;
     while id < MAX_LISTENERS as u32 {
         if entry.listeners & listener_bit(id) != 0
@@ -138,6 +139,10 @@ fn add_to_counts(entry: &CacheSocket, delta: i64) {
                     // epoch brings it back. Decided on the value the add itself returned, so a
                     // bind racing in right after cannot hide the death.
                     add_u64(addr_of_mut!((*counts).down_epoch), 1);
+                    info!(
+                        ctx,
+                        "listener {}: the cache's last UDP socket closed; DNS fails over", id
+                    );
                 }
             }
         }

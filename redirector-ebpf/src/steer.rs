@@ -5,6 +5,7 @@ use aya_ebpf::{
     helpers::{bpf_get_current_ancestor_cgroup_id, bpf_set_retval},
     programs::SockAddrContext,
 };
+use aya_log_ebpf::info;
 use redirector_common::{
     DNS_PORT,
     addr::{NetAddr, port_be},
@@ -99,9 +100,18 @@ pub fn try_steer(ctx: &SockAddrContext, family: Family, hook: Hook) -> Result<()
             match pick_upstream(cookie, listener.id) {
                 Some(target) => {
                     count(counters, |c| c.to_upstream += 1);
+                    // Compiled in, but removed by the verifier unless the agent runs with
+                    // `kernel_log` (AYA_LOG_LEVEL is a read-only global): no cost otherwise.
+                    info!(
+                        ctx,
+                        "listener {}: DNS to upstream {:i} port {}",
+                        listener.id,
+                        target.addr.octets(),
+                        u16::from_be(target.port_be(protocol))
+                    );
                     (target, Some(cookie))
                 }
-                None => return empty_pool(&listener, counters),
+                None => return empty_pool(ctx, &listener, counters),
             }
         }
     };
@@ -147,7 +157,17 @@ fn pick_upstream(cookie: u64, listener_id: u32) -> Option<Target> {
 
 /// The listener's cache is not serving and it has no upstream to offer.
 #[inline(always)]
-fn empty_pool(listener: &ListenerConfig, counters: u32) -> Result<(), Refused> {
+fn empty_pool(
+    ctx: &SockAddrContext,
+    listener: &ListenerConfig,
+    counters: u32,
+) -> Result<(), Refused> {
+    info!(
+        ctx,
+        "listener {}: the cache is down and the pool empty (policy {})",
+        listener.id,
+        listener.empty_pool_policy
+    );
     if listener.empty_pool_policy == EMPTY_POOL_FAIL {
         count(counters, |c| c.failed_empty_pool += 1);
         // SAFETY: plain helper call. bpf_set_retval (5.18+) makes the rejected syscall fail with

@@ -54,6 +54,9 @@ pub struct Config {
     pub log_level: Option<String>,
     /// Entries of the reverse-translation LRU map.
     pub reverse_nat_entries: u32,
+    /// The kernel programs log their decisions (aya-log) into the agent's log. For debugging:
+    /// off, the logging code is removed by the verifier.
+    pub kernel_log: bool,
     /// The network namespace the caches run in (a path such as `/proc/1/ns/net` or
     /// `/run/netns/NAME`); `None`: the agent's own. Only sockets bound there count as a cache's,
     /// and probes are sent from there.
@@ -461,6 +464,8 @@ struct RawConfig {
     pin_dir: Option<PathBuf>,
     log_level: Option<String>,
     reverse_nat_entries: Option<u32>,
+    #[serde(default)]
+    kernel_log: bool,
     cache_netns: Option<PathBuf>,
     socket_reconcile_interval_ms: Option<u64>,
     lock_file: Option<PathBuf>,
@@ -652,6 +657,7 @@ impl Config {
                 .unwrap_or_else(|| PathBuf::from(DEFAULT_PIN_DIR)),
             log_level: raw.log_level,
             reverse_nat_entries,
+            kernel_log: raw.kernel_log,
             cache_netns: raw.cache_netns,
             probe,
             socket_reconcile_interval,

@@ -76,6 +76,10 @@ struct RunArgs {
     /// Replace pins of another redirector version instead of refusing to start.
     #[arg(long)]
     replace: bool,
+    /// The kernel programs log their decisions into this log (debugging; overrides
+    /// `kernel_log`).
+    #[arg(long)]
+    kernel_log: bool,
     /// Log format: human (default) or json (one object per line).
     #[arg(long, env = "REDIRECTOR_LOG_FORMAT", value_enum, default_value_t = LogFormat::Human)]
     log_format: LogFormat,
@@ -177,6 +181,7 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
     if let Some(pin_dir) = args.pin_dir {
         config.pin_dir = pin_dir;
     }
+    config.kernel_log |= args.kernel_log;
     let filter = args
         .log_level
         .or_else(|| config.log_level.clone())

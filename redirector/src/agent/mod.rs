@@ -145,6 +145,9 @@ pub enum AgentError {
     /// Loading, attaching or filling the datapath failed.
     #[error(transparent)]
     Datapath(#[from] DatapathError),
+    /// The programs' log could not be watched.
+    #[error("cannot watch the programs' log records (kernel_log); run without kernel_log")]
+    KernelLog(#[source] std::io::Error),
     /// The metrics endpoint could not be opened.
     #[error(transparent)]
     Telemetry(#[from] telemetry::http::BindError),
@@ -234,7 +237,14 @@ impl Agent {
         let socket_table = SocketTable::open(netns).map_err(AgentError::SocketTable)?;
         let kube_client = kube_client(config).await?;
 
-        let (mut datapath, mut maps) = Datapath::load(config.reverse_nat_entries, &config.pin_dir)?;
+        let (mut datapath, mut maps) = Datapath::load(
+            config.reverse_nat_entries,
+            &config.pin_dir,
+            config.kernel_log,
+        )?;
+        if config.kernel_log {
+            forward_kernel_log(datapath.kernel_logger()?)?;
+        }
         let pinned: Vec<(u32, String)> = maps
             .listeners()?
             .into_iter()
@@ -440,6 +450,31 @@ impl Agent {
             "agent stopped; steering and in-kernel failover stay in place (`redirector uninstall` removes them)"
         );
     }
+}
+
+/// Forwards the programs' log records into the agent's log, on a task of their own.
+fn forward_kernel_log(
+    logger: aya_log::EbpfLogger<&'static dyn log::Log>,
+) -> Result<(), AgentError> {
+    // SAFETY: the logger owns its ring buffer's fd for its whole life, and the AsyncFd owns the
+    // logger, so the fd stays open and the same until the AsyncFd is dropped.
+    let mut logger = unsafe {
+        tokio::io::unix::AsyncFd::register_with_interest(logger, tokio::io::Interest::READABLE)
+    }
+    .map_err(|error| AgentError::KernelLog(std::io::Error::from(error)))?;
+    warn!(
+        "kernel_log is on: the programs log their decisions (debugging only; it costs every logged syscall a ring buffer write)"
+    );
+    tokio::spawn(async move {
+        loop {
+            let Ok(mut ready) = logger.readable_mut().await else {
+                return;
+            };
+            ready.get_inner_mut().flush();
+            ready.clear_ready();
+        }
+    });
+    Ok(())
 }
 
 /// Installs the conntrack bypass table when configured (its failure is reported, never fatal);

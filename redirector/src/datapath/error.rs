@@ -8,6 +8,13 @@ use redirector_common::listener::MAX_LISTENERS;
 /// Why the datapath could not be set up or used.
 #[derive(Debug, thiserror::Error)]
 pub enum DatapathError {
+    /// The programs' log could not be read (`kernel_log`).
+    #[error("cannot read the programs' log records (kernel_log); run without kernel_log")]
+    KernelLog {
+        /// What aya-log said.
+        #[source]
+        source: aya_log::Error,
+    },
     /// The object could not be loaded (maps created); usually missing privileges or BTF.
     #[error(
         "loading the eBPF object failed; redirector needs root (CAP_BPF, CAP_NET_ADMIN and \

@@ -105,7 +105,15 @@ impl Datapath {
     /// Maps pinned under `pin_dir/maps/` are adopted, with their state (modes, counts, pools,
     /// translations), when `pinned_state` says they are compatible; missing ones are created and
     /// pinned. Returns the typed map handles next to it.
-    pub fn load(reverse_nat_entries: u32, pin_dir: &Path) -> Result<(Self, Maps), DatapathError> {
+    ///
+    /// With `kernel_log`, the programs' aya-log statements are live (`AYA_LOG_LEVEL` set to
+    /// debug); without it the level is 0, a read-only global, so the verifier removes every
+    /// logging branch and the programs pay nothing for them.
+    pub fn load(
+        reverse_nat_entries: u32,
+        pin_dir: &Path,
+        kernel_log: bool,
+    ) -> Result<(Self, Maps), DatapathError> {
         let maps_dir = pin_dir.join(PINNED_MAPS_DIR);
         std::fs::create_dir_all(&maps_dir).map_err(|source| DatapathError::PinDir {
             path: maps_dir.clone(),
@@ -116,8 +124,14 @@ impl Datapath {
             .iter()
             .map(|name| (*name, maps_dir.join(name)))
             .collect();
+        let log_level: u8 = if kernel_log {
+            aya_log::Level::Debug as u8
+        } else {
+            0
+        };
         let mut loader = EbpfLoader::new();
         loader.map_max_entries(names::MAP_REVERSE_NAT, reverse_nat_entries);
+        loader.override_global(aya_log::LEVEL, &log_level, true);
         for (name, path) in &paths {
             // Opens the pinned map when there is one, else creates and pins it.
             loader.map_pin_path(name, path.as_path());
@@ -143,6 +157,15 @@ impl Datapath {
             },
             maps,
         ))
+    }
+
+    /// Starts forwarding the programs' log records (aya-log) to the agent's log; only useful
+    /// after loading with `kernel_log`.
+    pub fn kernel_logger(
+        &mut self,
+    ) -> Result<aya_log::EbpfLogger<&'static dyn log::Log>, DatapathError> {
+        aya_log::EbpfLogger::init(&mut self.ebpf)
+            .map_err(|source| DatapathError::KernelLog { source })
     }
 
     /// True when the maps were adopted from an earlier agent.
@@ -317,7 +340,9 @@ mod tests {
         let object = aya_obj::Object::parse(OBJECT).expect("the embedded object parses");
         let mut maps: Vec<&str> = object.maps.keys().map(String::as_str).collect();
         maps.sort_unstable();
+        // Besides ours: aya-log's ring buffer and the read-only globals (its level).
         let mut expected = names::ALL_MAPS.to_vec();
+        expected.extend([".rodata", "AYA_LOGS"]);
         expected.sort_unstable();
         assert_eq!(maps, expected);
         let mut programs: Vec<&str> = object.programs.keys().map(String::as_str).collect();

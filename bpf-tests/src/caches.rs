@@ -39,7 +39,16 @@ const EMBEDDED_BACKEND: &str = "127.0.0.1:5300";
 /// Starts `kind` as process `name`, serving `NODE_LISTENER:53` and answering the probe names
 /// (`localhost.` and the test name) with the cache's identity.
 pub fn start_cache(sandbox: &mut Sandbox, kind: CacheKind, name: &str) -> anyhow::Result<()> {
-    let address: SocketAddr = dns(NODE_LISTENER);
+    start_cache_at(sandbox, kind, name, dns(NODE_LISTENER))
+}
+
+/// The same, serving `address` (an address of the node namespace).
+pub fn start_cache_at(
+    sandbox: &mut Sandbox,
+    kind: CacheKind,
+    name: &str,
+    address: SocketAddr,
+) -> anyhow::Result<()> {
     let cgroup = sandbox.skipped_cgroup().path().to_owned();
     match kind {
         CacheKind::TestServer => sandbox.start_cache(
@@ -116,7 +125,7 @@ pub fn start_cache(sandbox: &mut Sandbox, kind: CacheKind, name: &str) -> anyhow
             let config = sandbox.write_file(
                 &format!("embedded-{name}.toml"),
                 &format!(
-                    "listen = [\"{address}\"]\ndefault_servers = [\"{EMBEDDED_BACKEND}\"]\nupstream_timeout_ms = 200\n"
+                    "listen = [\"{address}\"]\ndefault_servers = [\"{EMBEDDED_BACKEND}\"]\nupstream_timeout_ms = 200\n# The sandbox's pods and node use 198.18.0.0/15 and fd00::/8 (benchmark ranges).\nallow = [\"127.0.0.0/8\", \"169.254.0.0/16\", \"198.18.0.0/15\", \"fd00::/8\"]\n"
                 ),
             )?;
             let args = vec![

@@ -6,6 +6,7 @@
 //! processes the sandbox started are ever signalled; and everything is removed on drop.
 
 pub mod bench;
+pub mod benchmarks;
 pub mod bpffs;
 pub mod caches;
 pub mod cgroup;

@@ -1,8 +1,11 @@
 //! The answer cache. Pure: every operation takes the time, so tests drive it with a fake clock.
 //!
 //! An entry lives for the smallest TTL of its answer records (a negative answer: its SOA's TTL and
-//! minimum, RFC 2308), capped, and then `stale_for` longer as a stale fallback. When the cache is
-//! full, the entry whose stale window ends first makes room.
+//! minimum, RFC 2308), capped, and then `stale_for` longer as a stale fallback. Entries are kept
+//! in wire format, so their size is known exactly: the cache holds at most `max_entries` of them
+//! and at most `max_bytes` of messages, and when either is reached, the entries whose stale
+//! windows end first make room. A response larger than [`MAX_CACHED_MESSAGE_BYTES`] is not
+//! cached.
 
 use std::{
     collections::{BTreeMap, HashMap},
@@ -13,6 +16,8 @@ use hickory_proto::{
     op::{Message, MessageType, Query, ResponseCode},
     rr::{DNSClass, Name, RData, Record, RecordType},
 };
+
+use super::config::MAX_CACHED_MESSAGE_BYTES;
 
 /// The TTL of a stale answer (RFC 8767 section 4 recommends 30 seconds).
 pub(crate) const STALE_TTL: u32 = 30;
@@ -47,12 +52,14 @@ pub(crate) struct CachePolicy {
     pub(crate) stale_for: Duration,
     /// Most entries.
     pub(crate) max_entries: usize,
+    /// Most bytes of messages (wire format) held.
+    pub(crate) max_bytes: usize,
 }
 
 #[derive(Debug)]
 struct Entry {
-    /// The upstream's response, record TTLs clamped to the entry's lifetime.
-    response: Message,
+    /// The upstream's response, record TTLs clamped to the entry's lifetime, in wire format.
+    response: Vec<u8>,
     stored: Instant,
     expires: Instant,
     /// This entry's key in `Cache::by_deadline`: the end of its stale window and a sequence
@@ -68,6 +75,8 @@ pub(crate) struct Cache {
     /// Every entry, by the end of its stale window: the front is the next to go.
     by_deadline: BTreeMap<(Instant, u64), CacheKey>,
     next_sequence: u64,
+    /// The sum of the entries' message sizes.
+    bytes: usize,
 }
 
 impl Cache {
@@ -78,6 +87,7 @@ impl Cache {
             entries: HashMap::new(),
             by_deadline: BTreeMap::new(),
             next_sequence: 0,
+            bytes: 0,
         }
     }
 
@@ -87,6 +97,19 @@ impl Cache {
         self.entries.len()
     }
 
+    /// Bytes of messages held, stale ones included.
+    #[cfg(test)]
+    pub(crate) fn bytes(&self) -> usize {
+        debug_assert_eq!(
+            self.bytes,
+            self.entries
+                .values()
+                .map(|entry| entry.response.len())
+                .sum::<usize>()
+        );
+        self.bytes
+    }
+
     /// The answer for `key` if it has not expired at `now`, its TTLs reduced by its age.
     pub(crate) fn get(&mut self, key: &CacheKey, now: Instant) -> Option<Message> {
         let entry = self.live_entry(key, now)?;
@@ -94,7 +117,7 @@ impl Cache {
             return None;
         }
         let age = u32::try_from(now.duration_since(entry.stored).as_secs()).unwrap_or(u32::MAX);
-        let mut response = entry.response.clone();
+        let mut response = self.decode(key)?;
         for_each_ttl(&mut response, |ttl| ttl.saturating_sub(age));
         Some(response)
     }
@@ -106,13 +129,15 @@ impl Cache {
         if now < entry.expires {
             return None;
         }
-        let mut response = entry.response.clone();
+        let mut response = self.decode(key)?;
         for_each_ttl(&mut response, |_| STALE_TTL);
         Some(response)
     }
 
     /// Caches `response` to `key` if it is cacheable; returns its lifetime then. A response that
-    /// is not cacheable removes an older entry of `key`: it is no longer the upstream's answer.
+    /// is not cacheable (an error, TTL 0, larger than [`MAX_CACHED_MESSAGE_BYTES`] or than the
+    /// whole byte budget, ...) removes an older entry of `key`: it is no longer the upstream's
+    /// answer.
     pub(crate) fn insert(
         &mut self,
         key: CacheKey,
@@ -121,21 +146,37 @@ impl Cache {
     ) -> Option<Duration> {
         self.remove(&key);
         let ttl = cacheable_ttl(response, &self.policy)?;
-        self.purge(now);
-        while self.entries.len() >= self.policy.max_entries {
-            let Some((_, oldest)) = self.by_deadline.pop_first() else {
-                break;
-            };
-            self.entries.remove(&oldest);
-        }
-
         let ttl_secs = u32::try_from(ttl.as_secs()).unwrap_or(u32::MAX);
         let mut response = response.clone();
         for_each_ttl(&mut response, |record_ttl| record_ttl.min(ttl_secs));
+        let response = match response.to_vec() {
+            Ok(bytes) => bytes,
+            Err(error) => {
+                tracing::debug!(%error, "cannot encode an answer for the cache; not cached");
+                return None;
+            }
+        };
+        if response.len() > MAX_CACHED_MESSAGE_BYTES.min(self.policy.max_bytes) {
+            return None;
+        }
+
+        self.purge(now);
+        while self.entries.len() >= self.policy.max_entries
+            || self.bytes + response.len() > self.policy.max_bytes
+        {
+            let Some((_, oldest)) = self.by_deadline.pop_first() else {
+                break;
+            };
+            if let Some(entry) = self.entries.remove(&oldest) {
+                self.bytes -= entry.response.len();
+            }
+        }
+
         let expires = now + ttl;
         let deadline = (expires + self.policy.stale_for, self.next_sequence);
         self.next_sequence += 1;
         self.by_deadline.insert(deadline, key.clone());
+        self.bytes += response.len();
         self.entries.insert(
             key,
             Entry {
@@ -146,6 +187,20 @@ impl Cache {
             },
         );
         Some(ttl)
+    }
+
+    /// The message of the entry of `key`, decoded. An entry that does not decode (it was encoded
+    /// by hickory, so it should) is removed.
+    fn decode(&mut self, key: &CacheKey) -> Option<Message> {
+        let decoded = Message::from_vec(&self.entries.get(key)?.response);
+        match decoded {
+            Ok(message) => Some(message),
+            Err(error) => {
+                tracing::warn!(%error, "a cached answer does not decode; dropped");
+                self.remove(key);
+                None
+            }
+        }
     }
 
     /// The entry of `key` unless its stale window has ended at `now` (then it is removed).
@@ -161,6 +216,7 @@ impl Cache {
     fn remove(&mut self, key: &CacheKey) {
         if let Some(entry) = self.entries.remove(key) {
             self.by_deadline.remove(&entry.deadline);
+            self.bytes -= entry.response.len();
         }
     }
 
@@ -171,7 +227,9 @@ impl Cache {
                 break;
             }
             let key = entry.remove();
-            self.entries.remove(&key);
+            if let Some(entry) = self.entries.remove(&key) {
+                self.bytes -= entry.response.len();
+            }
         }
     }
 }
@@ -239,6 +297,7 @@ mod tests {
             max_negative_ttl: Duration::from_secs(300),
             stale_for: Duration::from_secs(30),
             max_entries: 100,
+            max_bytes: 1 << 20,
         }
     }
 
@@ -263,11 +322,13 @@ mod tests {
     fn answer(owner: &str, ttls: &[u32]) -> Message {
         let mut message = response(ResponseCode::NoError);
         for (index, ttl) in ttls.iter().enumerate() {
-            let last = u8::try_from(index + 1).expect("few records");
+            let offset = u32::try_from(index + 1).expect("few records");
             message.add_answer(Record::from_rdata(
                 name(owner),
                 *ttl,
-                RData::A(A(Ipv4Addr::new(192, 0, 2, last))),
+                RData::A(A(Ipv4Addr::from(
+                    u32::from(Ipv4Addr::new(192, 0, 2, 0)) + offset,
+                ))),
             ));
         }
         message
@@ -550,5 +611,94 @@ mod tests {
         assert_eq!(cache.len(), 2);
         assert!(cache.get(&key("live."), later).is_some());
         assert!(cache.get(&key("new."), later).is_some());
+    }
+
+    /// The size `answer(owner, ttls)` takes in the cache.
+    fn stored_size(owner: &str, ttls: &[u32]) -> usize {
+        answer(owner, ttls).to_vec().expect("encode").len()
+    }
+
+    #[test]
+    fn the_byte_budget_evicts_the_earliest_expiring() {
+        // Same-length names: every entry has the same size.
+        let size = stored_size("a1.", &[60]);
+        let mut cache = Cache::new(CachePolicy {
+            max_bytes: 2 * size + size / 2,
+            ..policy()
+        });
+        let now = Instant::now();
+        cache.insert(key("a1."), &answer("a1.", &[300]), now);
+        cache.insert(key("a2."), &answer("a2.", &[100]), now);
+        assert_eq!(cache.bytes(), 2 * size);
+
+        // A third does not fit in 2.5 entries' bytes: the earliest expiring goes.
+        assert!(
+            cache
+                .insert(key("a3."), &answer("a3.", &[200]), now)
+                .is_some()
+        );
+        assert_eq!((cache.len(), cache.bytes()), (2, 2 * size));
+        assert!(cache.get(&key("a2."), now).is_none(), "evicted");
+        assert!(cache.get(&key("a1."), now).is_some());
+        assert!(cache.get(&key("a3."), now).is_some());
+
+        // A bigger answer needs the room of both.
+        let bigger = answer("a4.", &[400, 400, 400]);
+        assert!(cache.insert(key("a4."), &bigger, now).is_some());
+        assert_eq!(cache.len(), 1, "both others made room");
+        assert!(cache.get(&key("a4."), now).is_some());
+        assert_eq!(cache.bytes(), stored_size("a4.", &[400, 400, 400]));
+    }
+
+    #[test]
+    fn the_byte_count_follows_removals() {
+        let mut cache = Cache::new(policy());
+        let start = Instant::now();
+        cache.insert(key("a."), &answer("a.", &[10]), start);
+        cache.insert(key("b."), &answer("b.", &[3600, 3600, 3600]), start);
+        let (a, b) = (stored_size("a.", &[10]), stored_size("b.", &[1, 1, 1]));
+        assert_eq!(cache.bytes(), a + b);
+        // Replaced by a bigger answer.
+        cache.insert(key("a."), &answer("a.", &[10, 10]), start);
+        assert_eq!(cache.bytes(), stored_size("a.", &[1, 1]) + b);
+        // Replaced by an uncacheable one.
+        cache.insert(key("a."), &answer("a.", &[0]), start);
+        assert_eq!(cache.bytes(), b);
+        // Past its stale window, purged at the next insert.
+        cache.insert(key("c."), &answer("c.", &[10]), start);
+        cache.insert(key("d."), &answer("d.", &[10]), start + 100 * SECOND);
+        assert_eq!(cache.bytes(), b + stored_size("d.", &[10]));
+        // Past its stale window, removed when asked for.
+        assert!(cache.get_stale(&key("d."), start + 200 * SECOND).is_none());
+        assert_eq!(cache.bytes(), b);
+    }
+
+    #[test]
+    fn answers_over_the_size_limit_are_not_cached() {
+        // 300 A records: about 4.8 KB, over MAX_CACHED_MESSAGE_BYTES.
+        let big = answer("big.", &[60; 300]);
+        assert!(big.to_vec().expect("encode").len() > MAX_CACHED_MESSAGE_BYTES);
+        let mut cache = Cache::new(policy());
+        let now = Instant::now();
+        cache.insert(key("big."), &answer("big.", &[60]), now);
+        assert_eq!(cache.insert(key("big."), &big, now), None);
+        assert!(
+            cache.get_stale(&key("big."), now + 70 * SECOND).is_none(),
+            "the older, smaller answer is gone too"
+        );
+        assert_eq!((cache.len(), cache.bytes()), (0, 0));
+
+        // 200 records (about 3.2 KB) fit the limit, but not a smaller budget.
+        let fits = answer("big.", &[60; 200]);
+        let size = fits.to_vec().expect("encode").len();
+        assert!(size <= MAX_CACHED_MESSAGE_BYTES);
+        assert!(cache.insert(key("big."), &fits, now).is_some());
+        assert_eq!(cache.bytes(), size);
+        let mut small = Cache::new(CachePolicy {
+            max_bytes: size - 1,
+            ..policy()
+        });
+        assert_eq!(small.insert(key("big."), &fits, now), None);
+        assert_eq!(small.len(), 0);
     }
 }

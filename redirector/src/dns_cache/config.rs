@@ -8,16 +8,25 @@
 //! max_negative_ttl_secs = 300      # NXDOMAIN / NODATA at most this long (0: not cached)
 //! stale_for_secs = 30              # expired answers served while upstreams fail (0: never)
 //! max_entries = 10000              # the earliest-expiring entry makes room for a new one
+//! max_bytes = 16777216             # likewise, counting the cached messages' wire size
 //! upstream_timeout_ms = 2000       # per upstream server and transport
+//! allow = ["10.0.0.0/8", "127.0.0.1"]  # clients answered; others get REFUSED (default below)
 //!
 //! [[zone]]
 //! name = "cluster.local."          # this name and every name below it; the longest zone wins
 //! servers = ["10.96.0.10:53"]      # tried in order
 //! ```
+//!
+//! Without `allow`, the clients answered are [`DEFAULT_ALLOW`]: loopback, link-local and the
+//! private ranges (RFC 1918, ULA), which is what pods and nodes use, so a cache listening on a
+//! public address is not an open resolver. An unspecified listen address (`0.0.0.0`, `::`) is
+//! refused unless `allow` is given explicitly.
 
 use std::{
-    net::{AddrParseError, IpAddr, SocketAddr},
+    fmt,
+    net::{AddrParseError, IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
     path::{Path, PathBuf},
+    str::FromStr,
     time::Duration,
 };
 
@@ -35,6 +44,25 @@ pub const DEFAULT_STALE_FOR: Duration = Duration::from_secs(30);
 pub const DEFAULT_MAX_ENTRIES: usize = 10_000;
 /// How long one upstream server gets to answer, unless told otherwise.
 pub const DEFAULT_UPSTREAM_TIMEOUT: Duration = Duration::from_secs(2);
+/// Bytes of cached messages (their wire size) unless told otherwise: 16 MiB.
+pub const DEFAULT_MAX_BYTES: usize = 16 * 1024 * 1024;
+/// The largest response that is cached, in wire bytes. Larger ones (they come over TCP, up to
+/// 64 KiB) are forwarded but not kept: a few such names would otherwise take much of the byte
+/// budget. 4096 is the EDNS buffer size resolvers long advertised; ordinary answers are far
+/// smaller.
+pub const MAX_CACHED_MESSAGE_BYTES: usize = 4096;
+/// The clients answered unless `allow` says otherwise: loopback, link-local and the private
+/// ranges (RFC 1918, RFC 4193 ULA), where pods and nodes are.
+pub const DEFAULT_ALLOW: [Cidr; 8] = [
+    Cidr::v4(Ipv4Addr::new(127, 0, 0, 0), 8),
+    Cidr::v4(Ipv4Addr::new(169, 254, 0, 0), 16),
+    Cidr::v4(Ipv4Addr::new(10, 0, 0, 0), 8),
+    Cidr::v4(Ipv4Addr::new(172, 16, 0, 0), 12),
+    Cidr::v4(Ipv4Addr::new(192, 168, 0, 0), 16),
+    Cidr::v6(Ipv6Addr::LOCALHOST, 128),
+    Cidr::v6(Ipv6Addr::new(0xfe80, 0, 0, 0, 0, 0, 0, 0), 10),
+    Cidr::v6(Ipv6Addr::new(0xfc00, 0, 0, 0, 0, 0, 0, 0), 7),
+];
 
 /// The port upstreams and listen addresses given without one use.
 const DNS_PORT: u16 = 53;
@@ -44,6 +72,11 @@ const MAX_SECS: u64 = 7 * 24 * 3600;
 const MAX_NEGATIVE_SECS: u64 = 3 * 3600;
 /// Largest accepted `max_entries`.
 const MAX_ENTRIES: u64 = 10_000_000;
+/// Smallest accepted `max_bytes`: room for one largest cacheable answer
+/// ([`MAX_CACHED_MESSAGE_BYTES`]).
+const MIN_BYTES: u64 = 4096;
+/// Largest accepted `max_bytes`: 4 GiB.
+const MAX_BYTES: u64 = 1 << 32;
 /// Longest accepted `upstream_timeout_ms`.
 const MAX_TIMEOUT_MS: u64 = 30_000;
 
@@ -66,8 +99,186 @@ pub struct CacheConfig {
     pub stale_for: Duration,
     /// Most cache entries.
     pub max_entries: usize,
+    /// Most bytes of cached messages (their wire size; per-entry bookkeeping comes on top).
+    pub max_bytes: usize,
     /// How long one upstream server gets per transport (UDP, then TCP after a truncated reply).
     pub upstream_timeout: Duration,
+    /// The clients answered; everyone else gets REFUSED (over UDP a reply no larger than the
+    /// query). [`DEFAULT_ALLOW`] unless the file says otherwise.
+    pub allow: Vec<Cidr>,
+}
+
+/// An IP network: an address and a prefix length, the bits beyond the prefix zero.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub struct Cidr {
+    network: IpAddr,
+    prefix_len: u8,
+}
+
+impl Cidr {
+    /// The network `network`/`prefix_len`.
+    ///
+    /// # Errors
+    ///
+    /// [`CidrError::PrefixTooLong`] beyond 32 (IPv4) or 128 (IPv6) bits,
+    /// [`CidrError::HostBits`] when `network` has bits set beyond the prefix.
+    pub fn new(network: IpAddr, prefix_len: u8) -> Result<Self, CidrError> {
+        let max = max_prefix_len(network);
+        if prefix_len > max {
+            return Err(CidrError::PrefixTooLong {
+                prefix: prefix_len.to_string(),
+                max,
+            });
+        }
+        let cidr = Self {
+            network,
+            prefix_len,
+        };
+        let masked = cidr.masked(network);
+        if masked != network {
+            return Err(CidrError::HostBits {
+                network: Self {
+                    network: masked,
+                    prefix_len,
+                },
+            });
+        }
+        Ok(cidr)
+    }
+
+    const fn v4(network: Ipv4Addr, prefix_len: u8) -> Self {
+        Self {
+            network: IpAddr::V4(network),
+            prefix_len,
+        }
+    }
+
+    const fn v6(network: Ipv6Addr, prefix_len: u8) -> Self {
+        Self {
+            network: IpAddr::V6(network),
+            prefix_len,
+        }
+    }
+
+    /// The network address.
+    #[must_use]
+    pub fn network(&self) -> IpAddr {
+        self.network
+    }
+
+    /// The prefix length in bits.
+    #[must_use]
+    pub fn prefix_len(&self) -> u8 {
+        self.prefix_len
+    }
+
+    /// True if `address` is in this network. An IPv4-mapped IPv6 address (`::ffff:10.0.0.1`,
+    /// how a dual-stack socket sees an IPv4 client) also counts as its IPv4 address.
+    #[must_use]
+    pub fn contains(&self, address: IpAddr) -> bool {
+        let canonical = address.to_canonical();
+        [address, canonical].into_iter().any(|address| {
+            address.is_ipv4() == self.network.is_ipv4() && self.masked(address) == self.network
+        })
+    }
+
+    /// `address` with the bits beyond the prefix cleared (`address` of this family).
+    fn masked(&self, address: IpAddr) -> IpAddr {
+        match address {
+            IpAddr::V4(address) => {
+                let mask = u32::MAX
+                    .checked_shl(32 - u32::from(self.prefix_len))
+                    .unwrap_or(0);
+                IpAddr::V4(Ipv4Addr::from_bits(address.to_bits() & mask))
+            }
+            IpAddr::V6(address) => {
+                let mask = u128::MAX
+                    .checked_shl(128 - u32::from(self.prefix_len))
+                    .unwrap_or(0);
+                IpAddr::V6(Ipv6Addr::from_bits(address.to_bits() & mask))
+            }
+        }
+    }
+}
+
+fn max_prefix_len(address: IpAddr) -> u8 {
+    if address.is_ipv4() { 32 } else { 128 }
+}
+
+impl fmt::Display for Cidr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.network, self.prefix_len)
+    }
+}
+
+impl FromStr for Cidr {
+    type Err = CidrError;
+
+    /// `"10.0.0.0/8"`, `"fd00::/8"`, or an address alone for just that address (`/32`, `/128`).
+    fn from_str(text: &str) -> Result<Self, CidrError> {
+        let (address, prefix) = match text.split_once('/') {
+            Some((address, prefix)) => (address, Some(prefix)),
+            None => (text, None),
+        };
+        let network = address
+            .parse::<IpAddr>()
+            .map_err(|source| CidrError::Address { source })?;
+        let max = max_prefix_len(network);
+        let prefix_len = match prefix {
+            None => max,
+            // Digits only: no sign, no spaces, no hex; at most three of them.
+            Some(prefix)
+                if (1..=3).contains(&prefix.len())
+                    && prefix.bytes().all(|byte| byte.is_ascii_digit()) =>
+            {
+                prefix.parse::<u8>().map_err(|_| CidrError::PrefixTooLong {
+                    prefix: prefix.to_owned(),
+                    max,
+                })?
+            }
+            Some(prefix) => {
+                return Err(CidrError::BadPrefix {
+                    prefix: prefix.to_owned(),
+                    max,
+                });
+            }
+        };
+        Self::new(network, prefix_len)
+    }
+}
+
+/// Why a text or an address and length is not a [`Cidr`].
+#[derive(Debug, thiserror::Error)]
+pub enum CidrError {
+    /// The part before the `/` is not an address.
+    #[error("the part before \"/\" is not an IPv4 or IPv6 address")]
+    Address {
+        /// The parser's complaint.
+        #[source]
+        source: AddrParseError,
+    },
+    /// The part after the `/` is not a number.
+    #[error("the prefix length {prefix:?} is not a number; give 0 to {max}")]
+    BadPrefix {
+        /// The text after the `/`.
+        prefix: String,
+        /// The longest prefix of the address family.
+        max: u8,
+    },
+    /// A prefix longer than the address.
+    #[error("the prefix length {prefix} is longer than the address; give 0 to {max}")]
+    PrefixTooLong {
+        /// The prefix length given.
+        prefix: String,
+        /// The longest prefix of the address family.
+        max: u8,
+    },
+    /// Bits set beyond the prefix: probably a host address where the network was meant.
+    #[error("bits are set beyond the prefix length; write the network address, {network}")]
+    HostBits {
+        /// The network the text most likely meant.
+        network: Cidr,
+    },
 }
 
 /// A zone forwarded to its own upstream servers.
@@ -173,6 +384,35 @@ pub enum CacheConfigError {
          give default_servers = [\"ip:port\", ...] or a [[zone]]"
     )]
     NothingToForwardTo,
+    /// Not a CIDR.
+    #[error("{key}: {value:?} is not a network like \"10.0.0.0/8\", \"fd00::/8\" or \"10.1.2.3\"")]
+    BadCidr {
+        /// The offending key.
+        key: String,
+        /// The text given.
+        value: String,
+        /// What is wrong with it.
+        #[source]
+        source: CidrError,
+    },
+    /// `allow = []`.
+    #[error(
+        "allow: empty, so every client would be refused; list the client networks, e.g. \
+         allow = [\"10.0.0.0/8\"], or leave allow out for the default (loopback, link-local \
+         and private ranges)"
+    )]
+    EmptyAllow,
+    /// `0.0.0.0` or `::` without an explicit `allow`.
+    #[error(
+        "{key}: {address} listens on every interface, public ones included; listen on a specific \
+         address, or say which clients may use it with allow = [\"10.0.0.0/8\", ...]"
+    )]
+    UnspecifiedListen {
+        /// The offending key.
+        key: String,
+        /// The address.
+        address: SocketAddr,
+    },
     /// A number out of range.
     #[error("{key}: {value} is out of range; give {allowed}")]
     OutOfRange {
@@ -198,7 +438,9 @@ struct RawCacheConfig {
     max_negative_ttl_secs: Option<u64>,
     stale_for_secs: Option<u64>,
     max_entries: Option<u64>,
+    max_bytes: Option<u64>,
     upstream_timeout_ms: Option<u64>,
+    allow: Option<Vec<String>>,
 }
 
 #[derive(Deserialize)]
@@ -249,6 +491,35 @@ impl CacheConfig {
             return Err(CacheConfigError::NoListen);
         }
         let listen = parse_addresses("listen", &raw.listen)?;
+        let allow = match &raw.allow {
+            None => {
+                if let Some((index, &address)) = listen
+                    .iter()
+                    .enumerate()
+                    .find(|(_, address)| address.ip().is_unspecified())
+                {
+                    return Err(CacheConfigError::UnspecifiedListen {
+                        key: format!("listen[{index}]"),
+                        address,
+                    });
+                }
+                DEFAULT_ALLOW.to_vec()
+            }
+            Some(values) if values.is_empty() => return Err(CacheConfigError::EmptyAllow),
+            Some(values) => values
+                .iter()
+                .enumerate()
+                .map(|(index, value)| {
+                    value
+                        .parse::<Cidr>()
+                        .map_err(|source| CacheConfigError::BadCidr {
+                            key: format!("allow[{index}]"),
+                            value: value.clone(),
+                            source,
+                        })
+                })
+                .collect::<Result<Vec<_>, _>>()?,
+        };
 
         let mut zones: Vec<Zone> = Vec::with_capacity(raw.zones.len());
         for (index, zone) in raw.zones.iter().enumerate() {
@@ -320,6 +591,17 @@ impl CacheConfig {
                 });
             }
         };
+        let max_bytes = match raw.max_bytes {
+            None => DEFAULT_MAX_BYTES,
+            Some(value @ MIN_BYTES..=MAX_BYTES) => usize::try_from(value).unwrap_or(usize::MAX),
+            Some(value) => {
+                return Err(CacheConfigError::OutOfRange {
+                    key: "max_bytes",
+                    value,
+                    allowed: "4096 (one largest cacheable answer) to 4294967296 bytes",
+                });
+            }
+        };
         let upstream_timeout = match raw.upstream_timeout_ms {
             None => DEFAULT_UPSTREAM_TIMEOUT,
             Some(value @ 1..=MAX_TIMEOUT_MS) => Duration::from_millis(value),
@@ -340,7 +622,9 @@ impl CacheConfig {
             max_negative_ttl,
             stale_for,
             max_entries,
+            max_bytes,
             upstream_timeout,
+            allow,
         })
     }
 
@@ -447,7 +731,9 @@ mod tests {
             max_negative_ttl_secs = 0
             stale_for_secs = 45
             max_entries = 100
+            max_bytes = 65536
             upstream_timeout_ms = 750
+            allow = ["10.0.0.0/8", "192.0.2.7", "fd00::/8", "0.0.0.0/0"]
 
             [[zone]]
             name = "Cluster.Local"
@@ -483,7 +769,16 @@ mod tests {
         assert_eq!(config.max_negative_ttl, Duration::ZERO);
         assert_eq!(config.stale_for, Duration::from_secs(45));
         assert_eq!(config.max_entries, 100);
+        assert_eq!(config.max_bytes, 65536);
         assert_eq!(config.upstream_timeout, Duration::from_millis(750));
+        assert_eq!(
+            config
+                .allow
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>(),
+            ["10.0.0.0/8", "192.0.2.7/32", "fd00::/8", "0.0.0.0/0"]
+        );
     }
 
     #[test]
@@ -500,7 +795,128 @@ mod tests {
         assert_eq!(config.max_negative_ttl, DEFAULT_MAX_NEGATIVE_TTL);
         assert_eq!(config.stale_for, DEFAULT_STALE_FOR);
         assert_eq!(config.max_entries, DEFAULT_MAX_ENTRIES);
+        assert_eq!(config.max_bytes, DEFAULT_MAX_BYTES);
+        assert_eq!(config.max_bytes, 16 * 1024 * 1024);
         assert_eq!(config.upstream_timeout, DEFAULT_UPSTREAM_TIMEOUT);
+        assert_eq!(config.allow, DEFAULT_ALLOW);
+    }
+
+    #[test]
+    fn the_default_allow_is_loopback_link_local_and_private() {
+        let allowed = |text: &str| {
+            let address: IpAddr = text.parse().expect("address");
+            DEFAULT_ALLOW.iter().any(|cidr| cidr.contains(address))
+        };
+        for inside in [
+            "127.0.0.1",
+            "127.255.255.254",
+            "169.254.20.10",
+            "10.0.0.1",
+            "10.255.255.255",
+            "172.16.0.0",
+            "172.31.255.255",
+            "192.168.1.1",
+            "::1",
+            "fe80::1",
+            "febf:ffff::1",
+            "fc00::1",
+            "fd00:1::2",
+            "::ffff:10.1.2.3",
+        ] {
+            assert!(allowed(inside), "{inside} is allowed");
+        }
+        for outside in [
+            "8.8.8.8",
+            "9.255.255.255",
+            "11.0.0.0",
+            "172.15.255.255",
+            "172.32.0.0",
+            "192.167.255.255",
+            "192.169.0.0",
+            "169.253.255.255",
+            "198.18.1.2",
+            "100.64.0.1",
+            "0.0.0.0",
+            "::",
+            "::2",
+            "fec0::1",
+            "fe00::1",
+            "2001:db8::1",
+            "::ffff:8.8.8.8",
+        ] {
+            assert!(!allowed(outside), "{outside} is refused");
+        }
+        for cidr in DEFAULT_ALLOW {
+            assert_eq!(
+                Cidr::new(cidr.network(), cidr.prefix_len()).ok(),
+                Some(cidr),
+                "{cidr} is a valid network"
+            );
+        }
+    }
+
+    #[test]
+    fn cidrs_parse_strictly() {
+        let cidr = |text: &str| text.parse::<Cidr>();
+        let contains = |network: &str, address: &str| {
+            cidr(network)
+                .expect("CIDR")
+                .contains(address.parse().expect("address"))
+        };
+        assert!(contains("0.0.0.0/0", "203.0.113.9"));
+        assert!(!contains("0.0.0.0/0", "2001:db8::1"), "one family");
+        assert!(contains("::/0", "2001:db8::1"));
+        assert!(contains("192.0.2.7", "192.0.2.7"));
+        assert!(!contains("192.0.2.7", "192.0.2.6"));
+        assert!(contains("2001:db8::/127", "2001:db8::1"));
+        assert!(!contains("2001:db8::/127", "2001:db8::2"));
+        assert!(contains("10.0.0.0/8", "::ffff:10.9.9.9"), "IPv4-mapped");
+        assert!(contains("::ffff:0:0/96", "::ffff:10.9.9.9"));
+        assert_eq!(
+            cidr("FD00::/8").expect("CIDR").to_string(),
+            "fd00::/8",
+            "displayed canonically"
+        );
+        for (text, expected) in [
+            ("10.0.0.1/8", "write the network address, 10.0.0.0/8"),
+            ("fd00::1/8", "write the network address, fd00::/8"),
+            (
+                "10.0.0.0/33",
+                "the prefix length 33 is longer than the address; give 0 to 32",
+            ),
+            ("fd00::/129", "give 0 to 128"),
+            ("10.0.0.0/999", "the prefix length 999 is longer"),
+            ("10.0.0.0/", "the prefix length \"\" is not a number"),
+            ("10.0.0.0/+8", "\"+8\" is not a number"),
+            ("10.0.0.0/ 8", "is not a number"),
+            ("10.0.0.0/0008", "is not a number"),
+            ("10.0.0.0/8/8", "is not a number"),
+            ("example.com/8", "is not an IPv4 or IPv6 address"),
+            ("", "is not an IPv4 or IPv6 address"),
+            ("10.0.0.0:53", "is not an IPv4 or IPv6 address"),
+        ] {
+            let error = cidr(text).expect_err(text).to_string();
+            assert!(error.contains(expected), "{text:?}: {error:?}");
+        }
+    }
+
+    #[test]
+    fn an_unspecified_listen_address_needs_an_explicit_allow() {
+        for (listen, key) in [
+            ("[\"0.0.0.0:53\"]", "listen[0]: 0.0.0.0:53"),
+            ("[\"127.0.0.1:53\", \"::\"]", "listen[1]: [::]:53"),
+        ] {
+            let text = format!("listen = {listen}\ndefault_servers = [\"9.9.9.9\"]\n");
+            let message = parse_err(&text);
+            assert!(
+                message.contains(&format!("{key} listens on every interface"))
+                    && message.contains("allow = ["),
+                "{message:?}"
+            );
+            let config = CacheConfig::parse(&format!("{text}allow = [\"10.0.0.0/8\"]\n"))
+                .expect("explicit allow");
+            assert_eq!(config.allow.len(), 1);
+        }
     }
 
     #[test]
@@ -573,6 +989,33 @@ mod tests {
                 "upstream_timeout_ms: 0 is out of range",
             ),
             (&format!("{base}max_ttl_secs = \"1h\"\n"), "max_ttl_secs"),
+            (
+                &format!("{base}max_bytes = 4095\n"),
+                "max_bytes: 4095 is out of range; give 4096",
+            ),
+            (
+                &format!("{base}max_bytes = 8589934592\n"),
+                "max_bytes: 8589934592 is out of range",
+            ),
+            (
+                &format!("{base}allow = []\n"),
+                "allow: empty, so every client would be refused",
+            ),
+            (
+                &format!("{base}allow = [\"10.0.0.0/8\", \"10.0.0.1/8\"]\n"),
+                "allow[1]: \"10.0.0.1/8\" is not a network like \"10.0.0.0/8\", \"fd00::/8\" or \
+                 \"10.1.2.3\": bits are set beyond the prefix length; write the network address, \
+                 10.0.0.0/8",
+            ),
+            (
+                &format!("{base}allow = [\"10.0.0.0/40\"]\n"),
+                "allow[0]: \"10.0.0.0/40\" is not a network",
+            ),
+            (
+                &format!("{base}allow = [\"pods\"]\n"),
+                "allow[0]: \"pods\" is not a network",
+            ),
+            (&format!("{base}allow = \"10.0.0.0/8\"\n"), "allow"),
         ];
         for (text, expected) in cases {
             let message = parse_err(text);

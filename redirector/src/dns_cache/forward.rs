@@ -20,28 +20,66 @@ use super::framing::{read_frame, write_frame};
 /// avoids IP fragmentation.
 pub(crate) const EDNS_PAYLOAD: u16 = 1232;
 
-/// Why no upstream gave an answer; one failure per attempt, in order.
+/// Why no upstream gave an answer.
 #[derive(Debug, thiserror::Error)]
-#[error("no upstream answered: {}", DisplayAttempts(.attempts))]
-pub(crate) struct ForwardError {
-    /// Each server tried and what went wrong.
-    pub(crate) attempts: Vec<(SocketAddr, ExchangeError)>,
+pub(crate) enum ForwardError {
+    /// There was no server to ask.
+    #[error("no upstream server for this name; give default_servers or a [[zone]] that covers it")]
+    NoServers,
+    /// Every server was asked, and none answered. Each server is one attempt (over UDP, and
+    /// over TCP too when the UDP reply was truncated).
+    #[error(
+        "{count} upstream attempt(s) failed ({servers}); check that they run and are reachable \
+         from here, or raise upstream_timeout_ms if they time out; the cause is the last \
+         failure",
+        count = .earlier.len() + 1,
+        servers = DisplayServers(.earlier, *.last_server),
+    )]
+    AllFailed {
+        /// The servers asked before the last, in order, each with its failure.
+        earlier: Vec<(SocketAddr, ExchangeError)>,
+        /// The last server asked.
+        last_server: SocketAddr,
+        /// How it failed.
+        #[source]
+        last: ExchangeError,
+    },
 }
 
-struct DisplayAttempts<'a>(&'a [(SocketAddr, ExchangeError)]);
+impl ForwardError {
+    /// Every attempt in order: the server and how it failed.
+    #[cfg(test)]
+    pub(crate) fn attempts(&self) -> Vec<(SocketAddr, &ExchangeError)> {
+        match self {
+            Self::NoServers => Vec::new(),
+            Self::AllFailed {
+                earlier,
+                last_server,
+                last,
+            } => earlier
+                .iter()
+                .map(|(server, error)| (*server, error))
+                .chain([(*last_server, last)])
+                .collect(),
+        }
+    }
+}
 
-impl fmt::Display for DisplayAttempts<'_> {
+/// "a, b and c".
+struct DisplayServers<'a>(&'a [(SocketAddr, ExchangeError)], SocketAddr);
+
+impl fmt::Display for DisplayServers<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        if self.0.is_empty() {
-            return f.write_str("no server to ask");
-        }
-        for (index, (server, error)) in self.0.iter().enumerate() {
+        for (index, (server, _)) in self.0.iter().enumerate() {
             if index > 0 {
-                f.write_str("; ")?;
+                f.write_str(", ")?;
             }
-            write!(f, "{server}: {error}")?;
+            write!(f, "{server}")?;
         }
-        Ok(())
+        if !self.0.is_empty() {
+            f.write_str(" and ")?;
+        }
+        write!(f, "{}", self.1)
     }
 }
 
@@ -49,7 +87,7 @@ impl fmt::Display for DisplayAttempts<'_> {
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum ExchangeError {
     /// A socket error (a closed port shows as "connection refused").
-    #[error("{transport}: {source}")]
+    #[error("{transport} socket error")]
     Io {
         /// "UDP" or "TCP".
         transport: &'static str,
@@ -66,7 +104,7 @@ pub(crate) enum ExchangeError {
         timeout: Duration,
     },
     /// A TCP reply that is not a DNS message.
-    #[error("TCP: the reply is not a DNS message: {source}")]
+    #[error("TCP: the reply is not a DNS message; is this address a DNS server?")]
     Malformed {
         /// The decoder's complaint.
         #[source]
@@ -82,7 +120,7 @@ pub(crate) enum ExchangeError {
         code: ResponseCode,
     },
     /// The query could not be encoded (a bug, or a name hickory cannot write).
-    #[error("cannot encode the query: {source}")]
+    #[error("cannot encode the query (a bug: please report it with the name asked)")]
     Encode {
         /// The encoder's complaint.
         #[source]
@@ -91,23 +129,35 @@ pub(crate) enum ExchangeError {
 }
 
 /// Asks `servers` in order for `query`, each given `timeout` per transport; returns the first
-/// NOERROR or NXDOMAIN reply.
+/// NOERROR or NXDOMAIN reply, else every failure.
 pub(crate) async fn forward(
     servers: &[SocketAddr],
     query: &Query,
     timeout: Duration,
 ) -> Result<Message, ForwardError> {
-    let mut attempts = Vec::new();
+    let mut earlier = Vec::new();
+    let mut failed = None;
     for &server in servers {
         match exchange(server, query, timeout).await {
             Ok(reply) => return Ok(reply),
             Err(error) => {
-                tracing::debug!(%server, %error, "upstream failed");
-                attempts.push((server, error));
+                tracing::debug!(
+                    %server,
+                    error = &error as &dyn std::error::Error,
+                    "upstream failed"
+                );
+                earlier.extend(failed.replace((server, error)));
             }
         }
     }
-    Err(ForwardError { attempts })
+    match failed {
+        None => Err(ForwardError::NoServers),
+        Some((last_server, last)) => Err(ForwardError::AllFailed {
+            earlier,
+            last_server,
+            last,
+        }),
+    }
 }
 
 /// One server: UDP, then TCP if the UDP reply is truncated.
@@ -320,5 +370,110 @@ mod tests {
     fn ids_vary() {
         let ids: std::collections::HashSet<u16> = (0..64).map(|_| next_id()).collect();
         assert!(ids.len() > 48, "{} distinct of 64", ids.len());
+    }
+
+    /// Every message in `error`'s chain, outermost first.
+    fn chain(error: &dyn std::error::Error) -> Vec<String> {
+        std::iter::successors(Some(error), |error| error.source())
+            .map(ToString::to_string)
+            .collect()
+    }
+
+    /// An address on 127.0.0.1 where nothing listens (UDP): bound, then released.
+    async fn closed_port() -> SocketAddr {
+        let socket = UdpSocket::bind((Ipv4Addr::LOCALHOST, 0))
+            .await
+            .expect("bind");
+        socket.local_addr().expect("local address")
+    }
+
+    #[test]
+    fn exchange_errors_do_not_repeat_their_cause() {
+        let io = ExchangeError::Io {
+            transport: "UDP",
+            source: io::Error::new(io::ErrorKind::ConnectionRefused, "refused by the test"),
+        };
+        let malformed = ExchangeError::Malformed {
+            source: Message::from_vec(&[1, 2, 3]).expect_err("not a message"),
+        };
+        let encode = ExchangeError::Encode {
+            source: ProtoError::from("encoder says no"),
+        };
+        for error in [io, malformed, encode] {
+            let messages = chain(&error);
+            assert_eq!(messages.len(), 2, "{messages:?}");
+            assert!(
+                !messages[0].contains(&messages[1]),
+                "the cause is not in the message: {messages:?}"
+            );
+        }
+    }
+
+    #[tokio::test]
+    async fn all_attempts_are_kept_and_the_last_is_the_cause() {
+        let (first, second) = (closed_port().await, closed_port().await);
+        let timeout = Duration::from_secs(2);
+        let error = tokio::time::timeout(
+            Duration::from_secs(10),
+            forward(&[first, second], &query(), timeout),
+        )
+        .await
+        .expect("bounded")
+        .expect_err("nothing listens");
+
+        let attempts = error.attempts();
+        assert_eq!(
+            attempts
+                .iter()
+                .map(|(server, _)| *server)
+                .collect::<Vec<_>>(),
+            [first, second]
+        );
+        // A closed local UDP port answers with ICMP port unreachable at once.
+        for (_, attempt) in &attempts {
+            assert!(
+                matches!(attempt, ExchangeError::Io { source, .. }
+                    if source.kind() == io::ErrorKind::ConnectionRefused),
+                "{attempt:?}"
+            );
+        }
+
+        let messages = chain(&error);
+        assert_eq!(messages.len(), 3, "{messages:?}");
+        assert!(
+            messages[0].starts_with(&format!(
+                "2 upstream attempt(s) failed ({first} and {second});"
+            )),
+            "{messages:?}"
+        );
+        assert!(messages[0].contains("upstream_timeout_ms"), "{messages:?}");
+        assert_eq!(messages[1], "UDP socket error");
+        let os_message = &messages[2];
+        assert_eq!(
+            messages
+                .iter()
+                .filter(|m| m.contains(os_message.as_str()))
+                .count(),
+            1,
+            "the OS error appears once: {messages:?}"
+        );
+        let source = std::error::Error::source(&error).expect("a source");
+        assert!(
+            std::ptr::eq(
+                source as *const dyn std::error::Error as *const u8,
+                attempts[1].1 as *const ExchangeError as *const u8
+            ),
+            "the source is the last attempt"
+        );
+    }
+
+    #[tokio::test]
+    async fn no_servers_is_its_own_error() {
+        let error = forward(&[], &query(), Duration::from_millis(100))
+            .await
+            .expect_err("no server");
+        assert!(matches!(error, ForwardError::NoServers));
+        assert!(error.attempts().is_empty());
+        assert!(error.to_string().contains("default_servers"), "{error}");
     }
 }

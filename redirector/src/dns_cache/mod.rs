@@ -1,12 +1,15 @@
 //! An embedded caching DNS forwarder: a small stand-in for CoreDNS or NodeLocal DNSCache on a
 //! dev box or in a demo.
 //!
-//! It listens on UDP and TCP, forwards each question to the upstream servers of the longest
-//! matching zone (UDP first, TCP when the reply is truncated, the servers in order, each with a
-//! timeout), caches answers for their TTL (negative answers for their SOA minimum, RFC 2308), both
-//! capped, and answers from the cache with the TTLs counted down. When every upstream fails, an
-//! answer that expired less than `stale_for` ago is served stale with TTL 30 (RFC 8767); otherwise
-//! the client gets SERVFAIL.
+//! It listens on UDP and TCP and answers the clients in `allow` (by default loopback, link-local
+//! and private addresses; others get REFUSED, never larger than their query). It forwards each
+//! question to the upstream servers of the longest matching zone (UDP first, TCP when the reply is
+//! truncated, the servers in order, each with a timeout), caches answers for their TTL (negative
+//! answers for their SOA minimum, RFC 2308), both capped, within `max_entries` and `max_bytes`
+//! (answers over 4096 bytes are not cached), and answers from the cache with the TTLs counted
+//! down. When every upstream fails, an answer that expired less than `stale_for` ago is served
+//! stale with TTL 30 (RFC 8767); otherwise the client gets SERVFAIL. ANY queries get the RFC 8482
+//! answer (`HINFO "RFC8482" ""`) and are not forwarded.
 //!
 //! Deliberately small: no DNSSEC (queries go upstream without the DO bit, answers are not
 //! validated), no coalescing of identical concurrent queries, no prefetch.
@@ -36,8 +39,9 @@ mod tests;
 use std::{future::Future, net::SocketAddr};
 
 pub use config::{
-    CacheConfig, CacheConfigError, DEFAULT_MAX_ENTRIES, DEFAULT_MAX_NEGATIVE_TTL, DEFAULT_MAX_TTL,
-    DEFAULT_STALE_FOR, DEFAULT_UPSTREAM_TIMEOUT, Zone,
+    CacheConfig, CacheConfigError, Cidr, CidrError, DEFAULT_ALLOW, DEFAULT_MAX_BYTES,
+    DEFAULT_MAX_ENTRIES, DEFAULT_MAX_NEGATIVE_TTL, DEFAULT_MAX_TTL, DEFAULT_STALE_FOR,
+    DEFAULT_UPSTREAM_TIMEOUT, MAX_CACHED_MESSAGE_BYTES, Zone,
 };
 pub use server::CacheServer;
 

@@ -147,7 +147,8 @@ async fn serve_udp(socket: UdpSocket, resolver: Arc<Resolver>) {
                         let request = buffer[..length].to_vec();
                         let resolver = Arc::clone(&resolver);
                         in_flight.push(async move {
-                            (client, resolver.answer(&request, Transport::Udp).await)
+                            let reply = resolver.answer(&request, Transport::Udp, client.ip()).await;
+                            (client, reply)
                         });
                     }
                     Err(error) => {
@@ -201,7 +202,7 @@ async fn serve_connection(stream: TcpStream, client: SocketAddr, resolver: Arc<R
                 return;
             }
         };
-        let Some(reply) = resolver.answer(&request, Transport::Tcp).await else {
+        let Some(reply) = resolver.answer(&request, Transport::Tcp, client.ip()).await else {
             continue;
         };
         match tokio::time::timeout(TCP_IDLE_TIMEOUT, write_frame(&stream, &reply)).await {

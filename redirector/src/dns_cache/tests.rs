@@ -23,7 +23,7 @@ use tokio::{
 };
 
 use super::{
-    CacheConfig, CacheServer, Zone,
+    CacheConfig, CacheServer, Cidr, DEFAULT_ALLOW, Zone,
     cache::STALE_TTL,
     framing::{read_frame, write_frame},
     resolver::Resolver,
@@ -42,7 +42,7 @@ struct Behaviour {
     /// TTL of every record.
     ttl: u32,
     /// Number of A records.
-    records: u8,
+    records: u16,
     /// NXDOMAIN with a SOA (minimum `ttl`) instead of records.
     nxdomain: bool,
     /// Over UDP, an empty reply with TC set.
@@ -220,7 +220,9 @@ fn config(default_servers: Vec<SocketAddr>) -> CacheConfig {
         max_negative_ttl: Duration::from_secs(300),
         stale_for: Duration::from_secs(30),
         max_entries: 1000,
+        max_bytes: 1 << 20,
         upstream_timeout: Duration::from_millis(500),
+        allow: DEFAULT_ALLOW.to_vec(),
     }
 }
 
@@ -264,13 +266,17 @@ impl Drop for Running {
 }
 
 fn query_bytes(id: u16, qname: &str, edns: bool) -> Vec<u8> {
+    typed_query_bytes(id, qname, RecordType::A, edns)
+}
+
+fn typed_query_bytes(id: u16, qname: &str, record_type: RecordType, edns: bool) -> Vec<u8> {
     let mut message = Message::new();
     message
         .set_id(id)
         .set_message_type(MessageType::Query)
         .set_op_code(OpCode::Query)
         .set_recursion_desired(true)
-        .add_query(Query::query(name(qname), RecordType::A));
+        .add_query(Query::query(name(qname), record_type));
     if edns {
         let mut options = Edns::new();
         options.set_max_payload(1232);
@@ -280,21 +286,40 @@ fn query_bytes(id: u16, qname: &str, edns: bool) -> Vec<u8> {
 }
 
 async fn udp_ask_with(server: SocketAddr, id: u16, qname: &str, edns: bool) -> Message {
+    let reply = udp_exchange(server, &query_bytes(id, qname, edns)).await;
+    let reply = Message::from_vec(&reply).expect("a DNS message");
+    assert_eq!(reply.id(), id, "the reply carries the query's ID");
+    assert_eq!(reply.message_type(), MessageType::Response);
+    reply
+}
+
+/// Sends `request` from a fresh socket on 127.0.0.1; returns the reply's bytes.
+async fn udp_exchange(server: SocketAddr, request: &[u8]) -> Vec<u8> {
     let socket = UdpSocket::bind((LOOPBACK, 0)).await.expect("bind");
-    socket
-        .send_to(&query_bytes(id, qname, edns), server)
-        .await
-        .expect("send");
+    socket.send_to(request, server).await.expect("send");
     let mut buffer = vec![0; 65_535];
     let (length, from) = tokio::time::timeout(WAIT, socket.recv_from(&mut buffer))
         .await
         .expect("an answer in time")
         .expect("receive");
     assert_eq!(from, server);
-    let reply = Message::from_vec(&buffer[..length]).expect("a DNS message");
-    assert_eq!(reply.id(), id, "the reply carries the query's ID");
-    assert_eq!(reply.message_type(), MessageType::Response);
-    reply
+    buffer.truncate(length);
+    buffer
+}
+
+/// Sends `request` over a fresh TCP connection; returns the reply's bytes.
+async fn tcp_exchange(server: SocketAddr, request: &[u8]) -> Vec<u8> {
+    let exchange = async {
+        let stream = TcpStream::connect(server).await.expect("connect");
+        write_frame(&stream, request).await.expect("send");
+        read_frame(&stream)
+            .await
+            .expect("receive")
+            .expect("a reply")
+    };
+    tokio::time::timeout(WAIT, exchange)
+        .await
+        .expect("an answer in time")
 }
 
 async fn udp_ask(server: SocketAddr, id: u16, qname: &str) -> Message {
@@ -302,19 +327,7 @@ async fn udp_ask(server: SocketAddr, id: u16, qname: &str) -> Message {
 }
 
 async fn tcp_ask(server: SocketAddr, id: u16, qname: &str) -> Message {
-    let exchange = async {
-        let stream = TcpStream::connect(server).await.expect("connect");
-        write_frame(&stream, &query_bytes(id, qname, false))
-            .await
-            .expect("send");
-        read_frame(&stream)
-            .await
-            .expect("receive")
-            .expect("a reply")
-    };
-    let reply = tokio::time::timeout(WAIT, exchange)
-        .await
-        .expect("an answer in time");
+    let reply = tcp_exchange(server, &query_bytes(id, qname, false)).await;
     let reply = Message::from_vec(&reply).expect("a DNS message");
     assert_eq!(reply.id(), id, "the reply carries the query's ID");
     reply
@@ -600,4 +613,113 @@ async fn bind_errors_name_the_address() {
     let error = run(config, async {}).await.expect_err("the port is taken");
     assert!(error.to_string().contains(&address.to_string()), "{error}");
     assert!(error.to_string().contains("UDP"), "{error}");
+}
+
+#[tokio::test]
+async fn clients_outside_allow_are_refused_with_a_small_reply() {
+    let upstream = FakeUpstream::start(Behaviour::answer(UPSTREAM_A, 60)).await;
+    let mut config = config(vec![upstream.address]);
+    // The tests' client is 127.0.0.1: outside these.
+    config.allow = vec![
+        "10.0.0.0/8".parse::<Cidr>().expect("CIDR"),
+        "::1/128".parse().expect("CIDR"),
+    ];
+    let cache = Running::start(config).await;
+
+    for edns in [true, false] {
+        let request = query_bytes(0x5151, "www.example.com.", edns);
+        let reply = udp_exchange(cache.address, &request).await;
+        assert!(
+            reply.len() <= request.len(),
+            "no amplification: {} bytes for a {}-byte query",
+            reply.len(),
+            request.len()
+        );
+        let reply = Message::from_vec(&reply).expect("a DNS message");
+        assert_eq!(reply.id(), 0x5151);
+        assert_eq!(reply.message_type(), MessageType::Response);
+        assert_eq!(reply.response_code(), ResponseCode::Refused);
+        assert!(reply.answers().is_empty() && reply.additionals().is_empty());
+        assert!(reply.extensions().is_none(), "no OPT record");
+        assert!(!reply.recursion_available());
+    }
+    // A question that does not decode: the header alone.
+    let garbage = [
+        0x42, 0x42, 0x01, 0x00, 0, 1, 0, 0, 0, 0, 0, 0, 7, b'e', b'x',
+    ];
+    let reply = udp_exchange(cache.address, &garbage).await;
+    assert_eq!(reply, [0x42, 0x42, 0x81, 0x05, 0, 0, 0, 0, 0, 0, 0, 0]);
+
+    let over_tcp = tcp_exchange(cache.address, &query_bytes(7, "www.example.com.", false)).await;
+    let over_tcp = Message::from_vec(&over_tcp).expect("a DNS message");
+    assert_eq!(over_tcp.response_code(), ResponseCode::Refused);
+    assert_eq!(over_tcp.queries().len(), 1, "the question is echoed");
+
+    assert_eq!(
+        (upstream.udp_queries(), upstream.tcp_queries()),
+        (0, 0),
+        "nothing forwarded for a refused client"
+    );
+}
+
+#[tokio::test]
+async fn clients_inside_allow_are_answered() {
+    let upstream = FakeUpstream::start(Behaviour::answer(UPSTREAM_A, 60)).await;
+    let mut config = config(vec![upstream.address]);
+    config.allow = vec!["127.0.0.1".parse::<Cidr>().expect("CIDR")];
+    let cache = Running::start(config).await;
+    let reply = udp_ask(cache.address, 1, "www.example.com.").await;
+    assert_eq!(reply.response_code(), ResponseCode::NoError);
+    assert_eq!(addresses(&reply), vec![UPSTREAM_A]);
+}
+
+#[tokio::test]
+async fn any_gets_the_rfc_8482_answer_without_forwarding() {
+    let upstream = FakeUpstream::start(Behaviour::answer(UPSTREAM_A, 60)).await;
+    let cache = Running::start(config(vec![upstream.address])).await;
+    let request = typed_query_bytes(0x0a0a, "Www.Example.com.", RecordType::ANY, true);
+    let over_udp = udp_exchange(cache.address, &request).await;
+    let over_tcp = tcp_exchange(cache.address, &request).await;
+    for reply in [over_udp, over_tcp] {
+        let reply = Message::from_vec(&reply).expect("a DNS message");
+        assert_eq!(reply.id(), 0x0a0a);
+        assert_eq!(reply.response_code(), ResponseCode::NoError);
+        assert_eq!(reply.queries()[0].name().to_ascii(), "Www.Example.com.");
+        let [record] = reply.answers() else {
+            panic!("one record: {:?}", reply.answers());
+        };
+        assert_eq!(record.name(), &name("www.example.com."));
+        assert_eq!(record.record_type(), RecordType::HINFO);
+        assert_eq!(record.ttl(), 3600);
+        let RData::HINFO(hinfo) = record.data() else {
+            panic!("HINFO: {record:?}");
+        };
+        assert_eq!((hinfo.cpu(), hinfo.os()), (&b"RFC8482"[..], &b""[..]));
+    }
+    assert_eq!(
+        (upstream.udp_queries(), upstream.tcp_queries()),
+        (0, 0),
+        "ANY is not forwarded"
+    );
+}
+
+#[tokio::test]
+async fn large_tcp_answers_are_forwarded_but_not_cached() {
+    // 300 A records: about 4.8 KB, over MAX_CACHED_MESSAGE_BYTES; UDP truncated, so over TCP.
+    let upstream = FakeUpstream::start(Behaviour {
+        records: 300,
+        truncate_udp: true,
+        ..Behaviour::answer(UPSTREAM_A, 60)
+    })
+    .await;
+    let cache = Running::start(config(vec![upstream.address])).await;
+    for id in [1, 2] {
+        let reply = tcp_ask(cache.address, id, "huge.example.").await;
+        assert_eq!(reply.answers().len(), 300);
+    }
+    assert_eq!(
+        upstream.tcp_queries(),
+        2,
+        "asked again: the first answer was not cached"
+    );
 }

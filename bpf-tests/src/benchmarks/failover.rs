@@ -1,0 +1,229 @@
+//! Failover under load: a steady query stream from the pod (fresh sockets and one long-lived
+//! socket, every 20 ms each) while the cache is killed (-9), stopped (SIGTERM) or hung (SIGSTOP),
+//! then brought back. redirector, and the incumbent: a NAT fallback driven by a probe loop with
+//! the seed's parameters (a probe every 5 s, DNAT to an upstream after 3 failures in a row, removed
+//! after the first success).
+
+use std::{
+    net::{IpAddr, Ipv4Addr, SocketAddr},
+    time::Duration,
+};
+
+use nix::sys::signal::Signal;
+use serde::Serialize;
+
+use super::rig::{CACHE_ADDRESS, LISTENER, Rig};
+use crate::{
+    caches::{CacheKind, start_cache_at},
+    dns::now_ms,
+    sandbox::{Ns, Query, Transport},
+    stream::{Stream, StreamReport},
+    topology::{UPSTREAM_A_V4, dns},
+};
+
+/// What happens to the cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum Event {
+    /// SIGKILL, then a restart.
+    Kill,
+    /// SIGTERM (a clean exit), then a restart.
+    Term,
+    /// SIGSTOP (a hang, sockets open), then SIGCONT.
+    Stop,
+}
+
+impl Event {
+    /// The name in tables.
+    #[must_use]
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Kill => "kill -9",
+            Self::Term => "SIGTERM",
+            Self::Stop => "SIGSTOP",
+        }
+    }
+}
+
+/// One failover run.
+#[derive(Clone, Debug, Serialize)]
+pub struct Failover {
+    /// `redirector` or the incumbent.
+    pub who: &'static str,
+    /// What happened to the cache.
+    pub event: Event,
+    /// Last cache answer to first upstream answer, ms (`None`: never failed over).
+    pub gap_ms: Option<u64>,
+    /// Queries without an answer.
+    pub lost: usize,
+    /// Queries sent.
+    pub total: usize,
+    /// From the cache's return to its first answer again, ms (`None`: never).
+    pub failback_ms: Option<u64>,
+    /// Answers per 100 ms from the event on: (ms since the event, cache, upstream, failed).
+    pub timeline: Vec<(i64, usize, usize, usize)>,
+}
+
+fn summarize(
+    who: &'static str,
+    event: Event,
+    report: &StreamReport,
+    struck: u64,
+    back: u64,
+    end: u64,
+) -> Failover {
+    let first_upstream = report
+        .first_upstream_answer(struck)
+        .map(|record| record.sent_ms);
+    let last_cache = first_upstream
+        .and_then(|first| report.last_cache_answer(first))
+        .map(|record| record.sent_ms);
+    let failback = report.first_cache_answer(back).map(|record| record.sent_ms);
+    let start = report.started_ms();
+    let mut timeline = Vec::new();
+    let mut from = start;
+    while from < end {
+        let to = from + 100;
+        let count = |who: &str| {
+            report
+                .between(from, to)
+                .filter(|record| StreamReport::answered_by(record).starts_with(who))
+                .count()
+        };
+        timeline.push((
+            i64::try_from(from).unwrap_or(i64::MAX) - i64::try_from(struck).unwrap_or(i64::MAX),
+            count("cache"),
+            count("upstream"),
+            count("failed"),
+        ));
+        from = to;
+    }
+    Failover {
+        who,
+        event,
+        gap_ms: first_upstream
+            .zip(last_cache)
+            .map(|(first, last)| first - last),
+        lost: report.failures_between(0, u64::MAX),
+        total: report.records.len(),
+        failback_ms: failback.map(|answer| answer.saturating_sub(back)),
+        timeline,
+    }
+}
+
+fn restart_cache(rig: &mut Rig) -> anyhow::Result<()> {
+    rig.sandbox.stop_server("cache")?;
+    start_cache_at(
+        &mut rig.sandbox,
+        CacheKind::Dnsmasq,
+        "cache",
+        SocketAddr::new(IpAddr::V4(CACHE_ADDRESS), 53),
+    )
+}
+
+/// Strikes the cache with `event`.
+fn strike(rig: &mut Rig, event: Event) -> anyhow::Result<()> {
+    let cache = rig.sandbox.process("cache")?;
+    match event {
+        Event::Kill => cache.signal(Signal::SIGKILL)?,
+        Event::Term => {
+            cache.signal(Signal::SIGTERM)?;
+            cache.wait_exit(Duration::from_secs(5))?;
+        }
+        Event::Stop => cache.signal(Signal::SIGSTOP)?,
+    }
+    Ok(())
+}
+
+/// Brings the cache back from `event`.
+fn revive(rig: &mut Rig, event: Event) -> anyhow::Result<()> {
+    match event {
+        Event::Stop => rig.sandbox.process("cache")?.signal(Signal::SIGCONT),
+        Event::Kill | Event::Term => restart_cache(rig),
+    }
+}
+
+/// redirector (agent running): a 6 s stream to the listener, the event at 1.5 s, the cache back
+/// at 3.5 s.
+pub fn redirector(rig: &mut Rig, event: Event) -> anyhow::Result<Failover> {
+    let stream = Stream::start(&rig.sandbox, Ns::Pod, dns(LISTENER), Duration::from_secs(6))?;
+    std::thread::sleep(Duration::from_millis(1500));
+    let struck = now_ms();
+    strike(rig, event)?;
+    std::thread::sleep(Duration::from_millis(2000));
+    let back = now_ms();
+    revive(rig, event)?;
+    let report = stream.finish()?;
+    Ok(summarize(
+        "redirector",
+        event,
+        &report,
+        struck,
+        back,
+        back + 2500,
+    ))
+}
+
+/// The incumbent: pods use the cache's address; a probe loop every 5 s; 3 failures install DNAT
+/// to upstream A, a success removes it. A 30 s stream, the cache killed at 2 s and back at 20 s.
+pub fn nat_fallback(rig: &mut Rig) -> anyhow::Result<Failover> {
+    const PROBE_EVERY_MS: u64 = 5000;
+    const STRIKES: u32 = 3;
+    let stream = Stream::start(
+        &rig.sandbox,
+        Ns::Pod,
+        dns(CACHE_ADDRESS),
+        Duration::from_secs(30),
+    )?;
+    let started = now_ms();
+    let (mut struck, mut back) = (None, None);
+    let (mut failures, mut failed_over) = (0, false);
+    let mut next_probe = started;
+    let upstream: Ipv4Addr = UPSTREAM_A_V4;
+    while now_ms() < started + 30_000 {
+        let now = now_ms();
+        if struck.is_none() && now >= started + 2000 {
+            strike(rig, Event::Kill)?;
+            struck = Some(now_ms());
+        }
+        if back.is_none() && now >= started + 20_000 {
+            revive(rig, Event::Kill)?;
+            back = Some(now_ms());
+        }
+        if now >= next_probe {
+            next_probe += PROBE_EVERY_MS;
+            // The seed's probe: one query to the cache from the node, 2 s timeout.
+            let probe = rig.sandbox.query_in(
+                Ns::Node,
+                rig.sandbox.skipped_cgroup(),
+                Query::new(dns(CACHE_ADDRESS), Transport::Udp),
+            )?;
+            if probe.ok {
+                failures = 0;
+                if failed_over {
+                    rig.dnat("-D", CACHE_ADDRESS, upstream)?;
+                    failed_over = false;
+                }
+            } else {
+                failures += 1;
+                if failures >= STRIKES && !failed_over {
+                    rig.dnat("-A", CACHE_ADDRESS, upstream)?;
+                    failed_over = true;
+                }
+            }
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    if failed_over {
+        rig.dnat("-D", CACHE_ADDRESS, upstream)?;
+    }
+    let report = stream.finish()?;
+    let (struck, back) = (struck.unwrap_or(started), back.unwrap_or(started));
+    Ok(summarize(
+        "NAT fallback (probe every 5 s, 3 strikes)",
+        Event::Kill,
+        &report,
+        struck,
+        back,
+        started + 30_000,
+    ))
+}

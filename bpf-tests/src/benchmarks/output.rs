@@ -1,0 +1,248 @@
+//! The run's results as JSON, a Markdown table and SVG charts.
+
+use std::{fmt::Write as _, path::Path};
+
+use anyhow::Context as _;
+use plotters::prelude::*;
+
+use super::{Report, failover::Failover, steering::Latency};
+
+/// Writes `results.json`, `results.md`, `failover.svg` and `latency.svg` into `dir`.
+pub fn write(report: &Report, dir: &Path) -> anyhow::Result<()> {
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    std::fs::write(
+        dir.join("results.json"),
+        serde_json::to_string_pretty(report)?,
+    )?;
+    std::fs::write(dir.join("results.md"), markdown(report))?;
+    failover_chart(&report.failover, &dir.join("failover.svg"))?;
+    latency_chart(&report.latency, &dir.join("latency.svg"))?;
+    Ok(())
+}
+
+fn ratio(value: f64, baseline: f64) -> String {
+    if baseline == 0.0 {
+        "-".to_owned()
+    } else {
+        format!("{:.2}×", value / baseline)
+    }
+}
+
+fn ms(value: Option<u64>) -> String {
+    value.map_or_else(|| "never".to_owned(), |value| format!("{value} ms"))
+}
+
+/// The Markdown report.
+#[must_use]
+pub fn markdown(report: &Report) -> String {
+    let machine = &report.machine;
+    let mut text = format!(
+        "Run {} on {} ({} CPUs, {}), kernel {}. Medians of repeated trials, (min–max); ratios \
+         against the first row, taken in the same run.\n\n",
+        machine.date, machine.cpu_model, machine.cpus, "debug build of the agent", machine.kernel
+    );
+
+    text.push_str("**Steering cost: dnsperf from a pod to dnsmasq (4 clients, 64 outstanding, 3 s × 5 trials, paths interleaved)**\n\n| path | queries/s | vs no rules | average latency (µs) | lost |\n| --- | --- | --- | --- | --- |\n");
+    let base_qps = report.throughput.first().map_or(0.0, |row| row.qps.median);
+    for row in &report.throughput {
+        let _ = writeln!(
+            text,
+            "| {} | {} | {} | {} | {} |",
+            row.path.name(),
+            row.qps.show(0),
+            ratio(row.qps.median, base_qps),
+            row.average_latency_us.show(0),
+            row.lost
+        );
+    }
+    text.push_str("\n**Latency at 2000 queries/s (per query, µs; two 3 s runs per path)**\n\n| path | p50 | p90 | p99 | samples |\n| --- | --- | --- | --- | --- |\n");
+    for row in &report.latency {
+        let _ = writeln!(
+            text,
+            "| {} | {:.0} | {:.0} | {:.0} | {} |",
+            row.path.name(),
+            row.p50_us,
+            row.p90_us,
+            row.p99_us,
+            row.samples
+        );
+    }
+    text.push_str("\n**Per-syscall cost of the hooks (ns per operation, from a pod; with: the programs attached, the agent stopped)**\n\n| operation | without programs | with programs | difference |\n| --- | --- | --- | --- |\n");
+    for row in &report.hook_cost {
+        let _ = writeln!(
+            text,
+            "| {} | {} | {} | {:+.0} |",
+            row.operation,
+            row.without_ns.show(0),
+            row.with_ns.show(0),
+            row.with_ns.median - row.without_ns.median
+        );
+    }
+    text.push_str("\n**Conntrack entries left by 1000 fresh-socket queries (conntrack on, as on a node)**\n\n| path | answered | entries |\n| --- | --- | --- |\n");
+    for row in &report.conntrack {
+        let _ = writeln!(
+            text,
+            "| {} | {} | {} |",
+            row.path.name(),
+            row.answered,
+            row.entries
+        );
+    }
+    text.push_str("\n**Failover under load (a query every 20 ms from fresh sockets and from a long-lived socket)**\n\n| who | event | gap (last cache → first upstream answer) | queries lost | failback after the cache returned |\n| --- | --- | --- | --- | --- |\n");
+    for row in &report.failover {
+        let _ = writeln!(
+            text,
+            "| {} | {} | {} | {} of {} | {} |",
+            row.who,
+            row.event.name(),
+            ms(row.gap_ms),
+            row.lost,
+            row.total,
+            ms(row.failback_ms)
+        );
+    }
+    text.push_str("\n**Setup**\n\n| what | ms |\n| --- | --- |\n");
+    for row in &report.setup {
+        let _ = writeln!(text, "| {} | {} |", row.what, row.ms.show(1));
+    }
+    let sync = &report.sync;
+    let _ = write!(
+        text,
+        "\n**Sync**: EndpointSlice written at the API server → kernel pool updated, {} events one after the other: p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms (10 ms of it is the deliberate coalescing window).\n",
+        sync.events, sync.p50_ms, sync.p99_ms, sync.max_ms
+    );
+    let memory = &report.memory;
+    let _ = write!(
+        text,
+        "\n**Agent**: RSS {} KiB, CPU {:.1} % of one core while the pod sent load; the maps {:.1} MiB of kernel memory ({}).\n",
+        memory.agent_rss_kib,
+        memory.agent_cpu_percent,
+        memory.maps_total_bytes as f64 / (1024.0 * 1024.0),
+        memory
+            .maps
+            .iter()
+            .filter(|(_, bytes)| *bytes >= 64 * 1024)
+            .map(|(name, bytes)| format!("{name} {:.1} MiB", *bytes as f64 / (1024.0 * 1024.0)))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    text
+}
+
+/// Answers per 100 ms around the cache's death: redirector's kill -9 against the NAT fallback's.
+fn failover_chart(runs: &[Failover], path: &Path) -> anyhow::Result<()> {
+    let picked: Vec<&Failover> = runs
+        .iter()
+        .filter(|run| run.event == super::failover::Event::Kill)
+        .collect();
+    let root = SVGBackend::new(path, (900, 250 * picked.len().max(1) as u32)).into_drawing_area();
+    root.fill(&WHITE).map_err(chart_error)?;
+    let panels = root.split_evenly((picked.len().max(1), 1));
+    for (panel, run) in panels.iter().zip(picked) {
+        let end = run.timeline.last().map_or(1, |point| point.0) as f64 / 1000.0;
+        let start = run.timeline.first().map_or(0, |point| point.0) as f64 / 1000.0;
+        let top = run
+            .timeline
+            .iter()
+            .map(|point| point.1.max(point.2).max(point.3))
+            .max()
+            .unwrap_or(1) as f64
+            + 1.0;
+        let mut chart = ChartBuilder::on(panel)
+            .caption(
+                format!("{}: cache killed at 0 s (answers per 100 ms)", run.who),
+                ("sans-serif", 16),
+            )
+            .margin(10)
+            .x_label_area_size(30)
+            .y_label_area_size(40)
+            .build_cartesian_2d(start..end, 0.0..top)
+            .map_err(chart_error)?;
+        chart
+            .configure_mesh()
+            .x_desc("seconds since the kill")
+            .draw()
+            .map_err(chart_error)?;
+        for (label, color, pick) in [
+            ("cache", BLUE, 1usize),
+            ("upstream", GREEN, 2),
+            ("failed", RED, 3),
+        ] {
+            let series = run.timeline.iter().map(|point| {
+                let value = match pick {
+                    1 => point.1,
+                    2 => point.2,
+                    _ => point.3,
+                };
+                (point.0 as f64 / 1000.0, value as f64)
+            });
+            chart
+                .draw_series(LineSeries::new(series, color.stroke_width(2)))
+                .map_err(chart_error)?
+                .label(label)
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 15, y)], color));
+        }
+        chart
+            .configure_series_labels()
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .draw()
+            .map_err(chart_error)?;
+    }
+    root.present().map_err(chart_error)?;
+    Ok(())
+}
+
+/// The distribution (CDF) of per-query latency through each path.
+fn latency_chart(rows: &[Latency], path: &Path) -> anyhow::Result<()> {
+    let root = SVGBackend::new(path, (900, 400)).into_drawing_area();
+    root.fill(&WHITE).map_err(chart_error)?;
+    let top = rows
+        .iter()
+        .map(|row| super::percentile(&row.samples_us, 99.5))
+        .fold(1.0, f64::max);
+    let mut chart = ChartBuilder::on(&root)
+        .caption(
+            "per-query latency at 2000 queries/s (CDF)",
+            ("sans-serif", 16),
+        )
+        .margin(10)
+        .x_label_area_size(30)
+        .y_label_area_size(40)
+        .build_cartesian_2d(0.0..top, 0.0..1.0)
+        .map_err(chart_error)?;
+    chart
+        .configure_mesh()
+        .x_desc("µs")
+        .y_desc("fraction of queries")
+        .draw()
+        .map_err(chart_error)?;
+    let colors = [BLUE, MAGENTA, RED, GREEN];
+    for (row, color) in rows.iter().zip(colors) {
+        let mut sorted = row.samples_us.clone();
+        sorted.sort_by(f64::total_cmp);
+        let count = sorted.len().max(1) as f64;
+        let series = sorted
+            .iter()
+            .enumerate()
+            .map(move |(index, value)| (*value, (index + 1) as f64 / count));
+        chart
+            .draw_series(LineSeries::new(series, color.stroke_width(2)))
+            .map_err(chart_error)?
+            .label(row.path.name())
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 15, y)], color));
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::LowerRight)
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()
+        .map_err(chart_error)?;
+    root.present().map_err(chart_error)?;
+    Ok(())
+}
+
+fn chart_error<E: std::fmt::Debug>(error: E) -> anyhow::Error {
+    anyhow::anyhow!("drawing a chart: {error:?}")
+}

@@ -1,0 +1,146 @@
+//! `cargo xtask bench`: redirector against the incumbents, side by side in one run (see
+//! `bpf_tests::benchmarks`). Writes results.json, results.md and SVG charts into `--out`.
+
+use std::{path::PathBuf, time::Duration};
+
+use bpf_tests::benchmarks::{
+    Machine, Report, Spread, conntrack,
+    failover::{self, Event},
+    output,
+    rig::Rig,
+    setup, steering,
+    steering::{HOOK_OPERATIONS, Path, TRIALS},
+    sync,
+};
+use clap::Parser;
+
+#[derive(Parser, Debug)]
+struct Args {
+    /// Where the results go.
+    #[arg(long, default_value = "docs/bench")]
+    out: PathBuf,
+    /// EndpointSlice events to time.
+    #[arg(long, default_value_t = 1000)]
+    sync_events: usize,
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let machine = Machine::here();
+    eprintln!(
+        "bench: {} on {}, kernel {}",
+        machine.date, machine.cpu_model, machine.kernel
+    );
+    let mut rig = Rig::new()?;
+
+    // Trials interleave the paths, attaching and detaching redirector between them, so that the
+    // machine's drifts hit every path alike.
+    eprintln!("bench: throughput, latency and hook cost, {TRIALS} interleaved trials");
+    let mut runs: Vec<(Path, Vec<steering::Run>)> = Path::BASELINES
+        .iter()
+        .chain([&Path::Redirector])
+        .map(|path| (*path, Vec::new()))
+        .collect();
+    let mut samples: Vec<(Path, Vec<f64>)> =
+        runs.iter().map(|(path, _)| (*path, Vec::new())).collect();
+    let mut without = vec![Vec::new(); HOOK_OPERATIONS.len()];
+    let mut with = vec![Vec::new(); HOOK_OPERATIONS.len()];
+    for trial in 0..TRIALS {
+        for ((path, runs), (_, samples)) in runs.iter_mut().zip(samples.iter_mut()) {
+            let agent = match path {
+                Path::Redirector => {
+                    let agent = rig.start_agent()?;
+                    std::thread::sleep(setup::SETTLE);
+                    Some(agent)
+                }
+                _ => None,
+            };
+            path.rules(&rig, "-A")?;
+            let run = steering::dnsperf(&rig, *path);
+            // Two latency runs per path, in the first two trials.
+            let latency = (trial < 2)
+                .then(|| steering::latencies(&rig, *path))
+                .transpose();
+            path.rules(&rig, "-D")?;
+            runs.push(run?);
+            samples.extend(latency?.unwrap_or_default());
+            if let Some(agent) = agent {
+                // The hooks alone: the agent stopped (SIGTERM leaves the programs attached),
+                // then nothing attached; nothing else differs between the two.
+                let stopped = rig.stop_agent(agent)?;
+                for (operation, trials) in with.iter_mut().enumerate() {
+                    trials.push(steering::hook_cost(&rig, operation, true)?);
+                }
+                rig.uninstall(stopped)?;
+                for (operation, trials) in without.iter_mut().enumerate() {
+                    trials.push(steering::hook_cost(&rig, operation, false)?);
+                }
+            }
+        }
+    }
+    let latency: Vec<steering::Latency> = samples
+        .into_iter()
+        .map(|(path, samples)| steering::latency(path, samples))
+        .collect();
+
+    eprintln!("bench: conntrack, setup");
+    let mut entries = vec![conntrack::measure(&rig, Path::Direct)?];
+    Path::Dnat.rules(&rig, "-A")?;
+    let dnat_entries = conntrack::measure(&rig, Path::Dnat);
+    Path::Dnat.rules(&rig, "-D")?;
+    entries.push(dnat_entries?);
+    let setups = vec![
+        setup::iptables_restore(&rig, 5)?,
+        setup::agent_start(&rig, 5)?,
+    ];
+
+    eprintln!("bench: redirector with its agent: conntrack, memory, failover");
+    let agent = rig.start_agent()?;
+    std::thread::sleep(setup::SETTLE);
+    let agent_cpu_since = setup::cpu_sample(&agent)?;
+    entries.push(conntrack::measure(&rig, Path::Redirector)?);
+    let mut failovers = Vec::new();
+    for event in [Event::Kill, Event::Term, Event::Stop] {
+        eprintln!("bench: redirector failover, {}", event.name());
+        failovers.push(failover::redirector(&mut rig, event)?);
+        std::thread::sleep(Duration::from_secs(2));
+    }
+    let memory = setup::memory(&rig, &agent, agent_cpu_since)?;
+    rig.stop_and_uninstall(agent)?;
+
+    eprintln!("bench: the incumbent's NAT fallback (30 s)");
+    failovers.push(failover::nat_fallback(&mut rig)?);
+    drop(rig);
+
+    eprintln!("bench: sync, {} EndpointSlice events", args.sync_events);
+    let sync = sync::measure(args.sync_events)?;
+
+    let throughput: Vec<steering::Throughput> = runs
+        .into_iter()
+        .map(|(path, runs)| steering::throughput(path, &runs))
+        .collect();
+    let hook_cost = HOOK_OPERATIONS
+        .iter()
+        .zip(without.into_iter().zip(with))
+        .map(|((operation, ..), (without, with))| steering::HookCost {
+            operation,
+            without_ns: Spread::of(without),
+            with_ns: Spread::of(with),
+        })
+        .collect();
+    let report = Report {
+        machine,
+        throughput,
+        latency,
+        hook_cost,
+        conntrack: entries,
+        failover: failovers,
+        setup: setups,
+        sync,
+        memory,
+    };
+    output::write(&report, &args.out)?;
+    println!("{}", output::markdown(&report));
+    eprintln!("bench: results in {}", args.out.display());
+    Ok(())
+}

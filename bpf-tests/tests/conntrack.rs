@@ -1,6 +1,6 @@
 //! The conntrack bypass: with conntrack on in the node namespace (a `ct state` rule, as every
 //! node has), DNS between clients and the cache leaves no entry; failover traffic stays tracked
-//! unless configured otherwise, and its replies still arrive; other tables are never touched; a
+//! and its replies still arrive; other tables are never touched; a
 //! flushed or deleted table is restored; uninstall removes it; a node without nftables still
 //! steers and says so once.
 
@@ -110,41 +110,26 @@ fn dns_to_the_cache_leaves_no_conntrack_entry() -> anyhow::Result<()> {
 }
 
 #[test]
-fn failover_traffic_stays_tracked_unless_configured_and_its_replies_arrive() -> anyhow::Result<()> {
-    for untrack_upstreams in [false, true] {
-        let sandbox = tracked_sandbox()?;
-        let text = config(
-            &sandbox,
-            &format!("untrack_upstreams = {untrack_upstreams}\n"),
-        );
-        let mut bench = Bench::with_config(sandbox, &text)?;
-        bench.set_mode(NODE_ID, MODE_UPSTREAM)?;
-        bench.set_mode(V6_ID, MODE_UPSTREAM)?;
-        let (answered, sent) = query_everything(&bench.sandbox)?;
-        assert_eq!(answered.len(), sent);
-        assert!(
-            answered.iter().all(|who| who.starts_with("upstream")),
-            "every reply reached its client from an upstream: {answered:?}"
-        );
-        let upstream_entries = entries_for(&bench.sandbox, &UPSTREAMS)?.len();
-        let listener_entries = entries_for(&bench.sandbox, &LISTENERS)?;
-        println!(
-            "untrack_upstreams = {untrack_upstreams}: {sent} failover queries left \
-             {upstream_entries} entries for the upstreams"
-        );
-        assert!(listener_entries.is_empty(), "{listener_entries:#?}");
-        if untrack_upstreams {
-            assert_eq!(
-                upstream_entries, 0,
-                "untrack_upstreams untracks failover traffic"
-            );
-        } else {
-            assert!(
-                upstream_entries >= sent / 2,
-                "failover traffic stays tracked by default: {upstream_entries} entries for {sent} queries"
-            );
-        }
-    }
+fn failover_traffic_stays_tracked_and_its_replies_arrive() -> anyhow::Result<()> {
+    let sandbox = tracked_sandbox()?;
+    let text = config(&sandbox, "");
+    let mut bench = Bench::with_config(sandbox, &text)?;
+    bench.set_mode(NODE_ID, MODE_UPSTREAM)?;
+    bench.set_mode(V6_ID, MODE_UPSTREAM)?;
+    let (answered, sent) = query_everything(&bench.sandbox)?;
+    assert_eq!(answered.len(), sent);
+    assert!(
+        answered.iter().all(|who| who.starts_with("upstream")),
+        "every reply reached its client from an upstream: {answered:?}"
+    );
+    let upstream_entries = entries_for(&bench.sandbox, &UPSTREAMS)?.len();
+    let listener_entries = entries_for(&bench.sandbox, &LISTENERS)?;
+    println!("{sent} failover queries left {upstream_entries} entries for the upstreams");
+    assert!(listener_entries.is_empty(), "{listener_entries:#?}");
+    assert!(
+        upstream_entries >= sent / 2,
+        "failover traffic stays tracked: {upstream_entries} entries for {sent} queries"
+    );
     Ok(())
 }
 

@@ -392,3 +392,61 @@ fn the_node_pool_follows_its_resolv_conf() -> anyhow::Result<()> {
     wait_for(&bench, vec![a, b], "after re-creation")?;
     Ok(())
 }
+
+#[test]
+fn an_agent_in_a_cgroup_namespace_of_its_own_finds_its_cgroup_and_probes_unsteered()
+-> anyhow::Result<()> {
+    let mut sandbox = Sandbox::new(tools())?;
+    sandbox.start_standard_servers()?;
+    let config = config(&sandbox)?;
+    // The agent inside the attach cgroup, in a cgroup namespace rooted at its own cgroup (a
+    // container's, by default): /proc/self/cgroup says "/".
+    let own = sandbox.cgroup().child("agent")?;
+    let procs = own.procs()?;
+    let mut command = std::process::Command::new("unshare");
+    command.args([
+        "--cgroup",
+        &bpf_tests::sandbox::redirector_bin().display().to_string(),
+    ]);
+    command.args(["run", "--config", &config.display().to_string()]);
+    bpf_tests::command::join_cgroup_before_exec(&mut command, &procs);
+    let mut agent = bpf_tests::command::TestProcess::start(
+        "redirector run (own cgroup namespace)",
+        command,
+        "redirector is steering",
+        Duration::from_secs(30),
+    )?;
+    drop(procs);
+    let skipped = agent
+        .printed()
+        .iter()
+        .find(|line| line.contains("the agent's own cgroup is skipped"))
+        .cloned()
+        .unwrap_or_default();
+    assert!(
+        skipped.contains(&own.path().display().to_string()),
+        "{:#?}",
+        agent.printed()
+    );
+
+    // The cache dies: the kernel fails over, and the agent's probes, not steered, fail too. A
+    // steered probe would reach an upstream and find the dead cache "alive".
+    sandbox.stop_server("cache")?;
+    std::thread::sleep(Duration::from_millis(1500));
+    let status = redirector(&[
+        "status",
+        "--config",
+        &config.display().to_string(),
+        "--json",
+    ])?;
+    let report: serde_json::Value = serde_json::from_str(&status.stdout)?;
+    assert_eq!(report["listeners"][0]["name"], "node");
+    assert_eq!(report["listeners"][0]["probe_verdict"], "down", "{report}");
+    drop(agent);
+    drop(own);
+    assert_eq!(
+        redirector(&["uninstall", "--config", &config.display().to_string()])?.code,
+        0
+    );
+    Ok(())
+}

@@ -1,5 +1,6 @@
 //! What operators see: `/metrics` agrees with the kernel and with what happened, `/readyz` waits
-//! for every pool and systemd hears READY=1 at that moment, `redirector status` tells the truth
+//! for every pool while systemd hears READY=1 as soon as the programs steer, `redirector status`
+//! tells the truth
 //! with the agent running and stopped, logs come as JSON on request, and mistakes an operator
 //! can make get one sentence and the fix.
 
@@ -74,9 +75,25 @@ fn metrics_agree_with_the_kernel_and_with_what_happened() -> anyhow::Result<()> 
     assert_eq!(
         sample(
             &metrics,
-            "redirector_listener_route{listener=\"node\",route=\"upstream\",reason=\"operator override\"}"
+            "redirector_listener_route{listener=\"node\",route=\"upstream\"}"
         ),
         Some(1.0),
+        "{metrics}"
+    );
+    assert_eq!(
+        sample(
+            &metrics,
+            "redirector_listener_reason{listener=\"node\",reason=\"override\"}"
+        ),
+        Some(1.0),
+        "{metrics}"
+    );
+    assert_eq!(
+        sample(
+            &metrics,
+            "redirector_listener_reason{listener=\"node\",reason=\"healthy\"}"
+        ),
+        Some(0.0),
         "{metrics}"
     );
     assert_eq!(
@@ -225,7 +242,7 @@ fn readyz_waits_for_every_pool_and_healthz_does_not() -> anyhow::Result<()> {
 }
 
 #[test]
-fn systemd_hears_ready_when_readyz_turns_ready_and_logs_can_be_json() -> anyhow::Result<()> {
+fn systemd_hears_ready_once_the_programs_steer_and_logs_can_be_json() -> anyhow::Result<()> {
     let mut sandbox = Sandbox::new(tools())?;
     sandbox.start_standard_servers()?;
     let config = sandbox.write_file(
@@ -241,14 +258,16 @@ fn systemd_hears_ready_when_readyz_turns_ready_and_logs_can_be_json() -> anyhow:
         &[("NOTIFY_SOCKET", socket_path.as_os_str())],
     )?;
     let mut buffer = [0u8; 256];
-    let length = notifications.recv(&mut buffer)?;
-    assert_eq!(&buffer[..length], b"READY=1");
+    let mut next = || -> anyhow::Result<String> {
+        let length = notifications.recv(&mut buffer)?;
+        Ok(String::from_utf8_lossy(&buffer[..length]).into_owned())
+    };
+    let ready = next()?;
+    assert!(ready.starts_with("READY=1\nSTATUS=steering"), "{ready:?}");
     let address = logged_metrics_address(&mut agent)?;
-    assert_eq!(
-        get(address, "/readyz")?.status,
-        200,
-        "ready when systemd hears it"
-    );
+    // Static pools only: synced at start, so /readyz agrees at once.
+    assert_eq!(get(address, "/readyz")?.status, 200);
+    assert_eq!(next()?, "STATUS=steering; every upstream pool synced");
 
     let steering = agent
         .printed()
@@ -262,8 +281,7 @@ fn systemd_hears_ready_when_readyz_turns_ready_and_logs_can_be_json() -> anyhow:
     assert_eq!(record["level"], "INFO", "{record}");
 
     agent.signal(Signal::SIGTERM)?;
-    let length = notifications.recv(&mut buffer)?;
-    assert_eq!(&buffer[..length], b"STOPPING=1");
+    assert_eq!(next()?, "STOPPING=1");
     agent.wait_exit(Duration::from_secs(10))?;
     assert_eq!(
         redirector(&["uninstall", "--config", &config.display().to_string()])?.code,

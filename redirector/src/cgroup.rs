@@ -165,7 +165,48 @@ pub fn own_cgroup() -> Result<Cgroup, CgroupError> {
     let path = mount
         .mount_point
         .join(relative.trim().trim_start_matches('/'));
+    // In a cgroup namespace of its own (a container's, by default on cgroup v2), the process
+    // sees its cgroup as "/": then the hierarchy mounted from the host is searched for the
+    // cgroup that really lists it.
+    let pid = std::process::id();
+    let path = if lists(&path, pid) {
+        path
+    } else {
+        find_listing(&mount.mount_point, pid).unwrap_or(path)
+    };
     Cgroup::resolve_with("the agent's own cgroup", &path, &mounts)
+}
+
+/// Whether the cgroup at `path` lists process `pid` in `cgroup.procs`.
+fn lists(path: &Path, pid: u32) -> bool {
+    std::fs::read_to_string(path.join("cgroup.procs"))
+        .is_ok_and(|procs| procs.lines().any(|line| line.trim().parse() == Ok(pid)))
+}
+
+/// The cgroup below `root` whose `cgroup.procs` lists `pid` (a breadth-first walk, bounded).
+fn find_listing(root: &Path, pid: u32) -> Option<PathBuf> {
+    const MAX_CGROUPS: usize = 100_000;
+    let mut queue = std::collections::VecDeque::from([root.to_owned()]);
+    let mut seen = 0;
+    while let Some(dir) = queue.pop_front() {
+        seen += 1;
+        if seen > MAX_CGROUPS {
+            return None;
+        }
+        if lists(&dir, pid) {
+            return Some(dir);
+        }
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            continue;
+        };
+        queue.extend(
+            entries
+                .filter_map(Result::ok)
+                .filter(|entry| entry.file_type().is_ok_and(|kind| kind.is_dir()))
+                .map(|entry| entry.path()),
+        );
+    }
+    None
 }
 
 impl Cgroup {

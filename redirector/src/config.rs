@@ -204,9 +204,6 @@ impl Default for MetricsSettings {
 pub struct ConntrackSettings {
     /// Install and keep the table (false: DNS to the listeners stays tracked).
     pub bypass: bool,
-    /// Also untrack DNS to and from the upstream pools (failover traffic). Off by default:
-    /// NetworkPolicy implementations match replies by conntrack state.
-    pub untrack_upstreams: bool,
     /// The `nft` binary.
     pub nft: PathBuf,
     /// How often the table is compared with what the agent installed (and restored).
@@ -217,7 +214,6 @@ impl Default for ConntrackSettings {
     fn default() -> Self {
         Self {
             bypass: true,
-            untrack_upstreams: false,
             nft: PathBuf::from("/usr/sbin/nft"),
             check_interval: Duration::from_secs(5),
         }
@@ -442,6 +438,9 @@ pub enum ConfigError {
     BadMetricsAddress {
         /// The value given.
         value: String,
+        /// Why it does not parse.
+        #[source]
+        source: AddrParseError,
     },
     /// A reverse map that cannot work.
     #[error(
@@ -509,7 +508,6 @@ struct RawMetrics {
 #[serde(deny_unknown_fields)]
 struct RawConntrack {
     bypass: Option<bool>,
-    untrack_upstreams: Option<bool>,
     nft: Option<PathBuf>,
     check_interval_ms: Option<u64>,
 }
@@ -686,9 +684,13 @@ impl Config {
 fn validate_metrics(raw: RawMetrics) -> Result<MetricsSettings, ConfigError> {
     let defaults = MetricsSettings::default();
     let address = match raw.address {
-        Some(text) => text
-            .parse::<SocketAddr>()
-            .map_err(|_| ConfigError::BadMetricsAddress { value: text })?,
+        Some(text) => {
+            text.parse::<SocketAddr>()
+                .map_err(|source| ConfigError::BadMetricsAddress {
+                    value: text.clone(),
+                    source,
+                })?
+        }
         None => defaults.address,
     };
     Ok(MetricsSettings {
@@ -711,7 +713,6 @@ fn validate_conntrack(raw: RawConntrack) -> Result<ConntrackSettings, ConfigErro
     };
     Ok(ConntrackSettings {
         bypass: raw.bypass.unwrap_or(defaults.bypass),
-        untrack_upstreams: raw.untrack_upstreams.unwrap_or(defaults.untrack_upstreams),
         nft: raw.nft.unwrap_or(defaults.nft),
         check_interval,
     })
@@ -1408,7 +1409,7 @@ mod tests {
         assert_eq!(config.conntrack, ConntrackSettings::default());
         assert_eq!(config.metrics.address.to_string(), DEFAULT_METRICS_ADDRESS);
         assert!(config.metrics.enabled);
-        assert!(config.conntrack.bypass && !config.conntrack.untrack_upstreams);
+        assert!(config.conntrack.bypass);
 
         let message = refusal(
             "[[listener]]\nname = \"n\"\naddress = \"10.0.0.1\"\nupstreams = [\"10.0.0.2\"]\nkube_dns = \"kube-system/kube-dns\"\n",
@@ -1453,14 +1454,13 @@ mod tests {
     #[test]
     fn conntrack_settings_and_their_refusals() {
         let config = Config::parse(
-            "[conntrack]\nbypass = true\nuntrack_upstreams = true\nnft = \"/usr/sbin/nft\"\ncheck_interval_ms = 1000\n[[listener]]\nname = \"n\"\naddress = \"10.0.0.1\"\n",
+            "[conntrack]\nbypass = true\nnft = \"/usr/sbin/nft\"\ncheck_interval_ms = 1000\n[[listener]]\nname = \"n\"\naddress = \"10.0.0.1\"\n",
         )
         .unwrap();
         assert_eq!(
             config.conntrack,
             ConntrackSettings {
                 bypass: true,
-                untrack_upstreams: true,
                 nft: PathBuf::from("/usr/sbin/nft"),
                 check_interval: Duration::from_secs(1),
             }

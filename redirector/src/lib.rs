@@ -17,3 +17,17 @@ pub mod netns;
 pub mod sd_notify;
 pub mod sources;
 pub mod telemetry;
+
+/// An error with its causes, `outer: inner: innermost`, for logs (a `tracing` field shows only
+/// the outermost message of an error otherwise).
+#[must_use]
+pub fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}

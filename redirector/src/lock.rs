@@ -86,20 +86,28 @@ impl InstanceLock {
     }
 }
 
-/// The pid of the agent holding the lock at `path`, if one does. Never creates the file; takes
-/// the lock only for the instant of the test (a shared lock, which conflicts with the agent's).
+/// The pid of the agent holding the lock at `path`, if one does. Only reads (`/proc/locks`), so
+/// it never disturbs an agent or an `uninstall` taking the lock at the same moment.
 #[must_use]
 pub fn holder(path: &Path) -> Option<String> {
-    let file = File::open(path).ok()?;
-    match Flock::lock(file, FlockArg::LockSharedNonblock) {
-        Ok(_unlocked_on_drop) => None,
-        Err((mut file, errno)) if errno == nix::errno::Errno::EWOULDBLOCK => {
-            let mut pid = String::new();
-            let _ = file.read_to_string(&mut pid);
-            Some(pid.trim().to_owned())
-        }
-        Err(_) => None,
-    }
+    use std::os::unix::fs::MetadataExt as _;
+    let metadata = std::fs::metadata(path).ok()?;
+    let device = metadata.dev();
+    // /proc/locks names a file as MAJOR:MINOR:INODE, the device numbers in hex.
+    let wanted = format!(
+        "{:02x}:{:02x}:{}",
+        libc::major(device),
+        libc::minor(device),
+        metadata.ino()
+    );
+    let locks = std::fs::read_to_string("/proc/locks").ok()?;
+    locks.lines().find_map(|line| {
+        // "1: FLOCK  ADVISORY  WRITE 1234 08:01:5678 0 EOF" (waiters have "->" and are skipped).
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        (fields.get(1) == Some(&"FLOCK") && fields.get(5) == Some(&wanted.as_str()))
+            .then(|| fields.get(4).map(|pid| (*pid).to_owned()))
+            .flatten()
+    })
 }
 
 #[cfg(test)]

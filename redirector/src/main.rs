@@ -252,8 +252,7 @@ fn uninstall(path: &std::path::Path) -> anyhow::Result<()> {
 }
 
 fn set_state(args: &StateArgs) -> anyhow::Result<()> {
-    let mut maps = Maps::open_pinned(&args.pin_dir)
-        .map_err(|error| explain_pin_error(error.into(), &args.pin_dir))?;
+    let mut maps = Maps::open_pinned(&args.pin_dir)?;
     let Some((id, info)) = maps.listener_by_name(&args.listener)? else {
         let known: Vec<String> = maps
             .listeners()?
@@ -311,38 +310,20 @@ fn status(args: &StatusArgs) -> anyhow::Result<()> {
         .enable_all()
         .build()
         .context("cannot start the async runtime")?;
+    let maps = Maps::open_pinned(&pin_dir)?;
     let report = runtime.block_on(async {
-        let worker = NetnsWorker::start(cache_netns.as_deref())?;
-        let nft = Nft::new(&nft_binary, worker);
-        anyhow::Ok(telemetry::status::gather(&pin_dir, &lock_file, &nft).await?)
-    });
-    let report = report.map_err(|error| explain_pin_error(error, &pin_dir))?;
+        // The table is looked at in the caches' namespace; not being able to is no reason to
+        // hide the rest of the report.
+        let nft =
+            NetnsWorker::start(cache_netns.as_deref()).map(|worker| Nft::new(&nft_binary, worker));
+        telemetry::status::gather(&maps, &pin_dir, &lock_file, nft.as_ref()).await
+    })?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
         print!("{}", telemetry::status::render_table(&report));
     }
     Ok(())
-}
-
-/// Turns "cannot open a pin" into what the operator should do.
-fn explain_pin_error(error: anyhow::Error, pin_dir: &std::path::Path) -> anyhow::Error {
-    let io = error
-        .chain()
-        .find_map(|cause| cause.downcast_ref::<std::io::Error>())
-        .map(std::io::Error::kind);
-    match io {
-        Some(std::io::ErrorKind::NotFound) => anyhow::anyhow!(
-            "no redirector state under {}: no agent has run here since boot, it was \
-             uninstalled, or its pins are elsewhere (give --pin-dir)",
-            pin_dir.display()
-        ),
-        Some(std::io::ErrorKind::PermissionDenied) => anyhow::anyhow!(
-            "reading the pinned maps under {} needs root (CAP_BPF and CAP_SYS_ADMIN): run it with sudo",
-            pin_dir.display()
-        ),
-        _ => error,
-    }
 }
 
 fn cache(path: &std::path::Path, log_level: &str) -> anyhow::Result<()> {

@@ -17,7 +17,6 @@ use tracing::{debug, info, warn};
 
 use super::{Agent, Transition, current_route};
 use crate::{
-    conntrack_bypass::{self, Checked, ruleset::Ruleset},
     liveness::probe::ProbeOutcome,
     sd_notify,
     sources::{SourceEvent, SourceKind},
@@ -40,17 +39,22 @@ impl Agent {
         reconcile_tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
         let mut resync_tick = tokio::time::interval(self.config.kubernetes.resync_interval);
         resync_tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
-        let mut bypass_tick = tokio::time::interval(self.config.conntrack.check_interval);
-        bypass_tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
-        // Counts were just seeded, pools and the bypass table just written.
+        // Counts were just seeded and pools just written.
         reconcile_tick.tick().await;
         resync_tick.tick().await;
-        bypass_tick.tick().await;
         let mut dirty: HashSet<u32> = HashSet::new();
         let mut write_at: Option<Instant> = None;
         let mut retry = FIRST_RETRY;
         tokio::pin!(shutdown);
         self.stats.heartbeat();
+        // systemd hears READY=1 once the programs steer, not only once every pool synced: an
+        // API server unreachable at boot must not make systemd kill (and restart) the agent, nor
+        // hold back kubelet, which is ordered after it. `/readyz` waits for the pools.
+        if let Err(error) = sd_notify::notify(
+            "READY=1\nSTATUS=steering; waiting for the first sync of every upstream pool",
+        ) {
+            warn!(error = %error, "cannot tell systemd the agent is ready (NOTIFY_SOCKET)");
+        }
         self.announce_readiness();
         loop {
             tokio::select! {
@@ -65,7 +69,6 @@ impl Agent {
                     if self.write_pools(&mut dirty) {
                         write_at = None;
                         retry = FIRST_RETRY;
-                        self.follow_pools_in_bypass().await;
                     } else {
                         write_at = Some(Instant::now() + retry);
                         retry = (retry * 2).min(MAX_RETRY);
@@ -76,7 +79,6 @@ impl Agent {
                     write_at.get_or_insert_with(Instant::now);
                 }
                 _ = probe_tick.tick() => self.probe_round().await,
-                _ = bypass_tick.tick(), if self.bypass.is_some() => self.check_bypass().await,
                 _ = reconcile_tick.tick() => self.reconcile_round().await,
             }
             self.observe_routes();
@@ -85,15 +87,15 @@ impl Agent {
         }
     }
 
-    /// Once every pool was synced, marks the agent ready (`/readyz`) and tells systemd.
+    /// Once every pool was synced, marks the agent ready (`/readyz`) and says so to systemd.
     fn announce_readiness(&mut self) {
         if self.stats.is_ready() || !self.listeners.iter().all(|listener| listener.synced) {
             return;
         }
         self.stats.set_ready();
         info!("ready: programs attached and every upstream pool synced");
-        if let Err(error) = sd_notify::notify("READY=1") {
-            warn!(error = %error, "cannot tell systemd the agent is ready (NOTIFY_SOCKET)");
+        if let Err(error) = sd_notify::notify("STATUS=steering; every upstream pool synced") {
+            warn!(error = %error, "cannot tell systemd the agent's status (NOTIFY_SOCKET)");
         }
     }
 
@@ -171,40 +173,6 @@ impl Agent {
         let written = failed.is_empty();
         dirty.extend(failed);
         written
-    }
-
-    /// Compares the conntrack bypass table with what was installed; restores it when changed.
-    async fn check_bypass(&mut self) {
-        if let Some(bypass) = self.bypass.as_mut()
-            && bypass.check().await == Checked::NotInstalled
-        {
-            self.stats.record_error("nftables");
-        }
-        self.record_bypass();
-    }
-
-    /// With `conntrack.untrack_upstreams`, untracks the upstream pools as they are now.
-    async fn follow_pools_in_bypass(&mut self) {
-        if !self.config.conntrack.untrack_upstreams {
-            return;
-        }
-        let Some(bypass) = self.bypass.as_mut() else {
-            return;
-        };
-        let upstreams = conntrack_bypass::upstream_endpoints(
-            self.listeners
-                .iter()
-                .filter_map(|listener| listener.desired.as_ref())
-                .flatten(),
-        );
-        let desired = Ruleset {
-            local: conntrack_bypass::local_endpoints(&self.config),
-            upstream: Some(upstreams),
-        };
-        if bypass.set_desired(desired).await == Checked::NotInstalled {
-            self.stats.record_error("nftables");
-        }
-        self.record_bypass();
     }
 
     /// Probes every cache at once and folds the results into the verdicts.

@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 
 use redirector_common::datapath::{MAX_CGROUP_LEVEL, listener_bit};
-use tracing::warn;
+use tracing::{info, warn};
 
 use super::AgentError;
 use crate::{
@@ -73,6 +73,7 @@ pub(super) fn skip_entries(
                 && own.level > attach.level
                 && own.level <= MAX_CGROUP_LEVEL =>
         {
+            info!(cgroup = %own.path.display(), "the agent's own cgroup is skipped: its probes are never steered");
             add(
                 &own,
                 ids.iter().fold(0, |bits, id| bits | listener_bit(*id)),

@@ -31,7 +31,7 @@ use crate::{
     cgroup::{self, Cgroup, CgroupError},
     config::{Config, EmptyPoolPolicy, Liveness, UpstreamSource},
     conntrack_bypass::{
-        self, ConntrackBypass,
+        self, BypassStatus, ConntrackBypass,
         nft::{Nft, NftError},
         ruleset::Ruleset,
     },
@@ -147,7 +147,11 @@ pub enum AgentError {
     Datapath(#[from] DatapathError),
     /// The programs' log could not be watched.
     #[error("cannot watch the programs' log records (kernel_log); run without kernel_log")]
-    KernelLog(#[source] std::io::Error),
+    KernelLog {
+        /// What tokio said.
+        #[source]
+        source: std::io::Error,
+    },
     /// The metrics endpoint could not be opened.
     #[error(transparent)]
     Telemetry(#[from] telemetry::http::BindError),
@@ -155,7 +159,11 @@ pub enum AgentError {
     #[error(
         "removing the nftables table inet redirector failed; remove it with `nft delete table inet redirector`"
     )]
-    ConntrackBypass(#[source] NftError),
+    ConntrackBypass {
+        /// What nft said.
+        #[source]
+        source: NftError,
+    },
 }
 
 /// How the agent starts.
@@ -193,10 +201,10 @@ pub struct Agent {
     stats: Arc<AgentStats>,
     events: mpsc::Receiver<SourceEvent>,
     sources: Vec<JoinHandle<()>>,
-    /// `None` when `conntrack.bypass` is off.
-    bypass: Option<ConntrackBypass>,
-    /// The metrics and health endpoint: its address and task.
-    telemetry: Option<(SocketAddr, JoinHandle<()>)>,
+    /// The task keeping the conntrack bypass table (`None` when `conntrack.bypass` is off).
+    bypass: Option<JoinHandle<()>>,
+    /// The metrics and health endpoint: its address and server.
+    telemetry: Option<(SocketAddr, telemetry::http::Server)>,
     lock: InstanceLock,
 }
 
@@ -271,7 +279,8 @@ impl Agent {
         }
         // Before the programs steer anything, so that steered DNS is untracked from the first
         // query; never fatal.
-        let bypass = start_conntrack_bypass(config, netns).await?;
+        let stats = Arc::new(AgentStats::default());
+        let bypass = start_conntrack_bypass(config, netns, &stats).await?;
 
         let skips = environment::skip_entries(&skip_cgroups, &ids, &attach);
         maps.configure(&skips, netns_cookie)?;
@@ -310,26 +319,28 @@ impl Agent {
             .map_err(AgentError::Seed)?;
         let listeners = first_verdicts(config, &ids, &worker, &mut maps).await?;
 
-        datapath.attach(&attach.path)?;
-        // Binds and releases that raced the attach are caught here, or by the next pass.
-        if let Err(error) = reconciler.reconcile(&mut maps, true).await {
-            warn!(error = %error, "re-counting the caches' sockets after attaching failed; the next pass retries");
-        }
-
-        let stats = Arc::new(AgentStats::default());
+        // Bound before attaching, so a port in use stops the start with nothing attached.
         let telemetry = if config.metrics.enabled {
-            let listener = telemetry::http::bind(config.metrics.address).await?;
+            let listener = telemetry::http::bind(config.metrics.address)?;
             let address = listener.local_addr().unwrap_or(config.metrics.address);
             let endpoint = telemetry::http::Endpoint {
                 maps: std::sync::Mutex::new(Maps::open_pinned(&config.pin_dir)?),
                 stats: Arc::clone(&stats),
                 health_window: health_window(config),
             };
+            let server = telemetry::http::serve(listener, endpoint)
+                .map_err(|source| telemetry::http::BindError { address, source })?;
             info!(address = %address, "serving /metrics, /healthz and /readyz");
-            Some((address, telemetry::http::serve(listener, endpoint)))
+            Some((address, server))
         } else {
             None
         };
+
+        datapath.attach(&attach.path)?;
+        // Binds and releases that raced the attach are caught here, or by the next pass.
+        if let Err(error) = reconciler.reconcile(&mut maps, true).await {
+            warn!(error = %error, "re-counting the caches' sockets after attaching failed; the next pass retries");
+        }
 
         let (events, sources) = start_sources(config, &ids, kube_client);
         let mut agent = Self {
@@ -345,7 +356,6 @@ impl Agent {
             telemetry,
             lock,
         };
-        agent.record_bypass();
         agent.log_listeners()?;
         info!(
             cgroup = %attach.path.display(),
@@ -355,17 +365,6 @@ impl Agent {
             "redirector is steering"
         );
         Ok(agent)
-    }
-
-    /// Publishes where the conntrack bypass stands.
-    fn record_bypass(&self) {
-        let (status, restorations) = self
-            .bypass
-            .as_ref()
-            .map_or((conntrack_bypass::BypassStatus::Disabled, 0), |bypass| {
-                (bypass.status().clone(), bypass.restorations())
-            });
-        self.stats.record_conntrack_bypass(status, restorations);
     }
 
     fn log_listeners(&mut self) -> Result<(), AgentError> {
@@ -441,8 +440,8 @@ impl Agent {
         for source in &self.sources {
             source.abort();
         }
-        if let Some((_, server)) = &self.telemetry {
-            server.abort();
+        if let Some(keeper) = &self.bypass {
+            keeper.abort();
         }
         info!(
             pin_dir = %self.config.pin_dir.display(),
@@ -461,7 +460,9 @@ fn forward_kernel_log(
     let mut logger = unsafe {
         tokio::io::unix::AsyncFd::register_with_interest(logger, tokio::io::Interest::READABLE)
     }
-    .map_err(|error| AgentError::KernelLog(std::io::Error::from(error)))?;
+    .map_err(|error| AgentError::KernelLog {
+        source: std::io::Error::from(error),
+    })?;
     warn!(
         "kernel_log is on: the programs log their decisions (debugging only; it costs every logged syscall a ring buffer write)"
     );
@@ -477,39 +478,53 @@ fn forward_kernel_log(
     Ok(())
 }
 
-/// Installs the conntrack bypass table when configured (its failure is reported, never fatal);
-/// when not, removes one an earlier configuration left.
+/// Installs the conntrack bypass table when configured (its failure is reported, never fatal)
+/// and keeps it on a task of its own, so that a slow or hung nft never delays the control loop;
+/// when not configured, removes one an earlier configuration left.
 async fn start_conntrack_bypass(
     config: &Config,
     netns: Option<&Path>,
-) -> Result<Option<ConntrackBypass>, AgentError> {
-    // A worker of its own: an nft run must not delay the probes.
+    stats: &Arc<AgentStats>,
+) -> Result<Option<JoinHandle<()>>, AgentError> {
     let worker = NetnsWorker::start(netns).map_err(AgentError::CacheNetns)?;
     let nft = Nft::new(&config.conntrack.nft, worker);
     if !config.conntrack.bypass {
         if let Err(error) = conntrack_bypass::remove(&nft).await
             && !error.is_unavailable()
         {
-            warn!(error = %error, "conntrack.bypass is off, but removing an earlier bypass table failed");
+            warn!(error = %crate::error_chain(&error), "conntrack.bypass is off, but removing an earlier bypass table failed");
         }
+        stats.record_conntrack_bypass(BypassStatus::Disabled, 0);
         return Ok(None);
     }
-    let static_pools: Vec<Upstream> = config
-        .listeners
-        .iter()
-        .filter_map(static_pool)
-        .flatten()
-        .collect();
     let desired = Ruleset {
         local: conntrack_bypass::local_endpoints(config),
-        upstream: config
-            .conntrack
-            .untrack_upstreams
-            .then(|| conntrack_bypass::upstream_endpoints(&static_pools)),
     };
     let mut bypass = ConntrackBypass::new(nft, desired);
+    let mut reported = None;
+    let mut report = move |bypass: &ConntrackBypass, stats: &AgentStats| {
+        let status = bypass.status().clone();
+        // A failure is counted when it starts, not at every check of a node without nftables.
+        if status != BypassStatus::Active && reported.as_ref() != Some(&status) {
+            stats.record_error("nftables");
+        }
+        stats.record_conntrack_bypass(status.clone(), bypass.restorations());
+        reported = Some(status);
+    };
     bypass.check().await;
-    Ok(Some(bypass))
+    report(&bypass, stats);
+    let stats = Arc::clone(stats);
+    let interval = config.conntrack.check_interval;
+    Ok(Some(tokio::spawn(async move {
+        let mut tick = tokio::time::interval(interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        tick.tick().await;
+        loop {
+            tick.tick().await;
+            bypass.check().await;
+            report(&bypass, &stats);
+        }
+    })))
 }
 
 /// How long the control loop may go without a turn before `/healthz` fails: it turns at least

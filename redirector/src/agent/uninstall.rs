@@ -41,9 +41,9 @@ pub async fn uninstall(config: &Config) -> Result<UninstallReport, AgentError> {
     match conntrack_bypass::remove(&Nft::new(&config.conntrack.nft, worker.clone())).await {
         Ok(()) => report.conntrack_table_removed = true,
         Err(error) if error.is_unavailable() => {
-            warn!(error = %error, "nftables is not usable here, so there is no conntrack bypass table to remove");
+            warn!(error = %crate::error_chain(&error), "nftables is not usable here, so there is no conntrack bypass table to remove");
         }
-        Err(source) => return Err(AgentError::ConntrackBypass(source)),
+        Err(source) => return Err(AgentError::ConntrackBypass { source }),
     }
     if config.interface.manage {
         let addresses: Vec<IpAddr> = config

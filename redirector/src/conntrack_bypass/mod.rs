@@ -2,7 +2,7 @@
 //! entry. eBPF cannot untrack a packet (no helper or kfunc does), so the agent owns one small
 //! nftables table of raw-priority `notrack` rules (`ruleset`), installs it in one transaction with
 //! `nft` (`nft`), compares it with what it installed at every check and restores it when someone
-//! changed or flushed it. Failover traffic to the upstreams stays tracked unless configured.
+//! changed or flushed it. Failover traffic to the upstreams stays tracked (see `ruleset`).
 //!
 //! Failing to install never stops the agent: DNS is steered either way, only tracked. A node
 //! without nftables is reported once in the log and as `unavailable` in the agent's state.
@@ -18,7 +18,7 @@ use self::{
     nft::{Nft, NftError},
     ruleset::{Endpoint, Ruleset, TABLE},
 };
-use crate::{config::Config, sources::Upstream};
+use crate::config::Config;
 
 /// Where the bypass stands.
 #[derive(Clone, Debug, PartialEq, Eq, Default)]
@@ -81,14 +81,6 @@ pub fn local_endpoints(config: &Config) -> BTreeSet<Endpoint> {
             ));
             endpoints
         })
-        .collect()
-}
-
-/// The endpoints of `pools`.
-pub fn upstream_endpoints<'a>(pools: impl IntoIterator<Item = &'a Upstream>) -> BTreeSet<Endpoint> {
-    pools
-        .into_iter()
-        .flat_map(|upstream| Endpoint::both(upstream.ip, upstream.udp_port, upstream.tcp_port))
         .collect()
 }
 
@@ -213,7 +205,7 @@ impl ConntrackBypass {
             warn!(
                 table = TABLE,
                 status = status.name(),
-                error = %error,
+                error = %crate::error_chain(&error),
                 "DNS to the caches is steered but TRACKED by conntrack: the bypass table could not be installed; retrying at every check"
             );
         }

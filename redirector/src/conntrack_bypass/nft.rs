@@ -11,6 +11,7 @@ use std::{
     io::Write as _,
     path::{Path, PathBuf},
     process::{Command, Stdio},
+    time::Duration,
 };
 
 use crate::netns::{NetnsError, NetnsWorker};
@@ -27,13 +28,17 @@ pub enum NftError {
         binary: PathBuf,
     },
     /// The kernel has no nf_tables (or no nfnetlink).
-    #[error("this kernel does not support nftables (nft said: {stderr})")]
+    #[error(
+        "this kernel does not support nftables (nft said: {stderr}); load it with `modprobe nf_tables`, or set conntrack.bypass = false to stop trying"
+    )]
     KernelUnsupported {
         /// What nft printed.
         stderr: String,
     },
     /// nft refused or failed the batch.
-    #[error("nft failed {action} (exit status {status}): {stderr}")]
+    #[error(
+        "nft failed {action} (exit status {status}): {stderr}; check `nft list ruleset` for what conflicts, or set conntrack.bypass = false"
+    )]
     Failed {
         /// What was being done.
         action: &'static str,
@@ -41,6 +46,14 @@ pub enum NftError {
         status: i32,
         /// What nft printed.
         stderr: String,
+    },
+    /// nft did not finish in time (and was killed).
+    #[error("{binary} did not finish within {after:?} and was killed; the next check tries again")]
+    TimedOut {
+        /// The configured binary.
+        binary: PathBuf,
+        /// The limit.
+        after: Duration,
     },
     /// nft could not be run at all.
     #[error("cannot run {binary}")]
@@ -58,6 +71,56 @@ impl NftError {
     #[must_use]
     pub fn is_unavailable(&self) -> bool {
         matches!(self, Self::Missing { .. } | Self::KernelUnsupported { .. })
+    }
+}
+
+/// How long one nft run may take before it is killed: a hung nft must not hold the table's
+/// keeper forever.
+pub const NFT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Runs `binary args`, feeding `stdin` from a thread of its own and collecting the output on
+/// another (so that neither side can block the other on a full pipe), killing it after
+/// `NFT_TIMEOUT`.
+fn run_bounded(
+    binary: &Path,
+    args: &[String],
+    stdin: Option<String>,
+) -> std::io::Result<std::process::Output> {
+    let mut child = Command::new(binary)
+        .args(args)
+        .stdin(if stdin.is_some() {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()?;
+    if let (Some(text), Some(mut pipe)) = (stdin, child.stdin.take()) {
+        // A write error means nft stopped reading because it failed: its stderr says why.
+        std::thread::spawn(move || {
+            let _ = pipe.write_all(text.as_bytes());
+        });
+    }
+    let pid = child.id();
+    let (done, finished) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = done.send(child.wait_with_output());
+    });
+    match finished.recv_timeout(NFT_TIMEOUT) {
+        Ok(output) => output,
+        Err(_) => {
+            if let Ok(pid) = i32::try_from(pid) {
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(pid),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
+            }
+            Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "nft did not finish in time and was killed",
+            ))
+        }
     }
 }
 
@@ -124,26 +187,7 @@ impl Nft {
         // The child is forked from the worker's thread, so it runs in the worker's namespace.
         let outcome = self
             .worker
-            .run("running nft", move || {
-                let mut child = Command::new(&binary)
-                    .args(&args)
-                    .stdin(if stdin.is_some() {
-                        Stdio::piped()
-                    } else {
-                        Stdio::null()
-                    })
-                    .stdout(Stdio::piped())
-                    .stderr(Stdio::piped())
-                    .spawn()?;
-                if let (Some(text), Some(mut pipe)) = (stdin, child.stdin.take())
-                    && let Err(error) = pipe.write_all(text.as_bytes())
-                    // nft stopped reading because it failed: its stderr says why.
-                    && error.kind() != std::io::ErrorKind::BrokenPipe
-                {
-                    return Err(error);
-                }
-                child.wait_with_output()
-            })
+            .run("running nft", move || run_bounded(&binary, &args, stdin))
             .await;
         match outcome {
             Ok(output) => Ok(Run {
@@ -157,6 +201,14 @@ impl Nft {
             {
                 Err(NftError::Missing {
                     binary: self.binary.clone(),
+                })
+            }
+            Err(NetnsError::Inside { source, .. })
+                if source.kind() == std::io::ErrorKind::TimedOut =>
+            {
+                Err(NftError::TimedOut {
+                    binary: self.binary.clone(),
+                    after: NFT_TIMEOUT,
                 })
             }
             Err(source) => Err(NftError::Run {

@@ -4,15 +4,19 @@
 //! ```text
 //! table inet redirector
 //!   set local4/local6       protocol . address . port of every listener and cache
-//!   set upstream4/upstream6 the same for the upstream pools (only with untrack_upstreams)
-//!   chain prerouting (raw)  requests arriving for a local endpoint (pods over their veth);
-//!                           pods' requests to an upstream and the replies arriving from it
-//!   chain output (raw)      requests of host-network clients to a local endpoint or an upstream;
-//!                           the caches' replies
+//!   chain prerouting (raw)  requests arriving for a local endpoint (pods over their veth)
+//!   chain output (raw)      requests of host-network clients to a local endpoint; the caches'
+//!                           replies
 //! ```
 //! Raw priority (-300) runs before conntrack (-200), so an untracked packet never creates an
 //! entry. Sets keyed by `meta l4proto . address . th port` match exactly the endpoints given (a
-//! cache on another port, kube-dns's separate TCP port), never "anything on port 53".
+//! cache on another port), never "anything on port 53".
+//!
+//! Failover traffic to the upstreams is never untracked. By address it cannot be told apart from
+//! traffic redirector did not steer (a pod asking the kube-dns ClusterIP, whose DNATed replies come
+//! from the same endpoint address and port), and an untracked reply skips the reverse NAT, so that
+//! client would get its answer from an address it never asked. Failover traffic is also rare: it
+//! flows only while a cache is down.
 
 use std::{collections::BTreeSet, fmt::Write as _, net::IpAddr};
 
@@ -73,8 +77,6 @@ impl Endpoint {
 pub struct Ruleset {
     /// The listeners and caches: requests to them and their replies.
     pub local: BTreeSet<Endpoint>,
-    /// The upstream pools, when failover traffic is untracked too (`None`: it stays tracked).
-    pub upstream: Option<BTreeSet<Endpoint>>,
 }
 
 impl Ruleset {
@@ -89,10 +91,6 @@ impl Ruleset {
         );
         set(&mut text, "local4", false, &self.local);
         set(&mut text, "local6", true, &self.local);
-        if let Some(upstream) = &self.upstream {
-            set(&mut text, "upstream4", false, upstream);
-            set(&mut text, "upstream6", true, upstream);
-        }
 
         // Each chain is named after its hook.
         for (hook, rules) in [("prerouting", PREROUTING), ("output", OUTPUT)] {
@@ -100,11 +98,8 @@ impl Ruleset {
                 text,
                 "\tchain {hook} {{\n\t\ttype filter hook {hook} priority raw; policy accept;"
             );
-            for (sets, way, comment) in rules {
-                if *sets == Sets::Upstream && self.upstream.is_none() {
-                    continue;
-                }
-                rule(&mut text, *sets, *way, comment);
+            for (way, comment) in rules {
+                rule(&mut text, *way, comment);
             }
             text.push_str("\t}\n");
         }
@@ -145,15 +140,6 @@ fn set(text: &mut String, name: &str, ipv6: bool, endpoints: &BTreeSet<Endpoint>
     text.push_str("\t}\n");
 }
 
-/// Which sets a rule matches.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Sets {
-    /// `local4`/`local6`: listeners and caches.
-    Local,
-    /// `upstream4`/`upstream6`: the upstream pools.
-    Upstream,
-}
-
 /// Which way a rule matches the endpoints: packets to them (requests) or from them (replies).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Way {
@@ -161,28 +147,17 @@ enum Way {
     From,
 }
 
-/// The rules of the prerouting chain: what arrives from other namespaces (pods) and replies
-/// coming back. Upstream traffic is untracked both ways: a forwarded TCP connection tracked one
-/// way only turns invalid.
-const PREROUTING: &[(Sets, Way, &str)] = &[
-    (Sets::Local, Way::To, "requests to a listener or cache"),
-    (Sets::Upstream, Way::To, "pod requests to an upstream"),
-    (Sets::Upstream, Way::From, "replies from an upstream"),
-];
+/// The rules of the prerouting chain: requests arriving from other namespaces (pods).
+const PREROUTING: &[(Way, &str)] = &[(Way::To, "requests to a listener or cache")];
 
 /// The rules of the output chain: what this namespace sends.
-const OUTPUT: &[(Sets, Way, &str)] = &[
-    (Sets::Local, Way::To, "host requests to a listener or cache"),
-    (Sets::Local, Way::From, "replies of a cache"),
-    (Sets::Upstream, Way::To, "host requests to an upstream"),
+const OUTPUT: &[(Way, &str)] = &[
+    (Way::To, "host requests to a listener or cache"),
+    (Way::From, "replies of a cache"),
 ];
 
-/// Writes the IPv4 and IPv6 `notrack` rules for `sets`, matched `way`.
-fn rule(text: &mut String, sets: Sets, way: Way, comment: &str) {
-    let prefix = match sets {
-        Sets::Local => "local",
-        Sets::Upstream => "upstream",
-    };
+/// Writes the IPv4 and IPv6 `notrack` rules matching the local endpoints `way`.
+fn rule(text: &mut String, way: Way, comment: &str) {
     let (address, port) = match way {
         Way::To => ("daddr", "dport"),
         Way::From => ("saddr", "sport"),
@@ -190,7 +165,7 @@ fn rule(text: &mut String, sets: Sets, way: Way, comment: &str) {
     for (family, suffix) in [("ip", "4"), ("ip6", "6")] {
         let _ = writeln!(
             text,
-            "\t\tmeta l4proto . {family} {address} . th {port} @{prefix}{suffix} notrack comment \"{comment}\""
+            "\t\tmeta l4proto . {family} {address} . th {port} @local{suffix} notrack comment \"{comment}\""
         );
     }
 }
@@ -213,11 +188,7 @@ mod tests {
 
     #[test]
     fn every_listener_and_cache_in_its_family_set() {
-        let text = Ruleset {
-            local: local(),
-            upstream: None,
-        }
-        .render();
+        let text = Ruleset { local: local() }.render();
         assert!(text.starts_with("add table inet redirector\ndelete table inet redirector\n"));
         assert!(
             text.contains("elements = { udp . 169.254.10.10 . 53, udp . 169.254.20.10 . 5353, tcp . 169.254.10.10 . 53, tcp . 169.254.20.10 . 5353 }"),
@@ -233,27 +204,5 @@ mod tests {
             !text.contains("upstream"),
             "failover traffic stays tracked by default: {text}"
         );
-    }
-
-    #[test]
-    fn upstreams_are_untracked_only_when_asked_and_empty_sets_have_no_elements() {
-        let text = Ruleset {
-            local: local(),
-            upstream: Some(Endpoint::both("10.244.0.5".parse().unwrap(), 53, 5353).into()),
-        }
-        .render();
-        assert!(
-            text.contains("elements = { udp . 10.244.0.5 . 53, tcp . 10.244.0.5 . 5353 }"),
-            "{text}"
-        );
-        let prerouting = text.split("chain prerouting").nth(1).unwrap();
-        let prerouting = prerouting.split("chain output").next().unwrap();
-        // Both directions of forwarded pod traffic, or TCP turns invalid half-tracked.
-        assert!(prerouting.contains("meta l4proto . ip daddr . th dport @upstream4 notrack"));
-        assert!(prerouting.contains("meta l4proto . ip saddr . th sport @upstream4 notrack"));
-        assert!(text.contains("meta l4proto . ip6 daddr . th dport @upstream6 notrack"));
-        let upstream6 = text.split("set upstream6 {").nth(1).unwrap();
-        let upstream6 = upstream6.split("\t}").next().unwrap();
-        assert!(!upstream6.contains("elements"), "{upstream6}");
     }
 }

@@ -139,10 +139,31 @@ pub enum DatapathError {
         #[source]
         source: std::io::Error,
     },
-    /// A pinned map could not be opened.
+    /// There is no pinned state at all.
     #[error(
-        "cannot open the pinned map {path}; is the agent running with this pin directory? \
-         (start it with `redirector run`, or pass the agent's --pin-dir)"
+        "no redirector state under {pin_dir}: no agent has run here since boot, it was \
+         uninstalled, or its pins are elsewhere (give --pin-dir)"
+    )]
+    NoPinnedState {
+        /// The pin directory.
+        pin_dir: PathBuf,
+    },
+    /// The pins exist but may not be opened by this user.
+    #[error(
+        "reading the pinned maps under {pin_dir} needs root (CAP_BPF and CAP_SYS_ADMIN): run it \
+         with sudo"
+    )]
+    PinsNeedRoot {
+        /// The pin directory.
+        pin_dir: PathBuf,
+        /// What the kernel said (opening the directory, or a map in it).
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// A pinned map could not be opened while others are there.
+    #[error(
+        "cannot open the pinned map {path}: the pins are incomplete or of another redirector \
+         version; start the agent (`redirector run`, with --replace for another version's pins)"
     )]
     OpenPin {
         /// The pin.

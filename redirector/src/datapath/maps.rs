@@ -108,6 +108,18 @@ impl ListenerTotals {
     }
 }
 
+/// The kind of the first OS error among `error`'s causes.
+fn io_kind(error: &(dyn std::error::Error + 'static)) -> Option<std::io::ErrorKind> {
+    let mut current = Some(error);
+    while let Some(cause) = current {
+        if let Some(io) = cause.downcast_ref::<std::io::Error>() {
+            return Some(io.kind());
+        }
+        current = cause.source();
+    }
+    None
+}
+
 /// A `Target` for an upstream.
 #[must_use]
 pub fn target_of_upstream(upstream: &Upstream) -> Target {
@@ -140,11 +152,34 @@ impl Maps {
     /// Opens the maps a running agent pinned under `pin_dir`.
     pub fn open_pinned(pin_dir: &Path) -> Result<Self, DatapathError> {
         let dir = pin_dir.join(PINNED_MAPS_DIR);
+        match std::fs::metadata(&dir) {
+            Ok(_) => {}
+            Err(error) if error.kind() == std::io::ErrorKind::PermissionDenied => {
+                return Err(DatapathError::PinsNeedRoot {
+                    pin_dir: pin_dir.to_owned(),
+                    source: error.into(),
+                });
+            }
+            Err(_) => {
+                return Err(DatapathError::NoPinnedState {
+                    pin_dir: pin_dir.to_owned(),
+                });
+            }
+        }
         Self::from_source(|name| {
             let path = dir.join(name);
             MapData::from_pin(&path)
                 .and_then(Map::from_map_data)
-                .map_err(|source| DatapathError::OpenPin { path, source })
+                .map_err(|source| {
+                    if io_kind(&source) == Some(std::io::ErrorKind::PermissionDenied) {
+                        DatapathError::PinsNeedRoot {
+                            pin_dir: pin_dir.to_owned(),
+                            source: source.into(),
+                        }
+                    } else {
+                        DatapathError::OpenPin { path, source }
+                    }
+                })
         })
     }
 

@@ -79,7 +79,8 @@ pub fn pools(text: &str, fed: &[FedListener], listeners: &HashSet<IpAddr>) -> Of
     Offer { pools, rejected }
 }
 
-/// Reads `path` and sends every fed listener's pool; a missing file is an empty pool.
+/// Reads `path` and sends every fed listener's pool; a missing file is an empty pool, an
+/// unreadable one changes nothing.
 async fn publish(
     path: &Path,
     fed: &[FedListener],
@@ -88,9 +89,16 @@ async fn publish(
 ) {
     let text = match tokio::fs::read_to_string(path).await {
         Ok(text) => text,
-        Err(error) => {
-            warn!(path = %path.display(), error = %error, "cannot read the upstream resolv.conf: the node listener has no upstreams");
+        // Gone: the node has no upstream nameservers now.
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => {
+            warn!(path = %path.display(), "the upstream resolv.conf is gone: the node listener has no upstreams");
             String::new()
+        }
+        // Unreadable for another reason (permissions, I/O): that says nothing about the
+        // nameservers, so the last pool stays.
+        Err(error) => {
+            warn!(path = %path.display(), error = %error, "cannot read the upstream resolv.conf; keeping the last pool");
+            return;
         }
     };
     let offer = pools(&text, fed, listeners);

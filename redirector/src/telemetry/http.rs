@@ -8,8 +8,8 @@ use http_body_util::Full;
 use hyper::{
     Request, Response, StatusCode, body::Incoming, server::conn::http1, service::service_fn,
 };
-use hyper_util::rt::TokioIo;
-use tokio::{net::TcpListener, task::JoinHandle};
+use hyper_util::rt::{TokioIo, TokioTimer};
+use tokio::net::TcpListener;
 use tracing::{debug, warn};
 
 use super::{metrics, snapshot};
@@ -39,42 +39,105 @@ pub struct Endpoint {
     pub health_window: Duration,
 }
 
+/// At most this many connections are served at once; more are closed at once.
+const MAX_CONNECTIONS: usize = 32;
+/// A client must send its request head within this.
+const HEADER_TIMEOUT: Duration = Duration::from_secs(5);
+/// No connection lives longer than this.
+const CONNECTION_TIMEOUT: Duration = Duration::from_secs(30);
+
 /// Binds `address`.
-pub async fn bind(address: SocketAddr) -> Result<TcpListener, BindError> {
-    TcpListener::bind(address)
-        .await
-        .map_err(|source| BindError { address, source })
+pub fn bind(address: SocketAddr) -> Result<std::net::TcpListener, BindError> {
+    let listener =
+        std::net::TcpListener::bind(address).map_err(|source| BindError { address, source })?;
+    listener
+        .set_nonblocking(true)
+        .map_err(|source| BindError { address, source })?;
+    Ok(listener)
 }
 
-/// Serves `endpoint` on `listener` until the task is aborted.
-#[must_use]
-pub fn serve(listener: TcpListener, endpoint: Endpoint) -> JoinHandle<()> {
-    let endpoint = Arc::new(endpoint);
-    tokio::spawn(async move {
-        loop {
-            let stream = match listener.accept().await {
-                Ok((stream, _)) => stream,
-                Err(error) => {
-                    warn!(error = %error, "accepting a metrics connection failed");
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                    continue;
-                }
-            };
-            let endpoint = Arc::clone(&endpoint);
-            tokio::spawn(async move {
-                let service = service_fn(move |request: Request<Incoming>| {
-                    let response = endpoint.respond(request.uri().path());
-                    async move { Ok::<_, Infallible>(response) }
-                });
-                if let Err(error) = http1::Builder::new()
-                    .serve_connection(TokioIo::new(stream), service)
-                    .await
-                {
-                    debug!(error = %error, "metrics connection ended with an error");
+/// The endpoint's thread; dropping it stops the server.
+#[derive(Debug)]
+pub struct Server {
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// Serves `endpoint` on `listener` from a thread and runtime of its own, so that scrapes (or a
+/// flood of connections) never delay the control loop's probes; connections are capped and
+/// timed out.
+pub fn serve(listener: std::net::TcpListener, endpoint: Endpoint) -> std::io::Result<Server> {
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let thread = std::thread::Builder::new()
+        .name("metrics".to_owned())
+        .spawn(move || {
+            runtime.block_on(async move {
+                let listener = match TcpListener::from_std(listener) {
+                    Ok(listener) => listener,
+                    Err(error) => {
+                        warn!(error = %error, "cannot serve metrics");
+                        return;
+                    }
+                };
+                tokio::select! {
+                    _ = stopped => {}
+                    () = accept_loop(listener, Arc::new(endpoint)) => {}
                 }
             });
-        }
+        })?;
+    Ok(Server {
+        stop: Some(stop),
+        thread: Some(thread),
     })
+}
+
+async fn accept_loop(listener: TcpListener, endpoint: Arc<Endpoint>) {
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+    loop {
+        let stream = match listener.accept().await {
+            Ok((stream, _)) => stream,
+            Err(error) => {
+                warn!(error = %error, "accepting a metrics connection failed");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
+            debug!("too many metrics connections; closing one");
+            continue;
+        };
+        let endpoint = Arc::clone(&endpoint);
+        tokio::spawn(async move {
+            let service = service_fn(move |request: Request<Incoming>| {
+                let response = endpoint.respond(request.uri().path());
+                async move { Ok::<_, Infallible>(response) }
+            });
+            let connection = http1::Builder::new()
+                .timer(TokioTimer::new())
+                .header_read_timeout(HEADER_TIMEOUT)
+                .serve_connection(TokioIo::new(stream), service);
+            match tokio::time::timeout(CONNECTION_TIMEOUT, connection).await {
+                Ok(Err(error)) => debug!(error = %error, "metrics connection ended with an error"),
+                Err(_) => debug!("metrics connection timed out"),
+                Ok(Ok(())) => {}
+            }
+            drop(slot);
+        });
+    }
 }
 
 impl Endpoint {

@@ -11,7 +11,18 @@ use prometheus_client::{
     registry::{Registry, Unit},
 };
 
+use redirector_common::listener::Reason;
+
 use super::snapshot::{ListenerSnapshot, ProtocolCounters, reason_label};
+
+/// Every reason's label, so that each listener has one stable series per reason.
+const REASONS: [&str; 5] = [
+    reason_label(Reason::Override),
+    reason_label(Reason::NoSockets),
+    reason_label(Reason::ProbesFailing),
+    reason_label(Reason::AwaitingConfirmation),
+    reason_label(Reason::Healthy),
+];
 use crate::agent::{AgentStats, ERROR_KINDS};
 
 type Labels = Vec<(&'static str, String)>;
@@ -79,8 +90,14 @@ fn register_listeners(registry: &mut Registry, listeners: &[ListenerSnapshot], s
     let route = GaugeFamily::default();
     registry.register(
         "listener_route",
-        "1 for where a listener's DNS goes now (route cache or upstream), with why",
+        "1 for where a listener's DNS goes now: route cache or upstream",
         route.clone(),
+    );
+    let reason = GaugeFamily::default();
+    registry.register(
+        "listener_reason",
+        "1 for why a listener's DNS goes where it goes",
+        reason.clone(),
     );
     let sockets = GaugeFamily::default();
     registry.register(
@@ -150,19 +167,13 @@ fn register_listeners(registry: &mut Registry, listeners: &[ListenerSnapshot], s
         }
         for candidate in ["cache", "upstream"] {
             route
-                .get_or_create(&labels(&[
-                    ("listener", name),
-                    ("route", candidate),
-                    (
-                        "reason",
-                        if candidate == listener.route {
-                            listener.reason
-                        } else {
-                            ""
-                        },
-                    ),
-                ]))
+                .get_or_create(&labels(&[("listener", name), ("route", candidate)]))
                 .set(i64::from(candidate == listener.route));
+        }
+        for candidate in REASONS {
+            reason
+                .get_or_create(&labels(&[("listener", name), ("reason", candidate)]))
+                .set(i64::from(candidate == listener.reason_code));
         }
         if let Some((udp, tcp)) = listener.cache_sockets {
             for (protocol, count) in [("udp", udp), ("tcp", tcp)] {

@@ -29,8 +29,10 @@ pub struct ListenerSnapshot {
     pub mode: &'static str,
     /// Where DNS goes now: `cache` or `upstream`.
     pub route: &'static str,
-    /// Why.
+    /// Why, for people.
     pub reason: &'static str,
+    /// Why, as a metrics label (`healthy`, `no_sockets`, ...).
+    pub reason_code: &'static str,
     /// The cache's sockets the kernel counts (UDP, TCP); `None` when liveness is probes only.
     pub cache_sockets: Option<(i64, i64)>,
     /// The agent's probe verdict on the cache.
@@ -123,7 +125,7 @@ pub fn reason_text(reason: Reason) -> &'static str {
 
 /// The name of a reason in metrics labels.
 #[must_use]
-pub fn reason_label(reason: Reason) -> &'static str {
+pub const fn reason_label(reason: Reason) -> &'static str {
     match reason {
         Reason::Override => "override",
         Reason::NoSockets => "no_sockets",
@@ -180,6 +182,7 @@ pub fn listeners(maps: &Maps) -> Result<Vec<ListenerSnapshot>, DatapathError> {
             mode: mode_name(mode.mode),
             route: route_name(route),
             reason: reason_text(reason),
+            reason_code: reason_label(reason),
             cache_sockets: (config.liveness != LIVENESS_PROBES).then_some((counts.udp, counts.tcp)),
             probe_verdict: if health.verdict == HEALTH_UP {
                 "up"

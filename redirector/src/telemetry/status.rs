@@ -10,6 +10,7 @@ use crate::{
     conntrack_bypass::{nft::Nft, ruleset::TABLE},
     datapath::{self, DatapathError, Maps},
     lock,
+    netns::NetnsError,
 };
 
 /// Everything `status` reports.
@@ -54,16 +55,24 @@ pub struct BypassState {
     pub detail: Option<String>,
 }
 
-/// Gathers the report: maps under `pin_dir`, the lock at `lock_file`, the table through `nft`.
+/// Gathers the report: `maps` (pinned under `pin_dir`), the lock at `lock_file`, the table
+/// through `nft` (or why nft could not be run there).
 pub async fn gather(
+    maps: &Maps,
     pin_dir: &Path,
     lock_file: &Path,
-    nft: &Nft,
+    nft: Result<&Nft, &NetnsError>,
 ) -> Result<StatusReport, DatapathError> {
-    let maps = Maps::open_pinned(pin_dir)?;
-    let listeners = snapshot::listeners(&maps)?;
+    let listeners = snapshot::listeners(maps)?;
     let pid = lock::holder(lock_file);
-    let conntrack_bypass = match nft.list_table(TABLE).await {
+    let listed = match nft {
+        Ok(nft) => nft
+            .list_table(TABLE)
+            .await
+            .map_err(|error| crate::error_chain(&error)),
+        Err(error) => Err(crate::error_chain(error)),
+    };
+    let conntrack_bypass = match listed {
         Ok(Some(_)) => BypassState {
             table: "present",
             detail: None,
@@ -72,9 +81,9 @@ pub async fn gather(
             table: "absent",
             detail: None,
         },
-        Err(error) => BypassState {
+        Err(detail) => BypassState {
             table: "unknown",
-            detail: Some(error.to_string()),
+            detail: Some(detail),
         },
     };
     Ok(StatusReport {
@@ -258,6 +267,7 @@ mod tests {
                 mode: "auto",
                 route: "upstream",
                 reason: "the cache has no socket",
+                reason_code: "no_sockets",
                 cache_sockets: Some((0, 0)),
                 probe_verdict: "down",
                 pool: vec![PoolTarget {

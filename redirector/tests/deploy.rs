@@ -1,0 +1,1075 @@
+//! The deployment files (issue 7): the systemd unit, the example configurations, the Kubernetes
+//! manifests and the Containerfile, checked against what the agent needs.
+//!
+//! Every manifest is parsed into its k8s-openapi type and serialized back: the types ignore
+//! fields they do not know, so a typo or a field at the wrong level would vanish silently; the
+//! round trip makes it a difference, and the typed checks below see what the API server would.
+//! Tools that may be missing on a machine (`systemd-analyze`, `kubectl`) make their test print a
+//! `skip:` line with the reason instead of passing silently.
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::{IpAddr, SocketAddr},
+    path::{Path, PathBuf},
+    process::Command,
+};
+
+use k8s_openapi::{
+    api::{
+        apps::v1::DaemonSet,
+        core::v1::{ConfigMap, Container, PodSpec, Probe, ServiceAccount, Volume},
+        rbac::v1::{Role, RoleBinding},
+    },
+    apimachinery::pkg::util::intstr::IntOrString,
+};
+use redirector::config::{Config, UpstreamSource};
+use serde::{Deserialize as _, Serialize, de::DeserializeOwned};
+
+/// The Kustomize base, relative to the repository.
+const BASE: &str = "deploy/kubernetes/base";
+/// The overlay that deploys it in kube-system.
+const OVERLAY: &str = "deploy/kubernetes/overlays/kube-system";
+/// The agent's container in the DaemonSet.
+const AGENT: &str = "redirector";
+/// The init container that mounts bpffs when the node has none.
+const BPFFS_INIT: &str = "mount-bpffs";
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("the crate lives in the workspace")
+        .to_owned()
+}
+
+fn read(relative: &str) -> String {
+    let path = repo().join(relative);
+    std::fs::read_to_string(&path).unwrap_or_else(|error| panic!("{}: {error}", path.display()))
+}
+
+/// Where `a` and `b` differ, as JSON pointers (`/spec/template/...`).
+fn differences(a: &serde_json::Value, b: &serde_json::Value, at: &str, out: &mut Vec<String>) {
+    use serde_json::Value;
+    match (a, b) {
+        (Value::Object(a), Value::Object(b)) => {
+            let keys: BTreeSet<&String> = a.keys().chain(b.keys()).collect();
+            for key in keys {
+                let path = format!("{at}/{key}");
+                match (a.get(key), b.get(key)) {
+                    (Some(x), Some(y)) => differences(x, y, &path, out),
+                    _ => out.push(path),
+                }
+            }
+        }
+        (Value::Array(a), Value::Array(b)) if a.len() == b.len() => {
+            for (index, (x, y)) in a.iter().zip(b).enumerate() {
+                differences(x, y, &format!("{at}/{index}"), out);
+            }
+        }
+        _ if a != b => out.push(at.to_owned()),
+        _ => {}
+    }
+}
+
+/// Parses `text` as a `T` and checks that the type keeps the whole document.
+fn typed_from<T: DeserializeOwned + Serialize>(name: &str, text: &str) -> Result<T, String> {
+    let kind = std::any::type_name::<T>();
+    let written: serde_json::Value =
+        serde_yaml::from_str(text).map_err(|error| format!("{name}: not YAML: {error}"))?;
+    let object: T =
+        serde_yaml::from_str(text).map_err(|error| format!("{name}: not a {kind}: {error}"))?;
+    let parsed = serde_json::to_value(&object).map_err(|error| format!("{name}: {error}"))?;
+    let mut differ = Vec::new();
+    differences(&written, &parsed, "", &mut differ);
+    if differ.is_empty() {
+        Ok(object)
+    } else {
+        Err(format!(
+            "{name}: {kind} does not keep these fields as written (unknown or misplaced?): {}",
+            differ.join(", ")
+        ))
+    }
+}
+
+/// A manifest of the base, parsed into its type.
+fn manifest<T: DeserializeOwned + Serialize>(file: &str) -> T {
+    typed_from(file, &read(&format!("{BASE}/{file}"))).unwrap_or_else(|error| panic!("{error}"))
+}
+
+fn daemonset() -> DaemonSet {
+    manifest("daemonset.yaml")
+}
+
+fn pod(daemonset: &DaemonSet) -> &PodSpec {
+    daemonset
+        .spec
+        .as_ref()
+        .and_then(|spec| spec.template.spec.as_ref())
+        .expect("the DaemonSet has a pod template")
+}
+
+fn all_containers(pod: &PodSpec) -> impl Iterator<Item = &Container> {
+    pod.init_containers.iter().flatten().chain(&pod.containers)
+}
+
+fn container<'a>(pod: &'a PodSpec, name: &str) -> &'a Container {
+    all_containers(pod)
+        .find(|container| container.name == name)
+        .unwrap_or_else(|| panic!("no container {name}"))
+}
+
+fn volume<'a>(pod: &'a PodSpec, name: &str) -> &'a Volume {
+    pod.volumes
+        .iter()
+        .flatten()
+        .find(|volume| volume.name == name)
+        .unwrap_or_else(|| panic!("no volume {name}"))
+}
+
+fn added_capabilities(container: &Container) -> BTreeSet<&str> {
+    container
+        .security_context
+        .as_ref()
+        .and_then(|context| context.capabilities.as_ref())
+        .and_then(|capabilities| capabilities.add.as_ref())
+        .into_iter()
+        .flatten()
+        .map(String::as_str)
+        .collect()
+}
+
+/// The configuration the DaemonSet runs with.
+fn configmap_config() -> (ConfigMap, String) {
+    let configmap: ConfigMap = manifest("configmap.yaml");
+    let text = configmap
+        .data
+        .as_ref()
+        .and_then(|data| data.get("config.toml"))
+        .expect("the ConfigMap has config.toml")
+        .clone();
+    (configmap, text)
+}
+
+fn parse_config(name: &str, text: &str) -> Config {
+    Config::parse(text).unwrap_or_else(|error| {
+        let mut message = error.to_string();
+        let mut source = std::error::Error::source(&error);
+        while let Some(cause) = source {
+            message.push_str(&format!(": {cause}"));
+            source = cause.source();
+        }
+        panic!("{name}: {message}")
+    })
+}
+
+/// The host directory a path of the agent's container comes from, when a hostPath volume
+/// mounted at the same path covers it (so that the path means the same in the pod and on the
+/// host), with the mount.
+fn host_mount_covering<'a>(
+    pod: &'a PodSpec,
+    agent: &'a Container,
+    path: &Path,
+) -> Option<&'a k8s_openapi::api::core::v1::VolumeMount> {
+    agent.volume_mounts.iter().flatten().find(|mount| {
+        let host = volume(pod, &mount.name)
+            .host_path
+            .as_ref()
+            .map(|host| host.path.as_str());
+        host == Some(mount.mount_path.as_str()) && path.starts_with(&mount.mount_path)
+    })
+}
+
+#[test]
+fn every_manifest_keeps_its_fields_through_its_type() {
+    let _: DaemonSet = manifest("daemonset.yaml");
+    let _: ConfigMap = manifest("configmap.yaml");
+    let _: ServiceAccount = manifest("serviceaccount.yaml");
+    let _: Role = manifest("role.yaml");
+    let _: RoleBinding = manifest("rolebinding.yaml");
+}
+
+#[test]
+fn the_round_trip_catches_a_misspelled_field() {
+    let text = read(&format!("{BASE}/daemonset.yaml"));
+    assert!(text.contains("      hostNetwork: true\n"));
+    let broken = text.replace("      hostNetwork: true\n", "      hostNetwrok: true\n");
+    let error = typed_from::<DaemonSet>("daemonset.yaml", &broken)
+        .expect_err("a misspelled field must be caught");
+    assert!(error.contains("/spec/template/spec/hostNetwrok"), "{error}");
+}
+
+#[test]
+fn the_kustomization_lists_exactly_the_base_files_and_no_namespace() {
+    let kustomization: serde_json::Value =
+        serde_yaml::from_str(&read(&format!("{BASE}/kustomization.yaml"))).expect("YAML");
+    assert_eq!(kustomization["kind"], "Kustomization");
+    assert!(
+        kustomization.get("namespace").is_none(),
+        "the base is namespace-agnostic"
+    );
+    let listed: BTreeSet<String> = kustomization["resources"]
+        .as_array()
+        .expect("resources")
+        .iter()
+        .map(|resource| resource.as_str().expect("a file name").to_owned())
+        .collect();
+    let present: BTreeSet<String> = std::fs::read_dir(repo().join(BASE))
+        .expect("the base directory")
+        .map(|entry| {
+            entry
+                .expect("a directory entry")
+                .file_name()
+                .to_string_lossy()
+                .into_owned()
+        })
+        .filter(|name| name != "kustomization.yaml")
+        .collect();
+    assert_eq!(listed, present);
+    for file in &listed {
+        let document: serde_json::Value =
+            serde_yaml::from_str(&read(&format!("{BASE}/{file}"))).expect("YAML");
+        assert!(
+            document["metadata"].get("namespace").is_none(),
+            "{file} names a namespace; the overlay chooses it"
+        );
+    }
+}
+
+#[test]
+fn no_container_is_privileged_and_each_has_only_its_capabilities() {
+    let daemonset = daemonset();
+    let pod = pod(&daemonset);
+    assert_eq!(pod.host_pid, None, "the pod does not share the host's PIDs");
+    assert_eq!(pod.host_ipc, None);
+    for container in all_containers(pod) {
+        let name = &container.name;
+        let context = container
+            .security_context
+            .as_ref()
+            .unwrap_or_else(|| panic!("{name}: no securityContext"));
+        assert_eq!(context.privileged, Some(false), "{name}");
+        assert_eq!(context.read_only_root_filesystem, Some(true), "{name}");
+        assert_eq!(
+            context.run_as_user,
+            Some(0),
+            "{name}: the agent must be root"
+        );
+        let drop: Vec<&str> = context
+            .capabilities
+            .as_ref()
+            .and_then(|capabilities| capabilities.drop.as_ref())
+            .into_iter()
+            .flatten()
+            .map(String::as_str)
+            .collect();
+        assert_eq!(drop, ["ALL"], "{name}");
+        for mount in container.volume_mounts.iter().flatten() {
+            assert_ne!(
+                mount.mount_propagation.as_deref(),
+                Some("Bidirectional"),
+                "{name}: Bidirectional propagation needs a privileged container"
+            );
+        }
+    }
+    // Justified in daemonset.yaml and deploy/systemd/redirector.service: the agent's four, plus
+    // SYS_PTRACE to open the host's /proc/1/ns/cgroup for nsenter.
+    assert_eq!(
+        added_capabilities(container(pod, AGENT)),
+        BTreeSet::from(["BPF", "NET_ADMIN", "PERFMON", "SYS_ADMIN", "SYS_PTRACE"])
+    );
+    assert_eq!(
+        added_capabilities(container(pod, BPFFS_INIT)),
+        BTreeSet::from(["SYS_ADMIN", "SYS_CHROOT", "SYS_PTRACE"])
+    );
+}
+
+#[test]
+fn the_pod_is_a_node_critical_host_network_agent() {
+    let daemonset = daemonset();
+    let pod = pod(&daemonset);
+    assert_eq!(pod.host_network, Some(true));
+    assert_eq!(pod.dns_policy.as_deref(), Some("Default"));
+    assert_eq!(
+        pod.priority_class_name.as_deref(),
+        Some("system-node-critical")
+    );
+    let service_account: ServiceAccount = manifest("serviceaccount.yaml");
+    assert_eq!(
+        pod.service_account_name.as_deref(),
+        service_account.metadata.name.as_deref()
+    );
+
+    let tolerations = pod.tolerations.as_deref().unwrap_or_default();
+    for toleration in tolerations {
+        assert!(
+            toleration.key.as_deref().is_some_and(|key| !key.is_empty()),
+            "a toleration without a key tolerates every taint: {toleration:?}"
+        );
+    }
+    let tolerated: BTreeSet<(&str, Option<&str>)> = tolerations
+        .iter()
+        .map(|toleration| {
+            (
+                toleration.key.as_deref().unwrap_or_default(),
+                toleration.effect.as_deref(),
+            )
+        })
+        .collect();
+    for wanted in [
+        ("CriticalAddonsOnly", None),
+        ("node.kubernetes.io/not-ready", Some("NoExecute")),
+        ("node.kubernetes.io/not-ready", Some("NoSchedule")),
+        ("node.kubernetes.io/unreachable", Some("NoExecute")),
+        ("node.kubernetes.io/unreachable", Some("NoSchedule")),
+        ("node.kubernetes.io/disk-pressure", Some("NoSchedule")),
+        ("node.kubernetes.io/memory-pressure", Some("NoSchedule")),
+        ("node.kubernetes.io/pid-pressure", Some("NoSchedule")),
+        ("node.kubernetes.io/unschedulable", Some("NoSchedule")),
+        ("node.kubernetes.io/network-unavailable", Some("NoSchedule")),
+    ] {
+        assert!(tolerated.contains(&wanted), "not tolerated: {wanted:?}");
+    }
+
+    let strategy = daemonset
+        .spec
+        .as_ref()
+        .and_then(|spec| spec.update_strategy.as_ref())
+        .expect("an update strategy");
+    assert_eq!(strategy.type_.as_deref(), Some("RollingUpdate"));
+    let rolling = strategy.rolling_update.as_ref().expect("rollingUpdate");
+    assert_eq!(rolling.max_unavailable, Some(IntOrString::Int(1)));
+    assert_eq!(
+        rolling.max_surge,
+        Some(IntOrString::Int(0)),
+        "two agents on one node would fight over the lock"
+    );
+
+    let agent = container(pod, AGENT);
+    let resources = agent.resources.as_ref().expect("resources");
+    let requests = resources.requests.as_ref().expect("requests");
+    assert!(requests.contains_key("cpu") && requests.contains_key("memory"));
+    assert!(
+        resources.limits.is_none(),
+        "no limits: BPF map memory is charged to the pod, and CPU throttling delays probes"
+    );
+}
+
+#[test]
+fn probes_reach_the_endpoint_the_configuration_opens() {
+    let daemonset = daemonset();
+    let pod = pod(&daemonset);
+    let agent = container(pod, AGENT);
+    let (_, text) = configmap_config();
+    let config = parse_config("configmap.yaml", &text);
+    assert!(config.metrics.enabled);
+    // kubelet probes a hostNetwork pod at the node's address: loopback would not answer.
+    assert!(
+        config.metrics.address.ip().is_unspecified(),
+        "metrics.address {} is not reachable at the node's address",
+        config.metrics.address
+    );
+    let port = |name: &str| -> i32 {
+        agent
+            .ports
+            .iter()
+            .flatten()
+            .find(|port| port.name.as_deref() == Some(name))
+            .unwrap_or_else(|| panic!("no container port {name}"))
+            .container_port
+    };
+    assert_eq!(
+        port("metrics"),
+        i32::from(config.metrics.address.port()),
+        "the container port is the metrics port"
+    );
+    let check = |probe: Option<&Probe>, what: &str, path: &str| {
+        let get = probe
+            .and_then(|probe| probe.http_get.as_ref())
+            .unwrap_or_else(|| panic!("no {what} httpGet"));
+        assert_eq!(get.path.as_deref(), Some(path), "{what}");
+        let number = match &get.port {
+            IntOrString::Int(number) => *number,
+            IntOrString::String(name) => port(name),
+        };
+        assert_eq!(
+            number,
+            i32::from(config.metrics.address.port()),
+            "{what} port"
+        );
+        assert_eq!(
+            get.host, None,
+            "{what}: kubelet must probe the pod's address"
+        );
+    };
+    check(agent.liveness_probe.as_ref(), "livenessProbe", "/healthz");
+    check(agent.startup_probe.as_ref(), "startupProbe", "/healthz");
+    check(agent.readiness_probe.as_ref(), "readinessProbe", "/readyz");
+
+    let annotations = daemonset
+        .spec
+        .as_ref()
+        .and_then(|spec| spec.template.metadata.as_ref())
+        .and_then(|metadata| metadata.annotations.as_ref())
+        .expect("pod annotations");
+    assert_eq!(
+        annotations.get("prometheus.io/port").map(String::as_str),
+        Some(config.metrics.address.port().to_string().as_str())
+    );
+    assert_eq!(
+        annotations.get("prometheus.io/path").map(String::as_str),
+        Some("/metrics")
+    );
+}
+
+#[test]
+fn the_configmap_configuration_is_valid_and_its_paths_are_the_hosts() {
+    let daemonset = daemonset();
+    let pod = pod(&daemonset);
+    let agent = container(pod, AGENT);
+    let (configmap, text) = configmap_config();
+    let config = parse_config("configmap.yaml", &text);
+
+    // The agent reads the ConfigMap's config.toml.
+    let command: Vec<&str> = agent
+        .command
+        .iter()
+        .flatten()
+        .chain(agent.args.iter().flatten())
+        .map(String::as_str)
+        .collect();
+    let config_path = command
+        .windows(2)
+        .find(|pair| pair[0] == "--config")
+        .map(|pair| pair[1])
+        .expect("run --config PATH");
+    let (directory, file) = config_path.rsplit_once('/').expect("an absolute path");
+    assert_eq!(file, "config.toml");
+    let mount = agent
+        .volume_mounts
+        .iter()
+        .flatten()
+        .find(|mount| mount.mount_path == directory)
+        .expect("the configuration directory is mounted");
+    assert_eq!(
+        volume(pod, &mount.name)
+            .config_map
+            .as_ref()
+            .map(|source| source.name.as_str()),
+        configmap.metadata.name.as_deref()
+    );
+    // nsenter joins the host's cgroup namespace through the host's /proc, then runs the agent.
+    assert_eq!(
+        &command[..4],
+        [
+            "/usr/bin/nsenter",
+            "--cgroup=/host/proc/1/ns/cgroup",
+            "--",
+            "/usr/local/bin/redirector"
+        ]
+    );
+    assert_eq!(command[4], "run");
+    let proc_mount = agent
+        .volume_mounts
+        .iter()
+        .flatten()
+        .find(|mount| mount.mount_path == "/host/proc")
+        .expect("/host/proc is mounted");
+    assert_eq!(proc_mount.read_only, Some(true));
+    assert_eq!(
+        volume(pod, &proc_mount.name)
+            .host_path
+            .as_ref()
+            .map(|host| host.path.as_str()),
+        Some("/proc")
+    );
+
+    // Pins and the lock on the host, so they outlive the pod and `uninstall` on the node finds
+    // them; resolv.conf files from the host.
+    let pins = host_mount_covering(pod, agent, &config.pin_dir)
+        .unwrap_or_else(|| panic!("pin_dir {} is not a host path", config.pin_dir.display()));
+    assert_eq!(pins.mount_propagation.as_deref(), Some("HostToContainer"));
+    assert_ne!(pins.read_only, Some(true));
+    let lock = host_mount_covering(pod, agent, &config.lock_file).unwrap_or_else(|| {
+        panic!(
+            "lock_file {} is not a host path",
+            config.lock_file.display()
+        )
+    });
+    assert_ne!(lock.read_only, Some(true));
+    let cgroup = host_mount_covering(pod, agent, Path::new("/sys/fs/cgroup"))
+        .expect("the cgroup v2 hierarchy is mounted");
+    assert_eq!(cgroup.read_only, Some(true));
+    assert_eq!(
+        config.cgroup, None,
+        "the cgroup v2 root, found in mountinfo"
+    );
+    for listener in &config.listeners {
+        if let UpstreamSource::ResolvConf(path) = &listener.source {
+            assert!(
+                host_mount_covering(pod, agent, path).is_some(),
+                "{}: {} is not mounted from the host",
+                listener.name,
+                path.display()
+            );
+        }
+    }
+    assert_eq!(config.cache_netns, None, "hostNetwork: the agent's own");
+
+    // AKS layout: the node and cluster listeners, the cluster pool from kube-dns in the
+    // namespace the Role must be created in.
+    let sources: BTreeMap<IpAddr, &UpstreamSource> = config
+        .listeners
+        .iter()
+        .map(|listener| (listener.address, &listener.source))
+        .collect();
+    assert_eq!(
+        sources.get(&IpAddr::from([169, 254, 10, 10])),
+        Some(&&UpstreamSource::ResolvConf(PathBuf::from(
+            "/run/systemd/resolve/resolv.conf"
+        )))
+    );
+    assert_eq!(
+        sources.get(&IpAddr::from([169, 254, 10, 11])),
+        Some(&&UpstreamSource::Kubernetes {
+            namespace: "kube-system".to_owned(),
+            service: "kube-dns".to_owned()
+        })
+    );
+}
+
+#[test]
+fn rbac_grants_only_reading_endpointslices() {
+    let role: Role = manifest("role.yaml");
+    let rules = role.rules.as_deref().unwrap_or_default();
+    assert_eq!(rules.len(), 1, "{rules:?}");
+    let rule = &rules[0];
+    assert_eq!(
+        rule.api_groups.as_deref(),
+        Some(&["discovery.k8s.io".to_owned()][..])
+    );
+    assert_eq!(
+        rule.resources.as_deref(),
+        Some(&["endpointslices".to_owned()][..])
+    );
+    let verbs: BTreeSet<&str> = rule.verbs.iter().map(String::as_str).collect();
+    assert_eq!(verbs, BTreeSet::from(["get", "list", "watch"]));
+    assert_eq!(rule.resource_names, None);
+    assert_eq!(rule.non_resource_urls, None);
+
+    let binding: RoleBinding = manifest("rolebinding.yaml");
+    assert_eq!(binding.role_ref.kind, "Role");
+    assert_eq!(Some(&binding.role_ref.name), role.metadata.name.as_ref());
+    let service_account: ServiceAccount = manifest("serviceaccount.yaml");
+    let subjects = binding.subjects.as_deref().unwrap_or_default();
+    assert_eq!(subjects.len(), 1);
+    assert_eq!(subjects[0].kind, "ServiceAccount");
+    assert_eq!(
+        Some(&subjects[0].name),
+        service_account.metadata.name.as_ref()
+    );
+    assert_eq!(
+        subjects[0].namespace, None,
+        "the overlay sets the subject's namespace"
+    );
+
+    // Nothing cluster-wide anywhere under deploy/kubernetes.
+    let mut files = vec![repo().join("deploy/kubernetes")];
+    let mut kinds = Vec::new();
+    while let Some(path) = files.pop() {
+        if path.is_dir() {
+            for entry in std::fs::read_dir(&path).expect("a directory") {
+                files.push(entry.expect("an entry").path());
+            }
+        } else if path
+            .extension()
+            .is_some_and(|extension| extension == "yaml")
+        {
+            let text = std::fs::read_to_string(&path).expect("readable");
+            for document in serde_yaml::Deserializer::from_str(&text) {
+                let value = serde_json::Value::deserialize(document).expect("YAML");
+                kinds.push((path.clone(), value["kind"].as_str().map(str::to_owned)));
+            }
+        }
+    }
+    assert!(kinds.len() >= 8, "{kinds:?}");
+    for (path, kind) in kinds {
+        assert!(
+            !matches!(kind.as_deref(), Some("ClusterRole" | "ClusterRoleBinding")),
+            "{}: {kind:?}",
+            path.display()
+        );
+    }
+}
+
+#[test]
+fn the_podmonitor_component_scrapes_the_agent_pods() {
+    let monitor: serde_json::Value = serde_yaml::from_str(&read(
+        "deploy/kubernetes/components/podmonitor/podmonitor.yaml",
+    ))
+    .expect("YAML");
+    assert_eq!(monitor["apiVersion"], "monitoring.coreos.com/v1");
+    assert_eq!(monitor["kind"], "PodMonitor");
+    let daemonset = daemonset();
+    let labels = daemonset
+        .spec
+        .as_ref()
+        .and_then(|spec| spec.template.metadata.as_ref())
+        .and_then(|metadata| metadata.labels.as_ref())
+        .expect("pod labels");
+    let selector = monitor["spec"]["selector"]["matchLabels"]
+        .as_object()
+        .expect("matchLabels");
+    assert!(!selector.is_empty());
+    for (key, value) in selector {
+        assert_eq!(labels.get(key).map(String::as_str), value.as_str(), "{key}");
+    }
+    let endpoints = monitor["spec"]["podMetricsEndpoints"]
+        .as_array()
+        .expect("endpoints");
+    assert_eq!(endpoints.len(), 1);
+    assert_eq!(endpoints[0]["port"], "metrics");
+    assert_eq!(endpoints[0]["path"], "/metrics");
+    let component: serde_json::Value = serde_yaml::from_str(&read(
+        "deploy/kubernetes/components/podmonitor/kustomization.yaml",
+    ))
+    .expect("YAML");
+    assert_eq!(component["kind"], "Component");
+    assert_eq!(component["resources"][0], "podmonitor.yaml");
+}
+
+/// Runs the binary the tests build: `redirector check-config --config PATH`.
+fn check_config(path: &Path) -> (bool, String) {
+    let output = Command::new(env!("CARGO_BIN_EXE_redirector"))
+        .args(["check-config", "--config"])
+        .arg(path)
+        .output()
+        .expect("the redirector binary runs");
+    (
+        output.status.success(),
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        ),
+    )
+}
+
+/// Says that a check did not run, and why. Written to stderr directly, past the test harness's
+/// capture of `println!`, so that the line shows in every run, not only a failing one.
+fn skip(reason: &str) {
+    use std::io::Write as _;
+    let _ = writeln!(std::io::stderr(), "skip: {reason}");
+}
+
+/// A fresh scratch directory for one test.
+fn scratch(tag: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("redirector-deploy-{}-{tag}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("a scratch directory");
+    dir
+}
+
+#[test]
+fn the_example_configurations_are_valid() {
+    // What `Config::parse` (and `check-config`) validates is everything that needs no host:
+    // whether skip_cgroups exist, the pin directory is on bpffs and cache_netns opens is
+    // checked by the agent when it starts, on the node. So the NodeLocal example's placeholder
+    // cgroup (a cache unit that does not exist here) parses once its line is uncommented, with no
+    // substitution of the path.
+    let aks = parse_config("aks.toml", &read("deploy/examples/aks.toml"));
+    let node = aks.listener("node").expect("node listener").1;
+    assert_eq!(node.address, IpAddr::from([169, 254, 10, 10]));
+    assert_eq!(
+        node.source,
+        UpstreamSource::ResolvConf(PathBuf::from("/run/systemd/resolve/resolv.conf"))
+    );
+    let cluster = aks.listener("cluster").expect("cluster listener").1;
+    assert_eq!(cluster.address, IpAddr::from([169, 254, 10, 11]));
+    assert_eq!(
+        cluster.source,
+        UpstreamSource::Kubernetes {
+            namespace: "kube-system".to_owned(),
+            service: "kube-dns".to_owned()
+        }
+    );
+    assert!(aks.interface.manage);
+    assert!(
+        aks.kubernetes.kubeconfig.is_some(),
+        "a node has no in-cluster credentials"
+    );
+    assert!(aks.metrics.address.ip().is_loopback());
+
+    let nodelocal = parse_config(
+        "nodelocal-dnscache.toml",
+        &read("deploy/examples/nodelocal-dnscache.toml"),
+    );
+    assert!(
+        !nodelocal.interface.manage,
+        "node-local-dns owns its interface and addresses"
+    );
+    let cache: SocketAddr = "169.254.20.10:53".parse().expect("an address");
+    let local = nodelocal
+        .listeners
+        .iter()
+        .find(|listener| listener.address == IpAddr::from([169, 254, 20, 10]))
+        .expect("the link-local listener");
+    assert_eq!(local.cache, cache);
+    let cluster_ip = nodelocal
+        .listeners
+        .iter()
+        .find(|listener| listener.address == IpAddr::from([10, 96, 0, 10]))
+        .expect("the kube-dns ClusterIP listener");
+    assert_eq!(
+        cluster_ip.cache, cache,
+        "the ClusterIP is steered to the cache"
+    );
+    for listener in &nodelocal.listeners {
+        assert!(
+            matches!(listener.source, UpstreamSource::Kubernetes { .. }),
+            "{}: the upstreams are the kube-dns endpoints",
+            listener.name
+        );
+    }
+    assert!(
+        cluster_ip.skip_cgroups.is_empty(),
+        "the stock manifest's cache needs no skipped cgroup"
+    );
+    // The documented skip_cgroups line, uncommented: it parses, placeholder and all.
+    let commented = "# skip_cgroups = [\"/sys/fs/cgroup/system.slice/node-local-dns.service\"]\n";
+    let text = read("deploy/examples/nodelocal-dnscache.toml");
+    assert_eq!(text.matches(commented).count(), 1);
+    let uncommented = text.replace(commented, &commented[2..]);
+    let with_skip = parse_config("nodelocal-dnscache.toml, uncommented", &uncommented);
+    let cluster_ip = with_skip
+        .listeners
+        .iter()
+        .find(|listener| listener.address == IpAddr::from([10, 96, 0, 10]))
+        .expect("the kube-dns ClusterIP listener");
+    assert_eq!(
+        cluster_ip.skip_cgroups,
+        [PathBuf::from(
+            "/sys/fs/cgroup/system.slice/node-local-dns.service"
+        )]
+    );
+
+    // The same files through the binary's own check.
+    let dir = scratch("check-config");
+    let (_, configmap) = configmap_config();
+    std::fs::write(dir.join("configmap.toml"), configmap).expect("written");
+    for path in [
+        repo().join("deploy/examples/aks.toml"),
+        repo().join("deploy/examples/nodelocal-dnscache.toml"),
+        dir.join("configmap.toml"),
+    ] {
+        let (ok, said) = check_config(&path);
+        assert!(ok, "{}: {said}", path.display());
+        assert!(said.contains("valid"), "{said}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `(section, key)` → values, in file order, of a systemd unit (comments and blank lines out).
+fn unit_settings(text: &str) -> BTreeMap<(String, String), Vec<String>> {
+    let mut settings: BTreeMap<(String, String), Vec<String>> = BTreeMap::new();
+    let mut section = String::new();
+    for line in text.lines().map(str::trim) {
+        if line.is_empty() || line.starts_with('#') || line.starts_with(';') {
+            continue;
+        }
+        if let Some(name) = line
+            .strip_prefix('[')
+            .and_then(|rest| rest.strip_suffix(']'))
+        {
+            name.clone_into(&mut section);
+            continue;
+        }
+        let (key, value) = line.split_once('=').expect("key=value");
+        settings
+            .entry((section.clone(), key.trim().to_owned()))
+            .or_default()
+            .push(value.trim().to_owned());
+    }
+    settings
+}
+
+#[test]
+fn the_systemd_unit_has_the_documented_settings() {
+    let settings = unit_settings(&read("deploy/systemd/redirector.service"));
+    let one = |section: &str, key: &str| -> String {
+        let values = settings
+            .get(&(section.to_owned(), key.to_owned()))
+            .unwrap_or_else(|| panic!("[{section}] {key} is not set"));
+        assert_eq!(values.len(), 1, "[{section}] {key} is set twice");
+        values[0].clone()
+    };
+    let words = |section: &str, key: &str| -> BTreeSet<String> {
+        settings
+            .get(&(section.to_owned(), key.to_owned()))
+            .into_iter()
+            .flatten()
+            .flat_map(|value| value.split_whitespace().map(str::to_owned))
+            .collect()
+    };
+    assert_eq!(one("Service", "Type"), "notify");
+    assert_eq!(
+        one("Service", "ExecStart"),
+        "/usr/local/bin/redirector run --config /etc/redirector/config.toml"
+    );
+    assert_eq!(one("Service", "Restart"), "always");
+    let timeout = one("Service", "TimeoutStartSec");
+    assert!(
+        timeout != "infinity" && timeout != "0",
+        "TimeoutStartSec must be bounded: {timeout}"
+    );
+    assert!(words("Unit", "Before").contains("kubelet.service"));
+    assert!(words("Unit", "Before").contains("node-local-dns.service"));
+    assert_eq!(one("Install", "WantedBy"), "multi-user.target");
+    let capabilities: BTreeSet<String> =
+        ["CAP_BPF", "CAP_NET_ADMIN", "CAP_PERFMON", "CAP_SYS_ADMIN"]
+            .map(str::to_owned)
+            .into();
+    assert_eq!(words("Service", "CapabilityBoundingSet"), capabilities);
+    assert_eq!(words("Service", "AmbientCapabilities"), capabilities);
+    assert_eq!(one("Service", "ProtectSystem"), "strict");
+    let writable = words("Service", "ReadWritePaths");
+    assert!(writable.contains("/sys/fs/bpf") && writable.contains("/run/redirector"));
+    assert_eq!(one("Service", "ProtectHome"), "yes");
+    assert_eq!(one("Service", "NoNewPrivileges"), "yes");
+    assert_eq!(one("Service", "PrivateTmp"), "yes");
+    // What would break the agent: another network namespace, user namespace or no cgroups.
+    for key in ["PrivateNetwork", "PrivateUsers", "User", "DynamicUser"] {
+        assert!(
+            !settings.contains_key(&("Service".to_owned(), key.to_owned())),
+            "{key} would break the agent"
+        );
+    }
+    // The paths the agent writes by default are the writable ones.
+    let defaults = Config::parse("[[listener]]\nname = \"n\"\naddress = \"169.254.10.10\"\n")
+        .expect("a minimal configuration");
+    assert!(
+        writable
+            .iter()
+            .any(|path| defaults.pin_dir.starts_with(path))
+    );
+    assert!(
+        writable
+            .iter()
+            .any(|path| defaults.lock_file.starts_with(path))
+    );
+}
+
+/// `systemd-analyze verify` on `unit`, written as redirector.service in a scratch directory.
+/// `Ok(false)`: systemd-analyze is not installed. It exits 0 after warnings (an unknown key, a
+/// bad value), so anything it prints is a failure too.
+fn verify_unit(unit: &str, tag: &str) -> Result<bool, String> {
+    let dir = scratch(tag);
+    let path = dir.join("redirector.service");
+    std::fs::write(&path, unit).expect("written");
+    let output = match Command::new("systemd-analyze")
+        .arg("verify")
+        .arg(&path)
+        .output()
+    {
+        Ok(output) => output,
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => {
+            let _ = std::fs::remove_dir_all(&dir);
+            return Ok(false);
+        }
+        Err(error) => panic!("running systemd-analyze: {error}"),
+    };
+    let _ = std::fs::remove_dir_all(&dir);
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    if output.status.success() && said.trim().is_empty() {
+        Ok(true)
+    } else {
+        Err(format!(
+            "systemd-analyze verify ({}): {said}",
+            output.status
+        ))
+    }
+}
+
+#[test]
+fn systemd_analyze_verifies_the_unit() {
+    // verify refuses a unit whose ExecStart binary does not exist: point it at the binary these
+    // tests build (the same program /usr/local/bin/redirector is on a node).
+    let unit = read("deploy/systemd/redirector.service");
+    let binary = env!("CARGO_BIN_EXE_redirector");
+    let installed = "ExecStart=/usr/local/bin/redirector ";
+    assert!(unit.contains(installed));
+    let here = unit.replace(installed, &format!("ExecStart={binary} "));
+    match verify_unit(&here, "unit") {
+        Ok(true) => {}
+        Ok(false) => {
+            skip("systemd-analyze is not installed; the unit was not verified");
+            return;
+        }
+        Err(error) => panic!("{error}"),
+    }
+    // The check can fail: a misspelled option is only a warning to systemd-analyze.
+    let misspelled = here.replace("ProtectHome=yes", "ProtectHomme=yes");
+    let error = verify_unit(&misspelled, "misspelled").expect_err("a warning must fail");
+    assert!(error.contains("ProtectHomme"), "{error}");
+    // And without the binary in place, as on a machine where it is not installed.
+    let error = verify_unit(
+        &unit.replace(installed, "ExecStart=/nonexistent/redirector "),
+        "nobin",
+    )
+    .expect_err("a missing binary must fail");
+    assert!(error.contains("/nonexistent/redirector"), "{error}");
+}
+
+/// `kubectl kustomize DIR`, parsed; `None` when kubectl is not installed.
+fn kustomize(dir: &Path) -> Option<Vec<serde_json::Value>> {
+    let output = match Command::new("kubectl").arg("kustomize").arg(dir).output() {
+        Ok(output) => output,
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => return None,
+        Err(error) => panic!("running kubectl: {error}"),
+    };
+    assert!(
+        output.status.success(),
+        "kubectl kustomize {}: {}",
+        dir.display(),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let text = String::from_utf8(output.stdout).expect("UTF-8");
+    Some(
+        serde_yaml::Deserializer::from_str(&text)
+            .map(|document| serde_json::Value::deserialize(document).expect("YAML"))
+            .collect(),
+    )
+}
+
+fn find<'a>(objects: &'a [serde_json::Value], kind: &str) -> &'a serde_json::Value {
+    objects
+        .iter()
+        .find(|object| object["kind"] == kind)
+        .unwrap_or_else(|| panic!("no {kind}"))
+}
+
+#[test]
+fn the_overlays_put_the_rbac_next_to_kube_dns() {
+    let Some(objects) = kustomize(&repo().join(OVERLAY)) else {
+        skip("kubectl is not installed; the overlays were not built");
+        return;
+    };
+    assert_eq!(objects.len(), 5);
+    for object in &objects {
+        assert_eq!(
+            object["metadata"]["namespace"], "kube-system",
+            "{}",
+            object["kind"]
+        );
+    }
+    assert_eq!(
+        find(&objects, "RoleBinding")["subjects"][0]["namespace"],
+        "kube-system"
+    );
+    let daemonset: DaemonSet =
+        serde_json::from_value(find(&objects, "DaemonSet").clone()).expect("a DaemonSet");
+    for container in all_containers(pod(&daemonset)) {
+        assert_eq!(
+            container.image.as_deref(),
+            Some("registry.example.com/redirector:0.1.0")
+        );
+    }
+
+    // docs/operations.md's procedure for running the agent in another namespace: a first
+    // overlay chooses the namespace, a second puts the Role and RoleBinding back in kube-system
+    // and names the subject's namespace (kustomize drops it when the binding moves).
+    let dir = scratch("other-namespace");
+    let base_from = |depth: usize| {
+        // Relative from DIR/<depth levels> to the base (kustomize refuses absolute paths).
+        let up = "../".repeat(depth + dir.components().count() - 1);
+        format!(
+            "{up}{}",
+            repo()
+                .join(BASE)
+                .display()
+                .to_string()
+                .trim_start_matches('/')
+        )
+    };
+    std::fs::create_dir_all(dir.join("namespace")).expect("a directory");
+    std::fs::create_dir_all(dir.join("rbac")).expect("a directory");
+    std::fs::write(
+        dir.join("namespace/kustomization.yaml"),
+        format!(
+            "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n\
+             namespace: dns-system\nresources:\n  - {}\n",
+            base_from(1)
+        ),
+    )
+    .expect("written");
+    std::fs::write(dir.join("rbac/kustomization.yaml"), OTHER_NAMESPACE_RBAC).expect("written");
+    let objects = kustomize(&dir.join("rbac")).expect("kubectl is there");
+    let _ = std::fs::remove_dir_all(&dir);
+    for object in &objects {
+        let expected = match object["kind"].as_str() {
+            Some("Role" | "RoleBinding") => "kube-system",
+            _ => "dns-system",
+        };
+        assert_eq!(
+            object["metadata"]["namespace"], expected,
+            "{}",
+            object["kind"]
+        );
+    }
+    assert_eq!(
+        find(&objects, "RoleBinding")["subjects"][0]["namespace"],
+        "dns-system"
+    );
+}
+
+/// The second-level overlay of docs/operations.md, verbatim.
+const OTHER_NAMESPACE_RBAC: &str = "\
+apiVersion: kustomize.config.k8s.io/v1beta1
+kind: Kustomization
+resources:
+  - ../namespace
+patches:
+  - target:
+      kind: Role
+      name: redirector-kube-dns-endpointslices
+    patch: |-
+      - op: replace
+        path: /metadata/namespace
+        value: kube-system
+  - target:
+      kind: RoleBinding
+      name: redirector-kube-dns-endpointslices
+    patch: |-
+      - op: replace
+        path: /metadata/namespace
+        value: kube-system
+      - op: add
+        path: /subjects/0/namespace
+        value: dns-system
+";
+
+#[test]
+fn the_containerfile_ships_the_tested_binary_with_nft() {
+    let containerfile = read("Containerfile");
+    let stages: Vec<&str> = containerfile
+        .lines()
+        .filter(|line| line.starts_with("FROM "))
+        .collect();
+    assert_eq!(stages.len(), 2, "{stages:?}");
+    assert!(stages[0].contains("rust:1.95.0-bookworm"), "{}", stages[0]);
+    assert!(stages[1].contains("debian:12-slim"), "{}", stages[1]);
+    assert!(containerfile.contains("cargo build --release --locked -p redirector"));
+    assert!(containerfile.contains("target/release/redirector"));
+    assert!(containerfile.contains("llvm-22-dev"));
+    assert!(containerfile.contains("COPY --from=build /out/redirector /usr/local/bin/redirector"));
+    let runtime = &containerfile[containerfile.rfind("FROM ").expect("a runtime stage")..];
+    assert!(runtime.contains("nftables") && runtime.contains("ca-certificates"));
+    // The configuration's nft is the Debian package's.
+    let (_, text) = configmap_config();
+    assert_eq!(
+        parse_config("configmap.yaml", &text).conntrack.nft,
+        PathBuf::from("/usr/sbin/nft")
+    );
+}

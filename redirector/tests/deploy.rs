@@ -270,11 +270,10 @@ fn no_container_is_privileged_and_each_has_only_its_capabilities() {
             );
         }
     }
-    // Justified in daemonset.yaml and deploy/systemd/redirector.service: the agent's four, plus
-    // SYS_PTRACE to open the host's /proc/1/ns/cgroup for nsenter.
+    // Justified in daemonset.yaml and deploy/systemd/redirector.service.
     assert_eq!(
         added_capabilities(container(pod, AGENT)),
-        BTreeSet::from(["BPF", "NET_ADMIN", "PERFMON", "SYS_ADMIN", "SYS_PTRACE"])
+        BTreeSet::from(["BPF", "NET_ADMIN", "PERFMON", "SYS_ADMIN"])
     );
     assert_eq!(
         added_capabilities(container(pod, BPFFS_INIT)),
@@ -456,30 +455,15 @@ fn the_configmap_configuration_is_valid_and_its_paths_are_the_hosts() {
             .map(|source| source.name.as_str()),
         configmap.metadata.name.as_deref()
     );
-    // nsenter joins the host's cgroup namespace through the host's /proc, then runs the agent.
-    assert_eq!(
-        &command[..4],
-        [
-            "/usr/bin/nsenter",
-            "--cgroup=/host/proc/1/ns/cgroup",
-            "--",
-            "/usr/local/bin/redirector"
-        ]
-    );
-    assert_eq!(command[4], "run");
-    let proc_mount = agent
-        .volume_mounts
-        .iter()
-        .flatten()
-        .find(|mount| mount.mount_path == "/host/proc")
-        .expect("/host/proc is mounted");
-    assert_eq!(proc_mount.read_only, Some(true));
-    assert_eq!(
-        volume(pod, &proc_mount.name)
-            .host_path
-            .as_ref()
-            .map(|host| host.path.as_str()),
-        Some("/proc")
+    // The agent runs directly (it finds its own cgroup inside a cgroup namespace itself).
+    assert_eq!(&command[..2], ["/usr/local/bin/redirector", "run"]);
+    assert!(
+        !agent
+            .volume_mounts
+            .iter()
+            .flatten()
+            .any(|mount| mount.mount_path == "/host/proc"),
+        "the agent needs no host /proc"
     );
 
     // Pins and the lock on the host, so they outlive the pod and `uninstall` on the node finds

@@ -22,6 +22,17 @@ fn tools() -> Tools {
     bpf_tests::tools!()
 }
 
+/// A sandbox with the standard servers, and an agent configuration for it.
+fn standard_sandbox() -> anyhow::Result<(Sandbox, std::path::PathBuf)> {
+    let mut sandbox = Sandbox::new(tools())?;
+    sandbox.start_standard_servers()?;
+    let config = sandbox.write_file(
+        "config.toml",
+        &sandbox.config_toml(&standard_listeners(&sandbox)),
+    )?;
+    Ok((sandbox, config))
+}
+
 fn queries(sandbox: &Sandbox, count: u16) -> anyhow::Result<Vec<&'static str>> {
     let outcomes = sandbox.queries_in(
         Ns::Pod,
@@ -243,12 +254,7 @@ fn readyz_waits_for_every_pool_and_healthz_does_not() -> anyhow::Result<()> {
 
 #[test]
 fn systemd_hears_ready_once_the_programs_steer_and_logs_can_be_json() -> anyhow::Result<()> {
-    let mut sandbox = Sandbox::new(tools())?;
-    sandbox.start_standard_servers()?;
-    let config = sandbox.write_file(
-        "config.toml",
-        &sandbox.config_toml(&standard_listeners(&sandbox)),
-    )?;
+    let (sandbox, config) = standard_sandbox()?;
     let socket_path = sandbox.lock_file().with_file_name("notify.sock");
     let notifications = UnixDatagram::bind(&socket_path)?;
     notifications.set_read_timeout(Some(Duration::from_secs(30)))?;
@@ -292,12 +298,7 @@ fn systemd_hears_ready_once_the_programs_steer_and_logs_can_be_json() -> anyhow:
 
 #[test]
 fn status_tells_the_truth_with_the_agent_running_and_stopped() -> anyhow::Result<()> {
-    let mut sandbox = Sandbox::new(tools())?;
-    sandbox.start_standard_servers()?;
-    let config = sandbox.write_file(
-        "config.toml",
-        &sandbox.config_toml(&standard_listeners(&sandbox)),
-    )?;
+    let (sandbox, config) = standard_sandbox()?;
     let config_arg = config.display().to_string();
     let mut agent = start_agent(&config)?;
     assert_eq!(queries(&sandbox, 2)?, ["cache", "cache"]);
@@ -386,12 +387,7 @@ fn status_tells_the_truth_with_the_agent_running_and_stopped() -> anyhow::Result
 
 #[test]
 fn operator_mistakes_get_one_sentence_and_the_fix() -> anyhow::Result<()> {
-    let mut sandbox = Sandbox::new(tools())?;
-    sandbox.start_standard_servers()?;
-    let config = sandbox.write_file(
-        "config.toml",
-        &sandbox.config_toml(&standard_listeners(&sandbox)),
-    )?;
+    let (sandbox, config) = standard_sandbox()?;
     let agent = start_agent(&config)?;
     let pin_dir = sandbox.pin_dir().display().to_string();
 
@@ -467,12 +463,7 @@ fn program_bytes(sandbox: &Sandbox, name: &str) -> anyhow::Result<u64> {
 
 #[test]
 fn kernel_log_reports_decisions_and_costs_nothing_when_off() -> anyhow::Result<()> {
-    let mut sandbox = Sandbox::new(tools())?;
-    sandbox.start_standard_servers()?;
-    let config = sandbox.write_file(
-        "config.toml",
-        &sandbox.config_toml(&standard_listeners(&sandbox)),
-    )?;
+    let (mut sandbox, config) = standard_sandbox()?;
     let mut agent = start_agent(&config)?;
     let quiet = (
         program_bytes(&sandbox, "dns_connect4")?,

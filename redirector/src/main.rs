@@ -159,6 +159,27 @@ fn main() -> ExitCode {
     }
 }
 
+/// A single-threaded runtime for one command.
+fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")
+}
+
+/// Resolves with the signal's name at the first SIGTERM or SIGINT (call it inside a runtime).
+fn stop_signal() -> anyhow::Result<impl Future<Output = &'static str>> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut terminate = signal(SignalKind::terminate()).context("cannot watch SIGTERM")?;
+    let mut interrupt = signal(SignalKind::interrupt()).context("cannot watch SIGINT")?;
+    Ok(async move {
+        tokio::select! {
+            _ = terminate.recv() => "SIGTERM",
+            _ = interrupt.recv() => "SIGINT",
+        }
+    })
+}
+
 fn init_logging(filter: &str, format: LogFormat) -> anyhow::Result<()> {
     let filter = EnvFilter::try_new(filter).with_context(|| {
         format!("the log level {filter:?} is not a valid filter (try info or debug)")
@@ -193,24 +214,16 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         );
     }
 
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .context("cannot start the async runtime")?;
+    let runtime = runtime()?;
     runtime.block_on(async {
-        use tokio::signal::unix::{SignalKind, signal};
-        let mut terminate = signal(SignalKind::terminate()).context("cannot watch SIGTERM")?;
-        let mut interrupt = signal(SignalKind::interrupt()).context("cannot watch SIGINT")?;
+        let stop = stop_signal()?;
         let options = StartOptions {
             replace: args.replace,
         };
         let mut agent = Agent::start(&config, options).await?;
         agent
             .run(async {
-                let signal = tokio::select! {
-                    _ = terminate.recv() => "SIGTERM",
-                    _ = interrupt.recv() => "SIGINT",
-                };
+                let signal = stop.await;
                 tracing::info!(signal, "stopping");
             })
             .await;
@@ -225,10 +238,7 @@ fn uninstall(path: &std::path::Path) -> anyhow::Result<()> {
         config.log_level.as_deref().unwrap_or("warn"),
         LogFormat::Human,
     )?;
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .context("cannot start the async runtime")?;
+    let runtime = runtime()?;
     let report = runtime.block_on(redirector::agent::uninstall(&config))?;
     println!(
         "uninstalled: {}; pins under {} removed{}{}",
@@ -306,10 +316,7 @@ fn status(args: &StatusArgs) -> anyhow::Result<()> {
         )
     };
     let pin_dir = args.pin_dir.clone().unwrap_or(pin_dir);
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .context("cannot start the async runtime")?;
+    let runtime = runtime()?;
     let maps = Maps::open_pinned(&pin_dir)?;
     let report = runtime.block_on(async {
         // The table is looked at in the caches' namespace; not being able to is no reason to
@@ -329,14 +336,9 @@ fn status(args: &StatusArgs) -> anyhow::Result<()> {
 fn cache(path: &std::path::Path, log_level: &str) -> anyhow::Result<()> {
     let config = CacheConfig::load(path)?;
     init_logging(log_level, LogFormat::Human)?;
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .context("cannot start the async runtime")?;
+    let runtime = runtime()?;
     runtime.block_on(async {
-        use tokio::signal::unix::{SignalKind, signal};
-        let mut terminate = signal(SignalKind::terminate()).context("cannot watch SIGTERM")?;
-        let mut interrupt = signal(SignalKind::interrupt()).context("cannot watch SIGINT")?;
+        let stop = stop_signal()?;
         let server = CacheServer::bind(config).await?;
         tracing::info!(
             listen = ?server.local_addrs(),
@@ -344,10 +346,7 @@ fn cache(path: &std::path::Path, log_level: &str) -> anyhow::Result<()> {
         );
         server
             .serve(async {
-                tokio::select! {
-                    _ = terminate.recv() => {}
-                    _ = interrupt.recv() => {}
-                }
+                stop.await;
             })
             .await;
         tracing::info!("embedded cache stopped");

@@ -220,14 +220,16 @@ impl Bench {
         self.maps.reverse_entries()
     }
 
-    /// Waits until `condition` holds, checking every 20 ms, for at most `limit`; fails with
-    /// `what` otherwise. For states the system must reach, not for timing claims.
+    /// Waits until `condition` holds, checking every 20 ms, for at most `limit` (stretched by
+    /// [`crate::pace`]); fails with `what` otherwise. For states the system must reach, not for
+    /// timing claims.
     pub fn wait_until(
         &self,
         what: &str,
         limit: Duration,
         mut condition: impl FnMut(&Self) -> anyhow::Result<bool>,
     ) -> anyhow::Result<()> {
+        let limit = crate::pace::paced(limit);
         let deadline = std::time::Instant::now() + limit;
         loop {
             if condition(self)? {

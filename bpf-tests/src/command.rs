@@ -12,6 +12,8 @@ use std::{
 
 use anyhow::{Context as _, bail};
 
+use crate::pace::paced;
+
 /// Runs `program args` to completion and returns its stdout; fails with its stderr otherwise.
 pub fn run<I, S>(program: &str, args: I) -> anyhow::Result<String>
 where
@@ -33,6 +35,7 @@ where
 
 /// Runs `command` and collects its output, killing it (by pid) after `limit`.
 pub fn output_within(command: &mut Command, limit: Duration) -> anyhow::Result<Output> {
+    let limit = paced(limit);
     command
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -139,6 +142,7 @@ impl TestProcess {
     /// Waits until the process prints a line containing `needle`; returns that line. On failure
     /// the error quotes what it printed.
     pub fn wait_for_line(&mut self, needle: &str, limit: Duration) -> anyhow::Result<String> {
+        let limit = paced(limit);
         let deadline = std::time::Instant::now() + limit;
         let mut seen = Vec::new();
         loop {
@@ -182,6 +186,7 @@ impl TestProcess {
 
     /// Waits for the process to exit, up to `limit`.
     pub fn wait_exit(&mut self, limit: Duration) -> anyhow::Result<std::process::ExitStatus> {
+        let limit = paced(limit);
         let deadline = std::time::Instant::now() + limit;
         loop {
             if let Some(status) = self.child.try_wait().context("waiting for the process")? {

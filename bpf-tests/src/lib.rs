@@ -17,6 +17,7 @@ pub mod dns;
 pub mod fake_kube;
 pub mod http;
 pub mod netns;
+pub mod pace;
 pub mod sandbox;
 pub mod stream;
 pub mod topology;

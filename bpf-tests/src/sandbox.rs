@@ -18,6 +18,7 @@ use crate::{
     command::{TestProcess, join_cgroup_before_exec, output_within},
     dns::{Identity, QueryOutcome},
     netns::NetNs,
+    pace::paced_ms,
     topology::{
         self, CACHE, CLUSTER_LISTENER, NODE_LISTENER, UPSTREAM_A, UPSTREAM_B, V6_LISTENER, dns,
     },
@@ -447,9 +448,10 @@ impl Sandbox {
     }
 
     /// An agent configuration for this sandbox: its cgroup, pin directory, lock file and node
-    /// namespace, probes every 250 ms (the defaults' hysteresis), socket counts reconciled every
-    /// 500 ms, metrics on a free loopback port, the listener addresses left to the sandbox (they are on the node's loopback), then
-    /// `listeners` (TOML `[[listener]]` sections).
+    /// namespace, probes every 250 ms with a 200 ms timeout (the defaults' hysteresis), socket
+    /// counts reconciled every 500 ms (all three stretched by [`crate::pace`]), metrics on a free
+    /// loopback port, the listener addresses left to the sandbox (they are on the node's
+    /// loopback), then `listeners` (TOML `[[listener]]` sections).
     #[must_use]
     pub fn config_toml(&self, listeners: &str) -> String {
         self.config_toml_with(listeners, "[interface]\nmanage = false\n")
@@ -460,11 +462,14 @@ impl Sandbox {
     #[must_use]
     pub fn config_toml_with(&self, listeners: &str, tables: &str) -> String {
         format!(
-            "cgroup = {:?}\npin_dir = {:?}\nlock_file = {:?}\ncache_netns = {:?}\nsocket_reconcile_interval_ms = 500\n\n[probe]\ninterval_ms = 250\ntimeout_ms = 200\n\n[metrics]\naddress = \"127.0.0.1:0\"\n\n{tables}\n{listeners}",
+            "cgroup = {:?}\npin_dir = {:?}\nlock_file = {:?}\ncache_netns = {:?}\nsocket_reconcile_interval_ms = {}\n\n[probe]\ninterval_ms = {}\ntimeout_ms = {}\n\n[metrics]\naddress = \"127.0.0.1:0\"\n\n{tables}\n{listeners}",
             self.cgroup.path().display().to_string(),
             self.pin_dir().display().to_string(),
             self.lock_file().display().to_string(),
             self.node_netns_path().display().to_string(),
+            paced_ms(500),
+            paced_ms(250),
+            paced_ms(200),
         )
     }
 

@@ -1,13 +1,14 @@
 //! A continuous query stream through a failover event, and what it shows: who answered when,
 //! the gap between the last cache answer and the first upstream answer, and what was lost.
 
-use std::{net::SocketAddr, time::Duration};
+use std::{net::SocketAddr, os::unix::process::ExitStatusExt as _, time::Duration};
 
 use anyhow::Context as _;
 
 use crate::{
     command::TestProcess,
     dns::StreamRecord,
+    pace::{paced, paced_ms},
     sandbox::{Ns, Sandbox},
     topology::who,
 };
@@ -43,11 +44,15 @@ impl Stream {
             sandbox.cgroup(),
             &sandbox.tools().dns_stream.display().to_string(),
         )?;
+        // A query's timeout is stretched with the machine's pace; the stream's duration is the
+        // caller's (stretched by the caller where its events are).
         command.args([
             "--server",
             &server.to_string(),
             "--duration-ms",
             &duration.as_millis().to_string(),
+            "--timeout-ms",
+            &paced_ms(300).to_string(),
         ]);
         command.args(extra);
         let process = TestProcess::start("dns-stream", command, "ready", Duration::from_secs(10))?;
@@ -71,6 +76,44 @@ impl Stream {
         anyhow::ensure!(status.success(), "dns-stream failed: {status}");
         // The reader threads deliver the last lines right after the exit.
         std::thread::sleep(Duration::from_millis(50));
+        self.report()
+    }
+
+    /// Waits until the records so far satisfy `done` (for at most `limit`, stretched by
+    /// [`crate::pace`]), then ends the stream early (SIGTERM: a query still in flight is not
+    /// recorded) and returns its records. For streams whose events take as long as they take.
+    pub fn stop_once(
+        mut self,
+        what: &str,
+        limit: Duration,
+        mut done: impl FnMut(&StreamReport) -> bool,
+    ) -> anyhow::Result<StreamReport> {
+        let deadline = std::time::Instant::now() + paced(limit);
+        loop {
+            self.process.drain();
+            let report = self.report()?;
+            if done(&report) {
+                break;
+            }
+            anyhow::ensure!(
+                std::time::Instant::now() < deadline,
+                "{what} did not happen within {limit:?}: {}",
+                report.summary()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        self.process.signal(nix::sys::signal::Signal::SIGTERM)?;
+        let status = self.process.wait_exit(Duration::from_secs(10))?;
+        anyhow::ensure!(
+            status.success() || status.signal() == Some(libc::SIGTERM),
+            "dns-stream failed: {status}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+        self.report()
+    }
+
+    /// Every record printed so far.
+    fn report(&mut self) -> anyhow::Result<StreamReport> {
         let records = self
             .process
             .printed()

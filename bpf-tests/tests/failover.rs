@@ -10,6 +10,7 @@ use bpf_tests::{
     caches::{CacheKind, start_cache},
     cli::{set_state, start_agent},
     dns::now_ms,
+    pace::{paced, paced_ms},
     sandbox::{CacheSpec, Ns, Query, Sandbox, Tools, Transport},
     stream::{Stream, StreamReport},
     topology::{NODE_LISTENER, dns, who},
@@ -39,20 +40,27 @@ fn answered_by(sandbox: &Sandbox) -> anyhow::Result<&'static str> {
     Ok(who(outcome.answer()))
 }
 
+/// A stream from the pod to the node listener for `seconds` (stretched by the machine's pace,
+/// like every event timing here).
 fn stream(bench: &Bench, seconds: u64) -> anyhow::Result<Stream> {
     Stream::start(
         &bench.sandbox,
         Ns::Pod,
         dns(NODE_LISTENER),
-        Duration::from_secs(seconds),
+        paced(Duration::from_secs(seconds)),
     )
+}
+
+/// Lets `milliseconds` pass (stretched by the machine's pace) between the events of a test.
+fn pause(milliseconds: u64) {
+    std::thread::sleep(Duration::from_millis(paced_ms(milliseconds)));
 }
 
 /// Asserts the failover shape around an event at `event_ms`, prints the figures, and returns the
 /// time of the first upstream answer.
 fn assert_failed_over(report: &StreamReport, started_ms: u64, event_ms: u64, what: &str) -> u64 {
     let before: Vec<_> = report
-        .between(started_ms, event_ms.saturating_sub(350))
+        .between(started_ms, event_ms.saturating_sub(paced_ms(350)))
         .collect();
     assert!(
         !before.is_empty(),
@@ -96,7 +104,7 @@ fn kill_9_fails_over_in_the_kernel(kind: CacheKind) -> anyhow::Result<()> {
     let epoch = bench.sockets(NODE_ID)?.down_epoch;
     let started = now_ms();
     let stream = stream(&bench, 3)?;
-    std::thread::sleep(Duration::from_millis(1000));
+    pause(1000);
     let killed = now_ms();
     bench.sandbox.stop_server("cache")?;
     let report = stream.finish()?;
@@ -150,14 +158,14 @@ fn clean_stop_and_restart(kind: CacheKind) -> anyhow::Result<()> {
     let mut bench = bench_with(kind)?;
     let started = now_ms();
     let stream = stream(&bench, 5)?;
-    std::thread::sleep(Duration::from_millis(1000));
+    pause(1000);
     let stopped = now_ms();
     bench.sandbox.process("cache")?.signal(Signal::SIGTERM)?;
     bench
         .sandbox
         .process("cache")?
         .wait_exit(Duration::from_secs(5))?;
-    std::thread::sleep(Duration::from_millis(800));
+    pause(800);
     bench.sandbox.stop_server("cache")?;
     let restarted = now_ms();
     start_cache(&mut bench.sandbox, kind, "cache")?;
@@ -221,10 +229,10 @@ fn hang_and_resume(kind: CacheKind) -> anyhow::Result<()> {
     let mut bench = bench_with(kind)?;
     let started = now_ms();
     let stream = stream(&bench, 6)?;
-    std::thread::sleep(Duration::from_millis(1000));
+    pause(1000);
     let stopped = now_ms();
     bench.sandbox.process("cache")?.signal(Signal::SIGSTOP)?;
-    std::thread::sleep(Duration::from_millis(2500));
+    pause(2500);
     let resumed = now_ms();
     bench.sandbox.process("cache")?.signal(Signal::SIGCONT)?;
     let report = stream.finish()?;
@@ -288,7 +296,7 @@ fn a_crash_loop_flaps_no_more_than_its_crashes_and_ends_on_the_cache() -> anyhow
     for _ in 0..10 {
         bench.sandbox.stop_server("cache")?;
         start_cache(&mut bench.sandbox, CacheKind::TestServer, "cache")?;
-        std::thread::sleep(Duration::from_millis(100));
+        pause(100);
     }
     bench.wait_until(
         "failback after the crash loop",
@@ -325,13 +333,14 @@ fn a_cache_that_binds_before_it_answers_gets_no_dns() -> anyhow::Result<()> {
     })?;
     let started = now_ms();
     let stream = stream(&bench, 4)?;
-    std::thread::sleep(Duration::from_millis(300));
+    pause(300);
+    let muted_ms = paced_ms(1500);
     let bound = now_ms();
     bench.sandbox.start_cache(
         "cache",
         &CacheSpec {
             listen: vec![dns(NODE_LISTENER)],
-            mute_ms: 1500,
+            mute_ms: muted_ms,
             ..CacheSpec::standard()
         },
     )?;
@@ -350,11 +359,11 @@ fn a_cache_that_binds_before_it_answers_gets_no_dns() -> anyhow::Result<()> {
         .first_cache_answer(bound)
         .expect("the cache got DNS back once it answered");
     println!(
-        "muted cache: DNS back {} ms after it bound (muted for 1500 ms)",
+        "muted cache: DNS back {} ms after it bound (muted for {muted_ms} ms)",
         back.sent_ms - bound
     );
     assert!(
-        back.sent_ms >= bound + 1500,
+        back.sent_ms >= bound + muted_ms,
         "DNS reached the cache before it answered"
     );
     Ok(())
@@ -494,9 +503,9 @@ fn the_kernel_fails_over_alone_after_the_agent_is_killed() -> anyhow::Result<()>
         &sandbox,
         Ns::Pod,
         dns(NODE_LISTENER),
-        Duration::from_secs(3),
+        paced(Duration::from_secs(3)),
     )?;
-    std::thread::sleep(Duration::from_millis(1000));
+    pause(1000);
     let killed = now_ms();
     sandbox.stop_server("cache")?;
     let report = stream.finish()?;
@@ -539,7 +548,7 @@ fn the_agents_probes_are_never_steered() -> anyhow::Result<()> {
         "redirector is steering",
     )?;
     assert_eq!(set_state(&sandbox, "node", "upstream")?.code, 0);
-    std::thread::sleep(Duration::from_millis(1500));
+    pause(1500);
     let maps = redirector::datapath::Maps::open_pinned(&sandbox.pin_dir())?;
     assert_eq!(
         maps.health(NODE_ID)?.verdict,

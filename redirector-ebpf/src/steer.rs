@@ -170,8 +170,9 @@ fn empty_pool(
     );
     if listener.empty_pool_policy == EMPTY_POOL_FAIL {
         count(counters, |c| c.failed_empty_pool += 1);
-        // SAFETY: plain helper call. bpf_set_retval (5.18+) makes the rejected syscall fail with
-        // this errno instead of EPERM.
+        // SAFETY: plain helper call. bpf_set_retval makes the rejected syscall fail with this
+        // errno instead of EPERM; sock_addr programs may call it since 6.1 (5.18 added it for
+        // sockopt, sysctl and device programs only).
         unsafe { bpf_set_retval(-EHOSTUNREACH) };
         Err(Refused::EmptyPool)
     } else {

@@ -11,6 +11,7 @@ pub mod conntrack_bypass;
 pub mod datapath;
 pub mod dns_cache;
 pub mod interface;
+pub mod kernel_support;
 pub mod liveness;
 pub mod lock;
 pub mod netns;

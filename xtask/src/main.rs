@@ -5,6 +5,7 @@ mod lint;
 mod setup;
 mod sweep;
 mod tasks;
+mod vm;
 
 use clap::{Parser, Subcommand};
 
@@ -28,6 +29,9 @@ enum Task {
         /// Skip the lints (for quick iterations; CI runs them).
         #[arg(long)]
         no_lint: bool,
+        /// Only the host kernel: skip the VMs with Debian's 6.1 and 6.12 (`cargo xtask vm-test`).
+        #[arg(long)]
+        no_vm: bool,
         /// Only run tests whose name contains this.
         filter: Option<String>,
     },
@@ -38,8 +42,18 @@ enum Task {
         #[arg(long, default_value = "embedded")]
         cache: String,
     },
+    /// Benchmarks against the incumbents (dnsperf, conntrack, failover, setup, sync, memory),
+    /// with optimized builds; writes results.json, results.md and SVG charts (needs root).
+    Bench {
+        /// Where the results go (relative paths are from the workspace root).
+        #[arg(long, default_value = "docs/bench")]
+        out: std::path::PathBuf,
+    },
     /// Remove sandboxes left by test runs that died (only those whose owner process is gone).
     Sweep,
+    /// The privileged bpf-tests inside VMs booting Debian's 6.1 and 6.12 cloud kernels (qemu,
+    /// TCG, no network device; needs root).
+    VmTest(vm::VmArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -63,14 +77,39 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             setup::ensure()?;
             lint::run()
         }
-        Task::Test { no_lint, filter } => {
+        Task::Test {
+            no_lint,
+            no_vm,
+            filter,
+        } => {
             setup::ensure()?;
-            tasks::test(!no_lint, filter.as_deref())
+            tasks::test(!no_lint, filter.as_deref())?;
+            if no_vm {
+                eprintln!("xtask: VM tests skipped (--no-vm): only the host kernel was tested");
+                return Ok(());
+            }
+            let started = std::time::Instant::now();
+            let mut args = vm::VmArgs::defaults();
+            args.filter = filter;
+            vm::run(&args)?;
+            eprintln!(
+                "xtask: every test passed on the host and in the VMs ({:.0?} for the VMs)",
+                started.elapsed()
+            );
+            Ok(())
         }
         Task::Demo { cache } => {
             setup::ensure()?;
             tasks::demo(&cache)
         }
+        Task::Bench { out } => {
+            setup::ensure()?;
+            tasks::bench(&out)
+        }
         Task::Sweep => sweep::run(),
+        Task::VmTest(args) => {
+            setup::ensure()?;
+            vm::run(&args)
+        }
     }
 }

@@ -22,6 +22,11 @@ const DEBIAN_PACKAGES: &[&str] = &[
     "iptables",
     "conntrack",
     "dnsperf",
+    // `cargo xtask vm-test`: qemu (with QEMU 7.2's virtiofsd), busybox for the guest's
+    // initramfs, depmod for the kernels' module index and modprobe in the guest.
+    "qemu-system-x86",
+    "busybox-static",
+    "kmod",
 ];
 
 /// Where Debian's LLVM 22 lives.

@@ -81,3 +81,37 @@ pub fn demo(cache: &str) -> anyhow::Result<()> {
         .env("DNS_STREAM_BIN", dir.join("dns-stream"));
     lint::check(&mut demo, "the demo failed").context("running the demo")
 }
+
+/// Builds the agent and the bench with optimizations and runs the bench; the results (JSON,
+/// Markdown, SVG charts) go to `out`. Run it on an otherwise idle machine: its comparisons are
+/// ratios taken in the same run, but a busy neighbour still widens every spread.
+pub fn bench(out: &std::path::Path) -> anyhow::Result<()> {
+    require_root("bench")?;
+    sweep::run()?;
+    cargo(
+        &[
+            "build",
+            "--release",
+            "--package",
+            "redirector",
+            "--package",
+            "bpf-tests",
+            "--bins",
+        ],
+        "building the bench failed",
+    )?;
+    let dir = target_dir().join("release");
+    let out = if out.is_absolute() {
+        out.to_owned()
+    } else {
+        PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("..")
+            .join(out)
+    };
+    let mut bench = Command::new(dir.join("bench"));
+    bench
+        .arg("--out")
+        .arg(&out)
+        .env("REDIRECTOR_BIN", dir.join("redirector"));
+    lint::check(&mut bench, "the bench failed").context("running the bench")
+}

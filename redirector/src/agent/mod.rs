@@ -3,8 +3,9 @@
 //! counts, upstream pools from Kubernetes and resolv.conf), and leaves everything in place when it
 //! stops: steering and in-kernel failover never depend on its process.
 //!
-//! Everything that can be refused is checked before the first map is written: the attach cgroup,
-//! every skipped cgroup, the pin directory and its layout, the lock, the caches' namespace.
+//! Everything that can be refused is checked before the first map is written: the kernel's
+//! release, the attach cgroup, every skipped cgroup, the pin directory and its layout, the lock,
+//! the caches' namespace.
 
 mod controller;
 mod environment;
@@ -37,6 +38,7 @@ use crate::{
     },
     datapath::{self, Datapath, DatapathError, ListenerEntry, Maps, PinnedState},
     interface::{self, InterfaceError},
+    kernel_support::{self, KernelCheck, KernelTooOld},
     liveness::{
         binds::{TrackedCache, cache_binds},
         health::{HealthTracker, Hysteresis},
@@ -53,6 +55,9 @@ use crate::{
 /// Why the agent could not start or stop cleanly.
 #[derive(Debug, thiserror::Error)]
 pub enum AgentError {
+    /// The kernel is older than a feature the programs need.
+    #[error(transparent)]
+    KernelTooOld(#[from] KernelTooOld),
     /// A cgroup in the configuration is unusable.
     #[error(transparent)]
     Cgroup(#[from] CgroupError),
@@ -214,6 +219,11 @@ impl Agent {
     /// every cache once, attaches, and starts the upstream sources. Nothing is attached unless
     /// every check passed.
     pub async fn start(config: &Config, options: StartOptions) -> Result<Self, AgentError> {
+        let kernel = KernelCheck::running();
+        kernel_support::require(&kernel)?;
+        for feature in kernel.missing() {
+            warn!(release = %kernel.release, feature = feature.name, since = %feature.since, "the kernel is older than an optional feature");
+        }
         let attach_path = match &config.cgroup {
             Some(path) => path.clone(),
             None => cgroup::default_attach_cgroup()?,

@@ -1,0 +1,42 @@
+//! The pace of the machine the tests run on. The tests assert on behaviour, never on speed, but
+//! they wait for states (a failover, a ready line) and give the agent's probes a timeout: on a
+//! machine slower than the host, such as a VM under qemu's TCG, those limits and the event
+//! timings around them are stretched by one factor, `REDIRECTOR_TEST_SLOWDOWN` (a whole number,
+//! 1 by default; `cargo xtask vm-test` sets it for its guests).
+
+use std::{sync::OnceLock, time::Duration};
+
+/// The variable holding the factor.
+pub const SLOWDOWN_VARIABLE: &str = "REDIRECTOR_TEST_SLOWDOWN";
+
+/// How many times slower than the host this machine is taken to be.
+///
+/// # Panics
+/// When the variable holds anything but a whole number from 1 to 100: a test run with a
+/// misspelled factor would pass or fail for the wrong reason.
+#[must_use]
+pub fn slowdown() -> u32 {
+    static FACTOR: OnceLock<u32> = OnceLock::new();
+    *FACTOR.get_or_init(|| match std::env::var(SLOWDOWN_VARIABLE) {
+        Err(std::env::VarError::NotPresent) => 1,
+        Ok(text) => match text.parse::<u32>() {
+            Ok(factor @ 1..=100) => factor,
+            _ => panic!("{SLOWDOWN_VARIABLE}={text:?}: give a whole number from 1 to 100"),
+        },
+        Err(std::env::VarError::NotUnicode(text)) => {
+            panic!("{SLOWDOWN_VARIABLE}={text:?}: give a whole number from 1 to 100")
+        }
+    })
+}
+
+/// `duration` stretched to this machine's pace.
+#[must_use]
+pub fn paced(duration: Duration) -> Duration {
+    duration * slowdown()
+}
+
+/// `milliseconds` stretched to this machine's pace.
+#[must_use]
+pub fn paced_ms(milliseconds: u64) -> u64 {
+    milliseconds * u64::from(slowdown())
+}

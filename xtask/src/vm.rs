@@ -1,0 +1,349 @@
+//! `cargo xtask vm-test`: the privileged bpf-tests inside VMs booting Debian's other kernels
+//! (6.1 and 6.12), so the verifier's verdict and the hooks' behaviour are proven beyond the
+//! host's own kernel.
+//!
+//! How a boot works: qemu (TCG; KVM cannot boot a stock kernel on these hosts) boots the
+//! kernel of Debian's cloud package with a small initramfs. The guest has no network device.
+//! Its root is the host's root file system, shared read-only by virtiofsd, under an overlay
+//! whose upper layer is a tmpfs: the guest runs the host's very tools (ip, nft, dig, dnsmasq,
+//! ...) and the test binaries cargo built, writes wherever the tests write, and leaves no trace
+//! on the host. The kernel loads its modules on demand from the unpacked package. Results come
+//! back on a second serial port, one line per test, and are reported per kernel.
+
+mod artifacts;
+mod initramfs;
+mod kernel;
+mod machine;
+mod report;
+
+use std::{
+    os::unix::fs::MetadataExt as _,
+    path::{Path, PathBuf},
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context as _, bail};
+
+pub use kernel::Series;
+
+/// Which kernels to boot.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum KernelChoice {
+    /// Debian 12's 6.1.
+    #[value(name = "6.1")]
+    V6_1,
+    /// Debian 12's backported 6.12.
+    #[value(name = "6.12")]
+    V6_12,
+    /// Both, one after the other.
+    All,
+}
+
+impl KernelChoice {
+    fn series(self) -> Vec<Series> {
+        match self {
+            Self::V6_1 => vec![Series::V6_1],
+            Self::V6_12 => vec![Series::V6_12],
+            Self::All => Series::ALL.to_vec(),
+        }
+    }
+}
+
+/// What to run (`cargo xtask vm-test`'s arguments).
+#[derive(Debug, clap::Parser)]
+pub struct VmArgs {
+    /// Which kernel: 6.1, 6.12, or all (one after the other).
+    #[arg(long, value_enum, default_value = "all")]
+    pub kernel: KernelChoice,
+    /// Only these bpf-tests test binaries (comma-separated: steering,failover); default all.
+    #[arg(long, value_delimiter = ',')]
+    pub tests: Vec<String>,
+    /// Hard limit of one boot in seconds: qemu is killed when it passes.
+    #[arg(long, default_value_t = 1200)]
+    pub timeout_secs: u64,
+    /// Limit of one test binary inside the guest, in seconds.
+    #[arg(long, default_value_t = 600)]
+    pub binary_timeout_secs: u64,
+    /// Tests run at once inside the guest (libtest's --test-threads; the guest has 2 CPUs).
+    #[arg(long, default_value_t = 2)]
+    pub test_threads: u32,
+    /// How many times the tests stretch their waits, probe timings and event timings: qemu's
+    /// TCG runs them several times slower than the host (REDIRECTOR_TEST_SLOWDOWN).
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=100))]
+    pub slowdown: u32,
+    /// Only tests whose name contains this.
+    pub filter: Option<String>,
+}
+
+impl VmArgs {
+    /// Every default: every test binary on every kernel.
+    #[must_use]
+    pub fn defaults() -> Self {
+        <Self as clap::Parser>::parse_from(["vm-test"])
+    }
+}
+
+fn require_root() -> anyhow::Result<()> {
+    if !nix::unistd::geteuid().is_root() {
+        bail!(
+            "`cargo xtask vm-test` shares the host's root with the VM through virtiofsd, which \
+             needs root (a mount namespace of its own, files of every owner): run it as root, \
+             or with `sudo -E env PATH=$PATH cargo xtask vm-test`"
+        );
+    }
+    Ok(())
+}
+
+/// Directories the guest mounts afresh (stage 2), hiding what the host has there.
+const GUEST_OWN_DIRS: &[&str] = &["/tmp", "/run", "/proc", "/sys", "/dev"];
+
+/// The guest sees only the host's root file system (a non-recursive bind), with its own /tmp,
+/// /run, ... on top: whatever it runs must be elsewhere on the root file system.
+fn require_on_root_fs(path: &Path) -> anyhow::Result<()> {
+    if let Some(dir) = GUEST_OWN_DIRS.iter().find(|dir| path.starts_with(dir)) {
+        bail!(
+            "{} is under {dir}, which the VM mounts afresh: put the workspace and its target \
+             directory elsewhere (CARGO_TARGET_DIR)",
+            path.display()
+        );
+    }
+    let root = std::fs::metadata("/").context("reading / (its file system)")?;
+    let here = std::fs::metadata(path).with_context(|| format!("reading {}", path.display()))?;
+    if root.dev() != here.dev() {
+        bail!(
+            "{} is on another file system than /, and the VM sees only the root file system: \
+             put the workspace and its target directory (CARGO_TARGET_DIR) on /",
+            path.display()
+        );
+    }
+    Ok(())
+}
+
+/// Removes the directories of earlier runs whose process is gone (a concurrent run keeps its
+/// own).
+fn sweep_runs(vm_dir: &Path) {
+    for entry in std::fs::read_dir(vm_dir).into_iter().flatten().flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let Some(pid) = name.strip_prefix("run-") else {
+            continue;
+        };
+        let alive = pid.parse::<u32>().is_ok_and(|pid| {
+            pid == std::process::id() || Path::new(&format!("/proc/{pid}")).exists()
+        });
+        if !alive {
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
+    }
+}
+
+/// One kernel's boot: its report, or why it could not boot.
+struct KernelResult {
+    series: Series,
+    release: String,
+    run: report::KernelRun,
+    outcome: machine::Outcome,
+    /// Time until stage 2 was ready (boot, modules, mounts).
+    boot: Option<Duration>,
+    log_dir: PathBuf,
+}
+
+/// Runs the bpf-tests in a VM for each kernel of `options`; fails when any test, binary or
+/// boot did.
+pub fn run(options: &VmArgs) -> anyhow::Result<()> {
+    require_root()?;
+    for tool in [
+        "/usr/bin/qemu-system-x86_64",
+        "/usr/lib/qemu/virtiofsd",
+        "/bin/busybox",
+    ] {
+        if !Path::new(tool).exists() {
+            bail!(
+                "{tool} is missing: run `cargo xtask setup` (it installs qemu-system-x86 and \
+                 busybox-static)"
+            );
+        }
+    }
+    let started = Instant::now();
+    let artifacts = artifacts::build(&options.tests)?;
+    if artifacts.tests.is_empty() {
+        bail!("bpf-tests has no test binary to run");
+    }
+    let target_dir = artifacts
+        .profile_dir
+        .parent()
+        .context("the profile directory is inside the target directory")?
+        .to_owned();
+    let vm_dir = target_dir.join("vm");
+    std::fs::create_dir_all(&vm_dir).with_context(|| format!("creating {}", vm_dir.display()))?;
+    let workdir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../bpf-tests");
+    let workdir = workdir
+        .canonicalize()
+        .with_context(|| format!("finding {}", workdir.display()))?;
+    for path in [&vm_dir, &artifacts.profile_dir, &workdir] {
+        require_on_root_fs(path)?;
+    }
+    sweep_runs(&vm_dir);
+
+    let series = options.kernel.series();
+    let available = match kernel::available_releases() {
+        Ok(names) => Some(names),
+        Err(error) => {
+            eprintln!("xtask: cannot ask apt for kernels ({error:#}); using cached ones");
+            None
+        }
+    };
+    let kernels = series
+        .iter()
+        .map(|series| kernel::ensure(*series, available.as_deref(), &vm_dir.join("kernels")))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+
+    let run_dir = vm_dir.join(format!("run-{}", std::process::id()));
+    std::fs::create_dir_all(&run_dir).with_context(|| format!("creating {}", run_dir.display()))?;
+    let snapshot = artifacts::Snapshot::take(&artifacts, &run_dir.join("snapshot"))?;
+    let mut test_args = vec![
+        "--color".to_owned(),
+        "never".to_owned(),
+        "--test-threads".to_owned(),
+        options.test_threads.to_string(),
+    ];
+    test_args.extend(options.filter.clone());
+    let plan = |kernel: &kernel::Kernel| initramfs::Plan {
+        kernel_modules: kernel.modules.clone(),
+        snapshot: snapshot.dir().to_owned(),
+        profile_dir: artifacts.profile_dir.clone(),
+        workdir: workdir.clone(),
+        redirector: artifacts.redirector.clone(),
+        tests: artifacts
+            .tests
+            .iter()
+            .map(|test| (test.name.clone(), test.path.clone()))
+            .collect(),
+        test_args: test_args.clone(),
+        binary_timeout_secs: options.binary_timeout_secs.max(1),
+        slowdown: options.slowdown,
+    };
+    let names: Vec<&str> = artifacts
+        .tests
+        .iter()
+        .map(|test| test.name.as_str())
+        .collect();
+    eprintln!(
+        "xtask: vm-test runs {} on {} (hard limit {} s per boot; waits stretched {}x)",
+        names.join(", "),
+        kernels
+            .iter()
+            .map(|kernel| kernel.release.as_str())
+            .collect::<Vec<_>>()
+            .join(" and "),
+        options.timeout_secs,
+        options.slowdown
+    );
+
+    let mut results = Vec::new();
+    for kernel in &kernels {
+        let label = kernel.series.label();
+        let initramfs = run_dir.join(format!("initramfs-{label}.cpio"));
+        initramfs::write(kernel, &plan(kernel), &initramfs)?;
+        let log_dir = run_dir.join(label);
+        let mut run = report::KernelRun::default();
+        let mut boot = None;
+        let booting = Instant::now();
+        eprintln!("xtask: [{label}] booting {}", kernel.release);
+        let outcome = machine::run(
+            &machine::Boot {
+                kernel,
+                initramfs: &initramfs,
+                dir: &log_dir,
+                timeout: Duration::from_secs(options.timeout_secs),
+            },
+            &mut |line| {
+                if let Some(progress) = run.feed(line) {
+                    if matches!(progress, report::Progress::Ready(_)) {
+                        boot = Some(booting.elapsed());
+                    }
+                    eprintln!("xtask: [{label}] {progress}");
+                }
+            },
+        )
+        .with_context(|| format!("booting {}", kernel.release))?;
+        results.push(KernelResult {
+            series: kernel.series,
+            release: kernel.release.clone(),
+            run,
+            outcome,
+            boot,
+            log_dir,
+        });
+    }
+    drop(snapshot);
+    summarize(&results, artifacts.tests.len(), started.elapsed())
+}
+
+/// Prints every kernel's table and failures; fails unless every boot passed.
+fn summarize(
+    results: &[KernelResult],
+    expected_binaries: usize,
+    total: Duration,
+) -> anyhow::Result<()> {
+    let mut failed = Vec::new();
+    eprintln!();
+    for result in results {
+        let label = result.series.label();
+        let (passed, failures, ignored) = result.run.counts();
+        let outcome = &result.outcome;
+        let ended = match outcome.status {
+            Some(status) if status.success() => "powered off".to_owned(),
+            Some(status) => format!("qemu ended with {status}"),
+            None => "TIMED OUT: qemu was killed at the deadline".to_owned(),
+        };
+        eprintln!(
+            "vm-test [{label}] {}: {passed} passed, {failures} failed, {ignored} ignored; \
+             booted in {}, {:.1} s in all; {ended}",
+            result.run.release.as_deref().unwrap_or(&result.release),
+            result.boot.map_or_else(
+                || "-".to_owned(),
+                |boot| format!("{:.1} s", boot.as_secs_f64())
+            ),
+            outcome.elapsed.as_secs_f64(),
+        );
+        eprint!("{}", result.run.describe());
+        if let Some(fatal) = &result.run.fatal {
+            eprintln!("  the guest failed: {fatal}");
+        }
+        if result
+            .run
+            .release
+            .as_deref()
+            .is_some_and(|release| release != result.release)
+        {
+            eprintln!(
+                "  the guest ran {} instead of {}",
+                result.run.release.as_deref().unwrap_or_default(),
+                result.release
+            );
+            failed.push(label);
+            continue;
+        }
+        if !result.run.passed(expected_binaries) || outcome.status.is_none() {
+            if !result.run.done {
+                eprintln!(
+                    "  the guest did not finish its tests; the kernel's console is {}",
+                    outcome.console.display()
+                );
+            }
+            failed.push(label);
+        }
+        eprintln!(
+            "  logs: {} (console.log: the kernel; results.log: the tests)",
+            result.log_dir.display()
+        );
+    }
+    eprintln!("xtask: vm-test took {total:.0?}");
+    if !failed.is_empty() {
+        bail!(
+            "the bpf-tests failed in the VM on {}; the tables above say which and why",
+            failed.join(", ")
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,70 @@
+#!/bin/bash
+# Stage 2 of the vm-test guest, PID 1 on the overlay of the host's root: the guest's own proc,
+# sys, cgroup2, bpffs, /run and /tmp; the kernel's modules where modprobe looks (the kernel
+# loads veth, nf_tables, conntrack... on demand, as on a real node); the run's frozen binaries
+# over the profile directory; then every test binary, with its output on the results port
+# (/dev/ttyS1) between markers the host parses:
+#   @@vm-test ready kernel=RELEASE
+#   @@vm-test begin NAME
+#   (the test binary's own output: one "test NAME ... ok|FAILED|ignored" line per test)
+#   @@vm-test end NAME exit=CODE ms=MILLISECONDS
+#   @@vm-test done binaries=N failed=M ms=MILLISECONDS
+# The kernel's console (/dev/ttyS0) keeps only the kernel's messages and this script's errors.
+set -u
+. /.vm-test/plan.sh
+
+results=/dev/ttyS1
+say() { echo "@@vm-test $*" > "$results"; }
+# Power off now: the host reads the reason on the results port instead of waiting for its
+# timeout. If even that fails, PID 1 exits, the kernel panics and panic=-1 with -no-reboot ends
+# qemu.
+fatal() {
+    echo "stage 2: $*"
+    say "fatal stage 2: $*"
+    exec /bin/busybox poweroff -f
+}
+now_ms() { echo $(($(date +%s%N) / 1000000)); }
+
+mount -t proc proc /proc || fatal "mounting /proc"
+mount -t sysfs sysfs /sys || fatal "mounting /sys"
+# A pure cgroup v2 hierarchy, as on a current node (the tests find it in mountinfo).
+mount -t cgroup2 cgroup2 /sys/fs/cgroup || fatal "mounting cgroup2"
+mount -t bpf bpf /sys/fs/bpf || fatal "mounting bpffs"
+mount -t tmpfs -o mode=0755 tmpfs /run || fatal "mounting /run"
+# Both bind sources are on the host's root, possibly below /tmp: bind them before /tmp is
+# replaced by the guest's own.
+mkdir -p "/lib/modules/$(uname -r)" || fatal "creating /lib/modules/$(uname -r)"
+mount --bind "$VM_KERNEL_MODULES" "/lib/modules/$(uname -r)" \
+    || fatal "binding the kernel's modules from $VM_KERNEL_MODULES"
+mount --bind "$VM_SNAPSHOT" "$VM_PROFILE_DIR" \
+    || fatal "binding the snapshot $VM_SNAPSHOT over $VM_PROFILE_DIR"
+mount -t tmpfs -o mode=1777 tmpfs /tmp || fatal "mounting /tmp"
+echo /sbin/modprobe > /proc/sys/kernel/modprobe || fatal "setting the modprobe path"
+echo vm-test > /proc/sys/kernel/hostname
+ip link set lo up || fatal "bringing lo up"
+# The results port carries the tests' output as is: no \r added, nothing echoed back.
+stty -F "$results" raw -echo || fatal "setting up $results"
+cd "$VM_WORKDIR" || fatal "entering $VM_WORKDIR"
+
+say "ready kernel=$(uname -r)"
+started=$(now_ms)
+failed=0
+for index in "${!VM_TEST_NAMES[@]}"; do
+    name=${VM_TEST_NAMES[$index]}
+    binary=${VM_TEST_BINS[$index]}
+    say "begin $name"
+    begin=$(now_ms)
+    # A clean environment like a CI job's, with the tests' waits stretched to TCG's pace; the
+    # test binary's limit lets the other binaries run when one hangs (the host's hard timeout
+    # still bounds the whole boot).
+    timeout --kill-after=10 "$VM_BINARY_TIMEOUT" \
+        env -i PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/root \
+        LANG=C.UTF-8 REDIRECTOR_BIN="$VM_REDIRECTOR_BIN" REDIRECTOR_TEST_SLOWDOWN="$VM_SLOWDOWN" \
+        "$binary" "${VM_TEST_ARGS[@]}" < /dev/null > "$results" 2>&1
+    code=$?
+    [ "$code" -eq 0 ] || failed=$((failed + 1))
+    say "end $name exit=$code ms=$(($(now_ms) - begin))"
+done
+say "done binaries=${#VM_TEST_NAMES[@]} failed=$failed ms=$(($(now_ms) - started))"
+sync
+exec /bin/busybox poweroff -f

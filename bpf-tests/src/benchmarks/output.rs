@@ -39,7 +39,15 @@ pub fn markdown(report: &Report) -> String {
     let mut text = format!(
         "Run {} on {} ({} CPUs, {}), kernel {}. Medians of repeated trials, (min–max); ratios \
          against the first row, taken in the same run.\n\n",
-        machine.date, machine.cpu_model, machine.cpus, "debug build of the agent", machine.kernel
+        machine.date,
+        machine.cpu_model,
+        machine.cpus,
+        if cfg!(debug_assertions) {
+            "debug build of the agent"
+        } else {
+            "optimized build of the agent"
+        },
+        machine.kernel
     );
 
     text.push_str("**Steering cost: dnsperf from a pod to dnsmasq (4 clients, 64 outstanding, 3 s × 5 trials, paths interleaved)**\n\n| path | queries/s | vs no rules | average latency (µs) | lost |\n| --- | --- | --- | --- | --- |\n");

@@ -725,6 +725,21 @@ impl Sandbox {
         Ok(path)
     }
 
+    /// Copies the executable `from` into the sandbox's scratch directory as `name`, runnable by
+    /// any user: a process of another user cannot reach it where cargo built it when the
+    /// workspace is below a private directory (`/root`).
+    pub fn copy_executable(&self, from: &Path, name: &str) -> anyhow::Result<PathBuf> {
+        use std::os::unix::fs::PermissionsExt as _;
+        let path = self.scratch.0.join(name);
+        std::fs::copy(from, &path)
+            .with_context(|| format!("copying {} to {}", from.display(), path.display()))?;
+        for open in [&self.scratch.0, &path] {
+            std::fs::set_permissions(open, std::fs::Permissions::from_mode(0o755))
+                .with_context(|| format!("opening up {}", open.display()))?;
+        }
+        Ok(path)
+    }
+
     /// A link of the sandbox's own in the node namespace for listener addresses the agent
     /// manages (`[interface] kind = "existing"`): one end of a veth pair, up. This kernel has no
     /// `dummy` driver; the pair goes away with the namespace.

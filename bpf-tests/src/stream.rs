@@ -90,7 +90,6 @@ impl Stream {
     ) -> anyhow::Result<StreamReport> {
         let deadline = std::time::Instant::now() + paced(limit);
         loop {
-            self.process.drain();
             let report = self.report()?;
             if done(&report) {
                 break;
@@ -179,6 +178,15 @@ impl StreamReport {
             .iter()
             .filter(|record| record.sent_ms >= after && Self::answered_by(record) == "cache")
             .min_by_key(|record| record.sent_ms)
+    }
+
+    /// How many queries sent after the flip whose first upstream answer was sent at
+    /// `first_upstream_ms` got no answer. A query sent in that same millisecond may have left
+    /// just before the flip, into a cache socket that was closing, so it does not count: send
+    /// times have millisecond resolution, and only a later millisecond is surely after.
+    #[must_use]
+    pub fn failures_after_flip(&self, first_upstream_ms: u64) -> usize {
+        self.failures_between(first_upstream_ms + 1, u64::MAX)
     }
 
     /// How many queries sent in `[from, to)` got no answer.

@@ -169,7 +169,9 @@ fn run_without_root_says_so() -> anyhow::Result<()> {
         "config.toml",
         &sandbox.config_toml("[[listener]]\nname = \"node\"\naddress = \"169.254.10.10\"\n"),
     )?;
-    let mut command = Command::new(redirector_bin());
+    // The binary as root would run it, from where user nobody can reach it.
+    let binary = sandbox.copy_executable(&redirector_bin(), "redirector")?;
+    let mut command = Command::new(binary);
     command.args(["run", "--config", &config.display().to_string()]);
     command.uid(65_534).gid(65_534);
     let output = output_within(&mut command, Duration::from_secs(10))?;

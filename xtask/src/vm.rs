@@ -95,10 +95,10 @@ fn require_root() -> anyhow::Result<()> {
 }
 
 /// Directories the guest mounts afresh (stage 2), hiding what the host has there.
-const GUEST_OWN_DIRS: &[&str] = &["/tmp", "/run", "/proc", "/sys", "/dev"];
+const GUEST_OWN_DIRS: &[&str] = &["/run", "/proc", "/sys", "/dev"];
 
-/// The guest sees only the host's root file system (a non-recursive bind), with its own /tmp,
-/// /run, ... on top: whatever it runs must be elsewhere on the root file system.
+/// The guest sees only the host's root file system (a non-recursive bind), with its own /run,
+/// /proc, ... on top: whatever it runs must be elsewhere on the root file system.
 fn require_on_root_fs(path: &Path) -> anyhow::Result<()> {
     if let Some(dir) = GUEST_OWN_DIRS.iter().find(|dir| path.starts_with(dir)) {
         bail!(

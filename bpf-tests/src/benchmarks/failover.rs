@@ -12,7 +12,10 @@ use std::{
 use nix::sys::signal::Signal;
 use serde::Serialize;
 
-use super::rig::{CACHE_ADDRESS, LISTENER, Rig};
+use super::{
+    Spread,
+    rig::{CACHE_ADDRESS, LISTENER, Rig},
+};
 use crate::{
     caches::{CacheKind, start_cache_at},
     dns::now_ms,
@@ -61,6 +64,72 @@ pub struct Failover {
     pub failback_ms: Option<u64>,
     /// Answers per 100 ms from the event on: (ms since the event, cache, upstream, failed).
     pub timeline: Vec<(i64, usize, usize, usize)>,
+}
+
+/// Repeated failover trials of one kind: medians and ranges over the trials.
+#[derive(Clone, Debug, Serialize)]
+pub struct FailoverTrials {
+    /// `redirector` or the incumbent.
+    pub who: &'static str,
+    /// What happened to the cache.
+    pub event: Event,
+    /// Last cache answer to first upstream answer, ms, over the trials that failed over.
+    pub gap_ms: Spread,
+    /// Trials that never failed over.
+    pub never_failed_over: usize,
+    /// Queries without an answer, per trial.
+    pub lost: Spread,
+    /// Queries sent, per trial.
+    pub total: Spread,
+    /// From the cache's return to its first answer again, ms, over the trials that failed back.
+    pub failback_ms: Spread,
+    /// Trials that never failed back.
+    pub never_failed_back: usize,
+    /// Every trial, in order (the chart shows the one with the median gap).
+    pub runs: Vec<Failover>,
+}
+
+impl FailoverTrials {
+    /// The summary of `runs` (at least one, all of one `who` and `event`).
+    #[must_use]
+    pub fn of(runs: Vec<Failover>) -> Self {
+        let (who, event) = runs
+            .first()
+            .map_or(("none", Event::Kill), |run| (run.who, run.event));
+        let gaps: Vec<f64> = runs
+            .iter()
+            .filter_map(|run| run.gap_ms)
+            .map(|gap| gap as f64)
+            .collect();
+        let failbacks: Vec<f64> = runs
+            .iter()
+            .filter_map(|run| run.failback_ms)
+            .map(|failback| failback as f64)
+            .collect();
+        Self {
+            who,
+            event,
+            never_failed_over: runs.len() - gaps.len(),
+            never_failed_back: runs.len() - failbacks.len(),
+            gap_ms: Spread::of(gaps),
+            failback_ms: Spread::of(failbacks),
+            lost: Spread::of(runs.iter().map(|run| run.lost as f64).collect()),
+            total: Spread::of(runs.iter().map(|run| run.total as f64).collect()),
+            runs,
+        }
+    }
+
+    /// The trial whose gap is closest to the median (the first when none failed over).
+    #[must_use]
+    pub fn typical(&self) -> Option<&Failover> {
+        self.runs.iter().min_by(|a, b| {
+            let distance = |run: &Failover| {
+                run.gap_ms
+                    .map_or(f64::INFINITY, |gap| (gap as f64 - self.gap_ms.median).abs())
+            };
+            distance(a).total_cmp(&distance(b))
+        })
+    }
 }
 
 fn summarize(
@@ -163,11 +232,16 @@ pub fn redirector(rig: &mut Rig, event: Event) -> anyhow::Result<Failover> {
     ))
 }
 
+/// The incumbent's probe period (the seed's parameters).
+pub const PROBE_EVERY_MS: u64 = 5000;
+/// Failed probes in a row before the incumbent installs its DNAT.
+const STRIKES: u32 = 3;
+
 /// The incumbent: pods use the cache's address; a probe loop every 5 s; 3 failures install DNAT
-/// to upstream A, a success removes it. A 30 s stream, the cache killed at 2 s and back at 20 s.
-pub fn nat_fallback(rig: &mut Rig) -> anyhow::Result<Failover> {
-    const PROBE_EVERY_MS: u64 = 5000;
-    const STRIKES: u32 = 3;
+/// to upstream A, a success removes it. A 30 s stream, the cache killed at 1 s and back at 20 s,
+/// both `phase_ms` later: a cache dies and returns at any moment of the probe period, so the
+/// trials spread their events over it.
+pub fn nat_fallback(rig: &mut Rig, phase_ms: u64) -> anyhow::Result<Failover> {
     let stream = Stream::start(
         &rig.sandbox,
         Ns::Pod,
@@ -181,11 +255,11 @@ pub fn nat_fallback(rig: &mut Rig) -> anyhow::Result<Failover> {
     let upstream: Ipv4Addr = UPSTREAM_A_V4;
     while now_ms() < started + 30_000 {
         let now = now_ms();
-        if struck.is_none() && now >= started + 2000 {
+        if struck.is_none() && now >= started + 1000 + phase_ms {
             strike(rig, Event::Kill)?;
             struck = Some(now_ms());
         }
-        if back.is_none() && now >= started + 20_000 {
+        if back.is_none() && now >= started + 20_000 + phase_ms {
             revive(rig, Event::Kill)?;
             back = Some(now_ms());
         }

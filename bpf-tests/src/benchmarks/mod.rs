@@ -120,7 +120,7 @@ pub struct Report {
     /// Conntrack entries left by fresh-socket queries.
     pub conntrack: Vec<conntrack::Entries>,
     /// Failover under load.
-    pub failover: Vec<failover::Failover>,
+    pub failover: Vec<failover::FailoverTrials>,
     /// Setting up.
     pub setup: Vec<setup::SetupTime>,
     /// EndpointSlice event to kernel map.

@@ -5,7 +5,11 @@ use std::{fmt::Write as _, path::Path};
 use anyhow::Context as _;
 use plotters::prelude::*;
 
-use super::{Report, failover::Failover, steering::Latency};
+use super::{
+    Report, Spread,
+    failover::{Failover, FailoverTrials},
+    steering::Latency,
+};
 
 /// Writes `results.json`, `results.md`, `failover.svg` and `latency.svg` into `dir`.
 pub fn write(report: &Report, dir: &Path) -> anyhow::Result<()> {
@@ -28,8 +32,13 @@ fn ratio(value: f64, baseline: f64) -> String {
     }
 }
 
-fn ms(value: Option<u64>) -> String {
-    value.map_or_else(|| "never".to_owned(), |value| format!("{value} ms"))
+/// `median (min–max)` over the trials that had a value, and how many had none.
+fn with_misses(spread: &Spread, misses: usize, what: &str) -> String {
+    match (spread.trials.is_empty(), misses) {
+        (true, _) => what.to_owned(),
+        (false, 0) => spread.show(0),
+        (false, misses) => format!("{}; {misses} {what}", spread.show(0)),
+    }
 }
 
 /// The Markdown report.
@@ -96,17 +105,18 @@ pub fn markdown(report: &Report) -> String {
             row.entries
         );
     }
-    text.push_str("\n**Failover under load (a query every 20 ms from fresh sockets and from a long-lived socket)**\n\n| who | event | gap (last cache → first upstream answer) | queries lost | failback after the cache returned |\n| --- | --- | --- | --- | --- |\n");
+    text.push_str("\n**Failover under load (a query every 20 ms from fresh sockets and from a long-lived socket; per trial)**\n\n| who | event | trials | gap (last cache → first upstream answer), ms | queries lost | failback after the cache returned, ms |\n| --- | --- | --- | --- | --- | --- |\n");
     for row in &report.failover {
         let _ = writeln!(
             text,
-            "| {} | {} | {} | {} of {} | {} |",
+            "| {} | {} | {} | {} | {} of {} | {} |",
             row.who,
             row.event.name(),
-            ms(row.gap_ms),
-            row.lost,
-            row.total,
-            ms(row.failback_ms)
+            row.runs.len(),
+            with_misses(&row.gap_ms, row.never_failed_over, "never failed over"),
+            row.lost.show(0),
+            row.total.median,
+            with_misses(&row.failback_ms, row.never_failed_back, "never failed back"),
         );
     }
     text.push_str("\n**Setup**\n\n| what | ms |\n| --- | --- |\n");
@@ -138,10 +148,12 @@ pub fn markdown(report: &Report) -> String {
 }
 
 /// Answers per 100 ms around the cache's death: redirector's kill -9 against the NAT fallback's.
-fn failover_chart(runs: &[Failover], path: &Path) -> anyhow::Result<()> {
-    let picked: Vec<&Failover> = runs
+/// The kill -9 timelines, one panel per `who`: the trial with the median gap.
+fn failover_chart(rows: &[FailoverTrials], path: &Path) -> anyhow::Result<()> {
+    let picked: Vec<&Failover> = rows
         .iter()
-        .filter(|run| run.event == super::failover::Event::Kill)
+        .filter(|row| row.event == super::failover::Event::Kill)
+        .filter_map(FailoverTrials::typical)
         .collect();
     let root = SVGBackend::new(path, (900, 250 * picked.len().max(1) as u32)).into_drawing_area();
     root.fill(&WHITE).map_err(chart_error)?;
@@ -158,7 +170,10 @@ fn failover_chart(runs: &[Failover], path: &Path) -> anyhow::Result<()> {
             + 1.0;
         let mut chart = ChartBuilder::on(panel)
             .caption(
-                format!("{}: cache killed at 0 s (answers per 100 ms)", run.who),
+                format!(
+                    "{}: cache killed at 0 s (answers per 100 ms; the trial with the median gap)",
+                    run.who
+                ),
                 ("sans-serif", 16),
             )
             .margin(10)

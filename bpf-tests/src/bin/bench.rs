@@ -5,7 +5,7 @@ use std::{path::PathBuf, time::Duration};
 
 use bpf_tests::benchmarks::{
     Machine, Report, Spread, conntrack,
-    failover::{self, Event},
+    failover::{self, Event, FailoverTrials},
     output,
     rig::Rig,
     setup, steering,
@@ -13,6 +13,11 @@ use bpf_tests::benchmarks::{
     sync,
 };
 use clap::Parser;
+
+/// Failover trials of redirector per event (about 8 s each).
+const FAILOVER_TRIALS: usize = 5;
+/// Trials of the incumbent's NAT fallback (30 s each).
+const NAT_FALLBACK_TRIALS: u64 = 3;
 
 #[derive(Parser, Debug)]
 struct Args {
@@ -101,15 +106,31 @@ fn main() -> anyhow::Result<()> {
     entries.push(conntrack::measure(&rig, Path::Redirector)?);
     let mut failovers = Vec::new();
     for event in [Event::Kill, Event::Term, Event::Stop] {
-        eprintln!("bench: redirector failover, {}", event.name());
-        failovers.push(failover::redirector(&mut rig, event)?);
-        std::thread::sleep(Duration::from_secs(2));
+        let mut trials = Vec::new();
+        for trial in 1..=FAILOVER_TRIALS {
+            eprintln!(
+                "bench: redirector failover, {}, trial {trial} of {FAILOVER_TRIALS}",
+                event.name()
+            );
+            trials.push(failover::redirector(&mut rig, event)?);
+            std::thread::sleep(Duration::from_secs(2));
+        }
+        failovers.push(FailoverTrials::of(trials));
     }
     let memory = setup::memory(&rig, &agent, agent_cpu_since)?;
     rig.stop_and_uninstall(agent)?;
 
-    eprintln!("bench: the incumbent's NAT fallback (30 s)");
-    failovers.push(failover::nat_fallback(&mut rig)?);
+    let mut trials = Vec::new();
+    for trial in 0..NAT_FALLBACK_TRIALS {
+        eprintln!(
+            "bench: the incumbent's NAT fallback, trial {} of {NAT_FALLBACK_TRIALS} (30 s)",
+            trial + 1
+        );
+        // The events fall at a different moment of the probe period in each trial.
+        let phase_ms = trial * failover::PROBE_EVERY_MS / NAT_FALLBACK_TRIALS;
+        trials.push(failover::nat_fallback(&mut rig, phase_ms)?);
+    }
+    failovers.push(FailoverTrials::of(trials));
     drop(rig);
 
     eprintln!("bench: sync, {} EndpointSlice events", args.sync_events);

@@ -1,7 +1,9 @@
 #!/bin/bash
 # Stage 2 of the vm-test guest, PID 1 on the overlay of the host's root: the guest's own proc,
-# sys, cgroup2, bpffs, /run and /tmp; the kernel's modules where modprobe looks (the kernel
-# loads veth, nf_tables, conntrack... on demand, as on a real node); the run's frozen binaries
+# sys, cgroup2, bpffs and /run (its /tmp is the host's under the overlay: a workspace cloned
+# below /tmp is visible, and what the tests write there stays in the guest); the kernel's
+# modules where modprobe looks (the kernel loads veth, nf_tables, conntrack... on demand, as on
+# a real node); the run's frozen binaries
 # over the profile directory; then every test binary, with its output on the results port
 # (/dev/ttyS1) between markers the host parses:
 #   @@vm-test ready kernel=RELEASE
@@ -31,14 +33,11 @@ mount -t sysfs sysfs /sys || fatal "mounting /sys"
 mount -t cgroup2 cgroup2 /sys/fs/cgroup || fatal "mounting cgroup2"
 mount -t bpf bpf /sys/fs/bpf || fatal "mounting bpffs"
 mount -t tmpfs -o mode=0755 tmpfs /run || fatal "mounting /run"
-# Both bind sources are on the host's root, possibly below /tmp: bind them before /tmp is
-# replaced by the guest's own.
 mkdir -p "/lib/modules/$(uname -r)" || fatal "creating /lib/modules/$(uname -r)"
 mount --bind "$VM_KERNEL_MODULES" "/lib/modules/$(uname -r)" \
     || fatal "binding the kernel's modules from $VM_KERNEL_MODULES"
 mount --bind "$VM_SNAPSHOT" "$VM_PROFILE_DIR" \
     || fatal "binding the snapshot $VM_SNAPSHOT over $VM_PROFILE_DIR"
-mount -t tmpfs -o mode=1777 tmpfs /tmp || fatal "mounting /tmp"
 echo /sbin/modprobe > /proc/sys/kernel/modprobe || fatal "setting the modprobe path"
 echo vm-test > /proc/sys/kernel/hostname
 ip link set lo up || fatal "bringing lo up"

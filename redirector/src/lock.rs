@@ -86,28 +86,52 @@ impl InstanceLock {
     }
 }
 
-/// The pid of the agent holding the lock at `path`, if one does. Only reads (`/proc/locks`), so
-/// it never disturbs an agent or an `uninstall` taking the lock at the same moment.
+/// The pid of the agent holding the lock at `path`, if one does. Only reads (`/proc/locks` and
+/// the pid the holder recorded), so it never disturbs an agent or an `uninstall` taking the lock
+/// at the same moment.
 #[must_use]
 pub fn holder(path: &Path) -> Option<String> {
     use std::os::unix::fs::MetadataExt as _;
     let metadata = std::fs::metadata(path).ok()?;
-    let device = metadata.dev();
-    // /proc/locks names a file as MAJOR:MINOR:INODE, the device numbers in hex.
-    let wanted = format!(
-        "{:02x}:{:02x}:{}",
-        libc::major(device),
-        libc::minor(device),
-        metadata.ino()
-    );
     let locks = std::fs::read_to_string("/proc/locks").ok()?;
-    locks.lines().find_map(|line| {
-        // "1: FLOCK  ADVISORY  WRITE 1234 08:01:5678 0 EOF" (waiters have "->" and are skipped).
-        let fields: Vec<&str> = line.split_whitespace().collect();
-        (fields.get(1) == Some(&"FLOCK") && fields.get(5) == Some(&wanted.as_str()))
-            .then(|| fields.get(4).map(|pid| (*pid).to_owned()))
-            .flatten()
-    })
+    let recorded = std::fs::read_to_string(path).ok();
+    holder_in(
+        &locks,
+        metadata.dev(),
+        metadata.ino(),
+        recorded.as_deref().map(str::trim),
+    )
+}
+
+/// The holder among the `flock`s of `locks` (`/proc/locks`) of the file `device`, `inode`.
+///
+/// /proc/locks names a file as MAJOR:MINOR:INODE of the file system that holds it. On an overlay
+/// (a container's root, a VM's) that is the upper layer's device, which `stat` on the overlay
+/// does not show; the inode number is the same. There, a lock on the same inode number taken by
+/// the pid the file records is the holder.
+fn holder_in(locks: &str, device: u64, inode: u64, recorded: Option<&str>) -> Option<String> {
+    // "1: FLOCK  ADVISORY  WRITE 1234 08:01:5678 0 EOF" (waiters have "->" and are skipped).
+    let flocks: Vec<(&str, &str)> = locks
+        .lines()
+        .filter_map(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            (fields.get(1) == Some(&"FLOCK")).then_some((*fields.get(4)?, *fields.get(5)?))
+        })
+        .collect();
+    let exact = format!(
+        "{:02x}:{:02x}:{inode}",
+        libc::major(device),
+        libc::minor(device)
+    );
+    if let Some((pid, _)) = flocks.iter().find(|(_, file)| *file == exact) {
+        return Some((*pid).to_owned());
+    }
+    let recorded = recorded?;
+    let same_inode = format!(":{inode}");
+    flocks
+        .iter()
+        .find(|(pid, file)| *pid == recorded && file.ends_with(&same_inode))
+        .map(|(pid, _)| (*pid).to_owned())
 }
 
 #[cfg(test)]
@@ -132,5 +156,34 @@ mod tests {
         let again = InstanceLock::acquire(&path).expect("free again once released");
         drop(again);
         let _ = std::fs::remove_file(&path);
+    }
+
+    #[test]
+    fn an_overlay_lock_is_found_by_inode_and_recorded_pid() {
+        let locks = "1: FLOCK  ADVISORY  WRITE 4242 00:2a:1234 0 EOF\n\
+                     2: POSIX  ADVISORY  WRITE 77 00:1b:1234 0 EOF\n";
+        // The overlay's device (00:1b) is not the upper layer's (00:2a).
+        let overlay = libc::makedev(0, 0x1b);
+        assert_eq!(
+            holder_in(locks, overlay, 1234, Some("4242")),
+            Some("4242".to_owned())
+        );
+        assert_eq!(
+            holder_in(locks, overlay, 1234, Some("99")),
+            None,
+            "another pid"
+        );
+        assert_eq!(
+            holder_in(locks, overlay, 1234, None),
+            None,
+            "nothing recorded"
+        );
+        assert_eq!(
+            holder_in(locks, overlay, 12345, Some("4242")),
+            None,
+            "another inode"
+        );
+        let upper = libc::makedev(0, 0x2a);
+        assert_eq!(holder_in(locks, upper, 1234, None), Some("4242".to_owned()));
     }
 }

@@ -40,6 +40,8 @@ pub struct Artifacts {
 struct Message {
     reason: String,
     #[serde(default)]
+    manifest_path: Option<PathBuf>,
+    #[serde(default)]
     executable: Option<PathBuf>,
     #[serde(default)]
     target: Option<Target>,
@@ -60,6 +62,8 @@ struct Profile {
 
 /// An executable of cargo's output, from one `compiler-artifact` message.
 struct Built {
+    /// The `Cargo.toml` of its package.
+    manifest_path: PathBuf,
     kinds: Vec<String>,
     name: String,
     is_test_harness: bool,
@@ -89,10 +93,13 @@ fn cargo_executables(args: &[&str], failure: &str) -> anyhow::Result<Vec<Built>>
         if message.reason != "compiler-artifact" {
             continue;
         }
-        let (Some(executable), Some(target)) = (message.executable, message.target) else {
+        let (Some(executable), Some(target), Some(manifest_path)) =
+            (message.executable, message.target, message.manifest_path)
+        else {
             continue;
         };
         built.push(Built {
+            manifest_path,
             kinds: target.kind,
             name: target.name,
             is_test_harness: message.profile.is_some_and(|profile| profile.test),
@@ -106,18 +113,27 @@ fn cargo_executables(args: &[&str], failure: &str) -> anyhow::Result<Vec<Built>>
     Ok(built)
 }
 
-/// Builds the redirector binary and the bpf-tests test binaries (with the helper programs cargo
-/// builds for them), exactly as `cargo xtask test` does, and keeps the tests named in `only`
+/// Builds the redirector binary and the workspace's tests, exactly as `cargo xtask test` does
+/// (nothing is rebuilt after it), and returns the bpf-tests test binaries (with the helper
+/// programs cargo builds for them), and keeps the tests named in `only`
 /// (every one when empty).
 pub fn build(only: &[String]) -> anyhow::Result<Artifacts> {
     let redirector = cargo_executables(
         &["build", "--package", "redirector", "--bins"],
         "building the redirector binary failed",
     )?;
-    let bpf_tests = cargo_executables(
-        &["test", "--package", "bpf-tests", "--no-run"],
-        "building the bpf-tests failed",
-    )?;
+    // The default members, as the host run's `cargo test` builds them: a build of one package
+    // unifies the dependencies' features differently and would compile everything again.
+    let bpf_tests: Vec<Built> =
+        cargo_executables(&["test", "--no-run"], "building the bpf-tests failed")?
+            .into_iter()
+            .filter(|built| {
+                built
+                    .manifest_path
+                    .parent()
+                    .is_some_and(|dir| dir.ends_with("bpf-tests"))
+            })
+            .collect();
     let redirector_bin = redirector
         .iter()
         .find(|built| built.name == "redirector" && !built.is_test_harness)

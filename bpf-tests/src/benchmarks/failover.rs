@@ -58,9 +58,13 @@ pub struct Failover {
     pub gap_ms: Option<u64>,
     /// Queries without an answer.
     pub lost: usize,
+    /// Of those, queries from the long-lived socket.
+    pub lost_long: usize,
     /// Queries sent.
     pub total: usize,
-    /// From the cache's return to its first answer again, ms (`None`: never).
+    /// From the cache's return until every query is answered by the cache again, ms: the send
+    /// time of the first cache answer after the last query (of either socket kind) that the cache
+    /// did not answer. `None`: never.
     pub failback_ms: Option<u64>,
     /// Answers per 100 ms from the event on: (ms since the event, cache, upstream, failed).
     pub timeline: Vec<(i64, usize, usize, usize)>,
@@ -79,6 +83,8 @@ pub struct FailoverTrials {
     pub never_failed_over: usize,
     /// Queries without an answer, per trial.
     pub lost: Spread,
+    /// Of those, from the long-lived socket, per trial.
+    pub lost_long: Spread,
     /// Queries sent, per trial.
     pub total: Spread,
     /// From the cache's return to its first answer again, ms, over the trials that failed back.
@@ -114,6 +120,7 @@ impl FailoverTrials {
             gap_ms: Spread::of(gaps),
             failback_ms: Spread::of(failbacks),
             lost: Spread::of(runs.iter().map(|run| run.lost as f64).collect()),
+            lost_long: Spread::of(runs.iter().map(|run| run.lost_long as f64).collect()),
             total: Spread::of(runs.iter().map(|run| run.total as f64).collect()),
             runs,
         }
@@ -146,7 +153,17 @@ fn summarize(
     let last_cache = first_upstream
         .and_then(|first| report.last_cache_answer(first))
         .map(|record| record.sent_ms);
-    let failback = report.first_cache_answer(back).map(|record| record.sent_ms);
+    // Every socket back on the cache: after the last query since the return that anyone else
+    // answered (or nobody did).
+    let last_elsewhere = report
+        .between(back, u64::MAX)
+        .filter(|record| StreamReport::answered_by(record) != "cache")
+        .map(|record| record.sent_ms)
+        .max()
+        .unwrap_or(back);
+    let failback = report
+        .first_cache_answer(last_elsewhere)
+        .map(|record| record.sent_ms);
     let start = report.started_ms();
     let mut timeline = Vec::new();
     let mut from = start;
@@ -173,6 +190,11 @@ fn summarize(
             .zip(last_cache)
             .map(|(first, last)| first - last),
         lost: report.failures_between(0, u64::MAX),
+        lost_long: report
+            .records
+            .iter()
+            .filter(|record| record.kind == "long" && record.error.is_some())
+            .count(),
         total: report.records.len(),
         failback_ms: failback.map(|answer| answer.saturating_sub(back)),
         timeline,

@@ -105,17 +105,18 @@ pub fn markdown(report: &Report) -> String {
             row.entries
         );
     }
-    text.push_str("\n**Failover under load (a query every 20 ms from fresh sockets and from a long-lived socket; per trial)**\n\n| who | event | trials | gap (last cache → first upstream answer), ms | queries lost | failback after the cache returned, ms |\n| --- | --- | --- | --- | --- | --- |\n");
+    text.push_str("\n**Failover under load (a query every 20 ms from fresh sockets and from a long-lived socket; per trial)**\n\n| who | event | trials | gap (last cache → first upstream answer), ms | queries lost | of them from the long-lived socket | every socket back on the cache after its return, ms |\n| --- | --- | --- | --- | --- | --- | --- |\n");
     for row in &report.failover {
         let _ = writeln!(
             text,
-            "| {} | {} | {} | {} | {} of {} | {} |",
+            "| {} | {} | {} | {} | {} of {} | {} | {} |",
             row.who,
             row.event.name(),
             row.runs.len(),
             with_misses(&row.gap_ms, row.never_failed_over, "never failed over"),
             row.lost.show(0),
             row.total.median,
+            row.lost_long.show(0),
             with_misses(&row.failback_ms, row.never_failed_back, "never failed back"),
         );
     }

@@ -89,8 +89,8 @@ fn restarts_under_a_query_stream_lose_no_query_and_keep_state() -> anyhow::Resul
     println!("restarts: {}", report.summary());
     assert!(report.records.len() > 300, "{}", report.summary());
     // The agent's restarts lose nothing. A query the cache had taken in when it was killed (one
-    // per socket kind at most, each waits up to its 300 ms timeout, paced) is the cache's loss, not the
-    // agent's; after the flip, nothing is lost again.
+    // per socket kind at most, each waits up to its 300 ms timeout, paced) is the cache's loss,
+    // not the agent's; after the flip, nothing is lost again.
     let in_flight_since = cache_killed.saturating_sub(paced_ms(300));
     assert_eq!(
         report.failures_between(0, in_flight_since),

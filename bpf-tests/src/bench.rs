@@ -46,6 +46,15 @@ upstreams = ["fd00:2::2", "[fd00:2::3]:53"]
     )
 }
 
+/// Writes the sandbox's agent configuration with [`standard_listeners`] (`config.toml` in its
+/// scratch directory) and returns its path.
+pub fn write_standard_config(sandbox: &Sandbox) -> anyhow::Result<std::path::PathBuf> {
+    sandbox.write_file(
+        "config.toml",
+        &sandbox.config_toml(&standard_listeners(sandbox)),
+    )
+}
+
 /// Listener ids in `standard_listeners`.
 pub const NODE_ID: u32 = 0;
 /// See [`NODE_ID`].

@@ -26,17 +26,15 @@ pub struct Identity {
 
 /// A query for `name` of type `record_type` with recursion desired.
 pub fn query(id: u16, name: &str, record_type: RecordType) -> anyhow::Result<Vec<u8>> {
-    let mut message = Message::new();
-    message
-        .set_id(id)
-        .set_message_type(MessageType::Query)
-        .set_op_code(OpCode::Query)
-        .set_recursion_desired(true)
-        .add_query(Query::query(
+    redirector::dns_query::recursive_query(
+        id,
+        Query::query(
             Name::from_ascii(name).with_context(|| format!("{name:?} is not a DNS name"))?,
             record_type,
-        ));
-    message.to_vec().context("encoding the query")
+        ),
+    )
+    .to_vec()
+    .context("encoding the query")
 }
 
 /// The answer of a server with `identity` to `request`: A and AAAA questions get the identity's

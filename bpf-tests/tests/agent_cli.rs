@@ -5,7 +5,7 @@
 use std::{os::unix::process::CommandExt as _, process::Command, time::Duration};
 
 use bpf_tests::{
-    bench::standard_listeners,
+    bench::write_standard_config,
     cli::{redirector, set_state, start_agent},
     command::output_within,
     sandbox::{Ns, Query, Sandbox, Tools, Transport, redirector_bin},
@@ -28,10 +28,7 @@ fn answered_by(sandbox: &Sandbox) -> anyhow::Result<&'static str> {
 fn run_steers_until_sigterm_and_state_flips_listeners() -> anyhow::Result<()> {
     let mut sandbox = Sandbox::new(tools())?;
     sandbox.start_standard_servers()?;
-    let config = sandbox.write_file(
-        "config.toml",
-        &sandbox.config_toml(&standard_listeners(&sandbox)),
-    )?;
+    let config = write_standard_config(&sandbox)?;
 
     let check = redirector(&["check-config", "--config", &config.display().to_string()])?;
     assert_eq!(check.code, 0, "{check:?}");

@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use bpf_tests::{
-    bench::{Bench, CLUSTER_ID, NODE_ID, V6_ID, standard_listeners},
+    bench::{Bench, CLUSTER_ID, NODE_ID, V6_ID, standard_listeners, write_standard_config},
     caches::{CacheKind, start_cache},
     cli::{set_state, start_agent},
     dns::now_ms,
@@ -486,10 +486,7 @@ fn an_agent_started_after_the_cache_sees_it_alive_and_one_started_before_waits_f
 fn the_kernel_fails_over_alone_after_the_agent_is_killed() -> anyhow::Result<()> {
     let mut sandbox = Sandbox::new(tools())?;
     sandbox.start_standard_servers()?;
-    let config = sandbox.write_file(
-        "config.toml",
-        &sandbox.config_toml(&standard_listeners(&sandbox)),
-    )?;
+    let config = write_standard_config(&sandbox)?;
     let agent = start_agent(&config)?;
     assert_eq!(answered_by(&sandbox)?, "cache");
     drop(agent); // SIGKILL: no chance to detach
@@ -528,10 +525,7 @@ fn the_agents_probes_are_never_steered() -> anyhow::Result<()> {
     sandbox.start_cache("cache", &CacheSpec::standard())?;
     // No upstream runs: a steered probe would fail.
     let agent_cgroup = sandbox.cgroup().child("agent")?;
-    let config = sandbox.write_file(
-        "config.toml",
-        &sandbox.config_toml(&standard_listeners(&sandbox)),
-    )?;
+    let config = write_standard_config(&sandbox)?;
     let program = bpf_tests::sandbox::redirector_bin().display().to_string();
     let args = vec![
         "run".to_owned(),

@@ -5,7 +5,7 @@
 use std::{net::IpAddr, time::Duration};
 
 use bpf_tests::{
-    bench::{Bench, NODE_ID, standard_listeners},
+    bench::{Bench, NODE_ID, write_standard_config},
     cli::{redirector, set_state, start_agent},
     command::run,
     dns::now_ms,
@@ -26,18 +26,11 @@ fn answered_by(sandbox: &Sandbox) -> anyhow::Result<&'static str> {
     Ok(who(outcome.answer()))
 }
 
-fn config(sandbox: &Sandbox) -> anyhow::Result<std::path::PathBuf> {
-    sandbox.write_file(
-        "config.toml",
-        &sandbox.config_toml(&standard_listeners(sandbox)),
-    )
-}
-
 #[test]
 fn restarts_under_a_query_stream_lose_no_query_and_keep_state() -> anyhow::Result<()> {
     let mut sandbox = Sandbox::new(tools())?;
     sandbox.start_standard_servers()?;
-    let config = config(&sandbox)?;
+    let config = write_standard_config(&sandbox)?;
     let mut agent = start_agent(&config)?;
     assert_eq!(set_state(&sandbox, "cluster", "upstream")?.code, 0);
 
@@ -140,7 +133,7 @@ fn restarts_under_a_query_stream_lose_no_query_and_keep_state() -> anyhow::Resul
 fn one_agent_per_node_and_pins_of_another_version_are_refused() -> anyhow::Result<()> {
     let mut sandbox = Sandbox::new(tools())?;
     sandbox.start_standard_servers()?;
-    let config = config(&sandbox)?;
+    let config = write_standard_config(&sandbox)?;
     let config_arg = config.display().to_string();
     let mut first = start_agent(&config)?;
 
@@ -406,7 +399,7 @@ fn an_agent_in_a_cgroup_namespace_of_its_own_finds_its_cgroup_and_probes_unsteer
 -> anyhow::Result<()> {
     let mut sandbox = Sandbox::new(tools())?;
     sandbox.start_standard_servers()?;
-    let config = config(&sandbox)?;
+    let config = write_standard_config(&sandbox)?;
     // The agent inside the attach cgroup, in a cgroup namespace rooted at its own cgroup (a
     // container's, by default): /proc/self/cgroup says "/".
     let own = sandbox.cgroup().child("agent")?;

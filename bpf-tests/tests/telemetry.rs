@@ -7,7 +7,7 @@
 use std::{os::unix::net::UnixDatagram, time::Duration};
 
 use bpf_tests::{
-    bench::{Bench, NODE_ID, standard_listeners},
+    bench::{Bench, NODE_ID, standard_listeners, write_standard_config},
     cli::{logged_metrics_address, redirector, start_agent, start_agent_with},
     command::run,
     fake_kube::{FakeKube, endpoint_slice},
@@ -26,10 +26,7 @@ fn tools() -> Tools {
 fn standard_sandbox() -> anyhow::Result<(Sandbox, std::path::PathBuf)> {
     let mut sandbox = Sandbox::new(tools())?;
     sandbox.start_standard_servers()?;
-    let config = sandbox.write_file(
-        "config.toml",
-        &sandbox.config_toml(&standard_listeners(&sandbox)),
-    )?;
+    let config = write_standard_config(&sandbox)?;
     Ok((sandbox, config))
 }
 

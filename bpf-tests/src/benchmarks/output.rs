@@ -41,6 +41,25 @@ fn with_misses(spread: &Spread, misses: usize, what: &str) -> String {
     }
 }
 
+/// Appends a Markdown table under the bold `title`, then a blank line.
+fn table(
+    text: &mut String,
+    title: &str,
+    header: &[&str],
+    rows: impl IntoIterator<Item = Vec<String>>,
+) {
+    let _ = writeln!(
+        text,
+        "**{title}**\n\n| {} |\n|{}",
+        header.join(" | "),
+        " --- |".repeat(header.len())
+    );
+    for row in rows {
+        let _ = writeln!(text, "| {} |", row.join(" | "));
+    }
+    text.push('\n');
+}
+
 /// The Markdown report.
 #[must_use]
 pub fn markdown(report: &Report) -> String {
@@ -59,75 +78,108 @@ pub fn markdown(report: &Report) -> String {
         machine.kernel
     );
 
-    text.push_str("**Steering cost: dnsperf from a pod to dnsmasq (4 clients, 64 outstanding, 3 s × 5 trials, paths interleaved)**\n\n| path | queries/s | vs no rules | average latency (µs) | lost |\n| --- | --- | --- | --- | --- |\n");
     let base_qps = report.throughput.first().map_or(0.0, |row| row.qps.median);
-    for row in &report.throughput {
-        let _ = writeln!(
-            text,
-            "| {} | {} | {} | {} | {} |",
-            row.path.name(),
-            row.qps.show(0),
-            ratio(row.qps.median, base_qps),
-            row.average_latency_us.show(0),
-            row.lost
-        );
-    }
-    text.push_str("\n**Latency at 2000 queries/s (per query, µs; two 3 s runs per path)**\n\n| path | p50 | p90 | p99 | samples |\n| --- | --- | --- | --- | --- |\n");
-    for row in &report.latency {
-        let _ = writeln!(
-            text,
-            "| {} | {:.0} | {:.0} | {:.0} | {} |",
-            row.path.name(),
-            row.p50_us,
-            row.p90_us,
-            row.p99_us,
-            row.samples
-        );
-    }
-    text.push_str("\n**Per-syscall cost of the hooks (ns per operation, from a pod; with: the programs attached, the agent stopped)**\n\n| operation | without programs | with programs | difference |\n| --- | --- | --- | --- |\n");
-    for row in &report.hook_cost {
-        let _ = writeln!(
-            text,
-            "| {} | {} | {} | {:+.0} |",
-            row.operation,
-            row.without_ns.show(0),
-            row.with_ns.show(0),
-            row.with_ns.median - row.without_ns.median
-        );
-    }
-    text.push_str("\n**Conntrack entries left by 1000 fresh-socket queries (conntrack on, as on a node)**\n\n| path | answered | entries |\n| --- | --- | --- |\n");
-    for row in &report.conntrack {
-        let _ = writeln!(
-            text,
-            "| {} | {} | {} |",
-            row.path.name(),
-            row.answered,
-            row.entries
-        );
-    }
-    text.push_str("\n**Failover under load (a query every 20 ms from fresh sockets and from a long-lived socket; per trial)**\n\n| who | event | trials | gap (last cache → first upstream answer), ms | queries lost | of them from the long-lived socket | every socket back on the cache after its return, ms |\n| --- | --- | --- | --- | --- | --- | --- |\n");
-    for row in &report.failover {
-        let _ = writeln!(
-            text,
-            "| {} | {} | {} | {} | {} of {} | {} | {} |",
-            row.who,
-            row.event.name(),
-            row.runs.len(),
-            with_misses(&row.gap_ms, row.never_failed_over, "never failed over"),
-            row.lost.show(0),
-            row.total.median,
-            row.lost_long.show(0),
-            with_misses(&row.failback_ms, row.never_failed_back, "never failed back"),
-        );
-    }
-    text.push_str("\n**Setup**\n\n| what | ms |\n| --- | --- |\n");
-    for row in &report.setup {
-        let _ = writeln!(text, "| {} | {} |", row.what, row.ms.show(1));
-    }
+    table(
+        &mut text,
+        "Steering cost: dnsperf from a pod to dnsmasq (4 clients, 64 outstanding, 3 s × 5 trials, paths interleaved)",
+        &[
+            "path",
+            "queries/s",
+            "vs no rules",
+            "average latency (µs)",
+            "lost",
+        ],
+        report.throughput.iter().map(|row| {
+            vec![
+                row.path.name().to_owned(),
+                row.qps.show(0),
+                ratio(row.qps.median, base_qps),
+                row.average_latency_us.show(0),
+                row.lost.to_string(),
+            ]
+        }),
+    );
+    table(
+        &mut text,
+        "Latency at 2000 queries/s (per query, µs; two 3 s runs per path)",
+        &["path", "p50", "p90", "p99", "samples"],
+        report.latency.iter().map(|row| {
+            vec![
+                row.path.name().to_owned(),
+                format!("{:.0}", row.p50_us),
+                format!("{:.0}", row.p90_us),
+                format!("{:.0}", row.p99_us),
+                row.samples.to_string(),
+            ]
+        }),
+    );
+    table(
+        &mut text,
+        "Per-syscall cost of the hooks (ns per operation, from a pod; with: the programs attached, the agent stopped)",
+        &[
+            "operation",
+            "without programs",
+            "with programs",
+            "difference",
+        ],
+        report.hook_cost.iter().map(|row| {
+            vec![
+                row.operation.to_owned(),
+                row.without_ns.show(0),
+                row.with_ns.show(0),
+                format!("{:+.0}", row.with_ns.median - row.without_ns.median),
+            ]
+        }),
+    );
+    table(
+        &mut text,
+        "Conntrack entries left by 1000 fresh-socket queries (conntrack on, as on a node)",
+        &["path", "answered", "entries"],
+        report.conntrack.iter().map(|row| {
+            vec![
+                row.path.name().to_owned(),
+                row.answered.to_string(),
+                row.entries.to_string(),
+            ]
+        }),
+    );
+    table(
+        &mut text,
+        "Failover under load (a query every 20 ms from fresh sockets and from a long-lived socket; per trial)",
+        &[
+            "who",
+            "event",
+            "trials",
+            "gap (last cache → first upstream answer), ms",
+            "queries lost",
+            "of them from the long-lived socket",
+            "every socket back on the cache after its return, ms",
+        ],
+        report.failover.iter().map(|row| {
+            vec![
+                row.who.to_owned(),
+                row.event.name().to_owned(),
+                row.runs.len().to_string(),
+                with_misses(&row.gap_ms, row.never_failed_over, "never failed over"),
+                format!("{} of {}", row.lost.show(0), row.total.median),
+                row.lost_long.show(0),
+                with_misses(&row.failback_ms, row.never_failed_back, "never failed back"),
+            ]
+        }),
+    );
+    table(
+        &mut text,
+        "Setup",
+        &["what", "ms"],
+        report
+            .setup
+            .iter()
+            .map(|row| vec![row.what.to_owned(), row.ms.show(1)]),
+    );
     let sync = &report.sync;
-    let _ = write!(
+    let _ = writeln!(
         text,
-        "\n**Sync**: EndpointSlice written at the API server → kernel pool updated, {} events one after the other: p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms (10 ms of it is the deliberate coalescing window).\n",
+        "**Sync**: EndpointSlice written at the API server → kernel pool updated, {} events one after the other: p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms (10 ms of it is the deliberate coalescing window).",
         sync.events, sync.p50_ms, sync.p99_ms, sync.max_ms
     );
     let memory = &report.memory;

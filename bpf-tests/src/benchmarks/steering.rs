@@ -117,18 +117,24 @@ pub fn throughput(path: Path, runs: &[Run]) -> Throughput {
     }
 }
 
-/// dnsperf at full speed along `path`.
-pub fn dnsperf(rig: &Rig, path: Path) -> anyhow::Result<Run> {
+/// dnsperf from the pod along `path`, asking for `probe.redirector.test A` over and over, with
+/// `load` (its duration and rate arguments); returns what it printed.
+fn run_dnsperf(rig: &Rig, path: Path, load: &[&str]) -> anyhow::Result<String> {
     let data = rig
         .sandbox
         .write_file("dnsperf.txt", "probe.redirector.test A\n")?;
-    let output = rig.in_pod(
-        "dnsperf",
+    let (server, data) = (path.server().to_string(), data.display().to_string());
+    let mut args = vec!["-s", server.as_str(), "-d", data.as_str()];
+    args.extend_from_slice(load);
+    rig.in_pod("dnsperf", &args, Duration::from_secs(30))
+}
+
+/// dnsperf at full speed along `path`.
+pub fn dnsperf(rig: &Rig, path: Path) -> anyhow::Result<Run> {
+    let output = run_dnsperf(
+        rig,
+        path,
         &[
-            "-s",
-            &path.server().to_string(),
-            "-d",
-            &data.display().to_string(),
             "-l",
             DNSPERF_SECONDS,
             "-c",
@@ -140,7 +146,6 @@ pub fn dnsperf(rig: &Rig, path: Path) -> anyhow::Result<Run> {
             "-t",
             "2",
         ],
-        Duration::from_secs(30),
     )?;
     let field = |label: &str| -> anyhow::Result<f64> {
         output
@@ -158,27 +163,10 @@ pub fn dnsperf(rig: &Rig, path: Path) -> anyhow::Result<Run> {
 
 /// Per-query latencies (µs) at 2000 queries per second for 3 s, from dnsperf's verbose output.
 pub fn latencies(rig: &Rig, path: Path) -> anyhow::Result<Vec<f64>> {
-    let data = rig
-        .sandbox
-        .write_file("dnsperf.txt", "probe.redirector.test A\n")?;
-    let output = rig.in_pod(
-        "dnsperf",
-        &[
-            "-s",
-            &path.server().to_string(),
-            "-d",
-            &data.display().to_string(),
-            "-l",
-            "3",
-            "-Q",
-            "2000",
-            "-c",
-            "1",
-            "-T",
-            "1",
-            "-v",
-        ],
-        Duration::from_secs(30),
+    let output = run_dnsperf(
+        rig,
+        path,
+        &["-l", "3", "-Q", "2000", "-c", "1", "-T", "1", "-v"],
     )?;
     // Verbose lines: "> NOERROR probe.redirector.test A 0.000123" (the last field, seconds).
     let samples: Vec<f64> = output

@@ -10,11 +10,12 @@ use std::{
 
 use hickory_proto::{
     ProtoError,
-    op::{Edns, Message, MessageType, OpCode, Query, ResponseCode},
+    op::{Edns, Message, MessageType, Query, ResponseCode},
 };
 use tokio::net::{TcpStream, UdpSocket};
 
 use super::framing::{read_frame, write_frame};
+use crate::dns_query::recursive_query;
 
 /// The UDP payload size advertised upstream (and to clients): the DNS flag day 2020 value, which
 /// avoids IP fragmentation.
@@ -190,17 +191,9 @@ async fn exchange(
 
 /// The query sent upstream: our own ID, recursion desired, EDNS with our payload size, no DO bit.
 fn upstream_request(id: u16, query: &Query) -> Result<Vec<u8>, ProtoError> {
-    let mut message = Message::new();
     let mut edns = Edns::new();
     edns.set_max_payload(EDNS_PAYLOAD);
-    message
-        .set_id(id)
-        .set_message_type(MessageType::Query)
-        .set_op_code(OpCode::Query)
-        .set_recursion_desired(true)
-        .add_query(query.clone())
-        .set_edns(edns);
-    message.to_vec()
+    recursive_query(id, query.clone()).set_edns(edns).to_vec()
 }
 
 async fn udp_exchange(

@@ -29,6 +29,7 @@ use super::{
     resolver::Resolver,
     run,
 };
+use crate::dns_query::recursive_query;
 
 /// Bounds every wait on the network in these tests.
 const WAIT: Duration = Duration::from_secs(5);
@@ -270,13 +271,7 @@ fn query_bytes(id: u16, qname: &str, edns: bool) -> Vec<u8> {
 }
 
 fn typed_query_bytes(id: u16, qname: &str, record_type: RecordType, edns: bool) -> Vec<u8> {
-    let mut message = Message::new();
-    message
-        .set_id(id)
-        .set_message_type(MessageType::Query)
-        .set_op_code(OpCode::Query)
-        .set_recursion_desired(true)
-        .add_query(Query::query(name(qname), record_type));
+    let mut message = recursive_query(id, Query::query(name(qname), record_type));
     if edns {
         let mut options = Edns::new();
         options.set_max_payload(1232);

@@ -8,11 +8,11 @@ use std::{
 };
 
 use hickory_proto::{
-    op::{Message, MessageType, OpCode, Query, ResponseCode},
+    op::{Message, MessageType, Query, ResponseCode},
     rr::{Name, RecordType},
 };
 
-use crate::netns::NetnsWorker;
+use crate::{dns_query::recursive_query, netns::NetnsWorker};
 
 /// What one probe found.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -90,14 +90,9 @@ impl Prober {
 
     async fn ask(&self) -> Result<ResponseCode, String> {
         let id: u16 = rand_id();
-        let mut message = Message::new();
-        message
-            .set_id(id)
-            .set_message_type(MessageType::Query)
-            .set_op_code(OpCode::Query)
-            .set_recursion_desired(true)
-            .add_query(Query::query(self.query_name.clone(), RecordType::A));
-        let request = message.to_vec().map_err(|error| error.to_string())?;
+        let request = recursive_query(id, Query::query(self.query_name.clone(), RecordType::A))
+            .to_vec()
+            .map_err(|error| error.to_string())?;
 
         let local = if self.target.is_ipv4() {
             SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0)

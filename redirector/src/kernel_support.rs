@@ -147,6 +147,12 @@ pub const FEATURES: &[KernelFeature] = &[
         need: Need::Required,
     },
     KernelFeature {
+        name: "`BPF_MAP_TYPE_RINGBUF`",
+        used_for: "aya-log's buffer for kernel logging (created even with `kernel_log` off)",
+        since: KernelVersion::new(5, 8),
+        need: Need::Required,
+    },
+    KernelFeature {
         name: "cgroup v2 `sock_release`",
         used_for: "uncounting the caches' sockets: in-kernel failover",
         since: KernelVersion::new(5, 9),

@@ -5,6 +5,7 @@
 use std::net::SocketAddr;
 
 use crate::{
+    pace::paced_ms,
     sandbox::{CacheSpec, Ns, Sandbox},
     topology::{CACHE, NODE_LISTENER, dns},
 };
@@ -122,10 +123,14 @@ pub fn start_cache_at(
                     },
                 )?;
             }
+            // The forwarding hop gets the machine's pace like every other wait: a fixed 200 ms
+            // answered SERVFAIL under a VM's TCG, where a freshly started cache's first exchange
+            // can take longer. It stays below the test clients' own (paced 300 ms) timeout.
+            let upstream_timeout_ms = paced_ms(200);
             let config = sandbox.write_file(
                 &format!("embedded-{name}.toml"),
                 &format!(
-                    "listen = [\"{address}\"]\ndefault_servers = [\"{EMBEDDED_BACKEND}\"]\nupstream_timeout_ms = 200\n# The sandbox's pods and node use 198.18.0.0/15 and fd00::/8 (benchmark ranges).\nallow = [\"127.0.0.0/8\", \"169.254.0.0/16\", \"198.18.0.0/15\", \"fd00::/8\"]\n"
+                    "listen = [\"{address}\"]\ndefault_servers = [\"{EMBEDDED_BACKEND}\"]\nupstream_timeout_ms = {upstream_timeout_ms}\n# The sandbox's pods and node use 198.18.0.0/15 and fd00::/8 (benchmark ranges).\nallow = [\"127.0.0.0/8\", \"169.254.0.0/16\", \"198.18.0.0/15\", \"fd00::/8\"]\n"
                 ),
             )?;
             let args = vec![

@@ -433,7 +433,7 @@ fn an_agent_in_a_cgroup_namespace_of_its_own_finds_its_cgroup_and_probes_unsteer
     // The cache dies: the kernel fails over, and the agent's probes, not steered, fail too. A
     // steered probe would reach an upstream and find the dead cache "alive".
     sandbox.stop_server("cache")?;
-    std::thread::sleep(Duration::from_millis(1500));
+    std::thread::sleep(paced(Duration::from_millis(1500)));
     let status = redirector(&[
         "status",
         "--config",

@@ -1,10 +1,14 @@
 //! The steering datapath on the real kernel: real DNS servers in namespaces, real clients (our
 //! `dns-query`, dig, glibc's `getent`), programs attached to a throwaway cgroup.
 
-use std::net::{IpAddr, SocketAddr};
+use std::{
+    net::{IpAddr, SocketAddr},
+    time::Duration,
+};
 
 use bpf_tests::{
     bench::{Bench, CLUSTER_ID, NODE_ID, V6_ID, mapped, socket_addr},
+    pace::paced,
     sandbox::{Ns, Query, Tools, Transport},
     topology::{
         CLUSTER_LISTENER, NODE_LISTENER, OTHER_PORT, UPSTREAM_A, UPSTREAM_A_V4, UPSTREAM_B,
@@ -427,10 +431,10 @@ fn a_connected_dual_stack_socket_stays_where_it_connected() -> anyhow::Result<()
         &bench.sandbox,
         Ns::Pod,
         dns(NODE_LISTENER),
-        std::time::Duration::from_millis(1500),
+        paced(Duration::from_millis(1500)),
         &["--kinds", "connected", "--mapped"],
     )?;
-    std::thread::sleep(std::time::Duration::from_millis(500));
+    std::thread::sleep(paced(Duration::from_millis(500)));
     bench.set_mode(NODE_ID, MODE_UPSTREAM)?;
     let report = stream.finish()?;
     assert!(report.records.len() > 20, "{}", report.summary());

@@ -40,3 +40,9 @@ pub fn paced(duration: Duration) -> Duration {
 pub fn paced_ms(milliseconds: u64) -> u64 {
     milliseconds * u64::from(slowdown())
 }
+
+/// Lets `milliseconds` pass, stretched to this machine's pace: the time between a test's events,
+/// or a quiet period in which something must not happen.
+pub fn pause(milliseconds: u64) {
+    std::thread::sleep(paced(Duration::from_millis(milliseconds)));
+}

@@ -18,7 +18,7 @@ use crate::{
     command::{TestProcess, join_cgroup_before_exec, output_within},
     dns::{Identity, QueryOutcome},
     netns::NetNs,
-    pace::paced_ms,
+    pace::{paced, paced_ms},
     topology::{
         self, CACHE, CLUSTER_LISTENER, NODE_LISTENER, UPSTREAM_A, UPSTREAM_B, V6_LISTENER, dns,
     },
@@ -27,6 +27,10 @@ use crate::{
 /// Prefix of every cgroup, namespace, link and mount a sandbox creates (`cargo xtask test`
 /// sweeps leftovers with it after a crash).
 pub const PREFIX: &str = "rdt";
+
+/// The `[interface]` table of the sandbox's agent configurations: the listener addresses are the
+/// sandbox's (on the node namespace's loopback), not the agent's to manage.
+pub const UNMANAGED_INTERFACE: &str = "[interface]\nmanage = false\n";
 
 /// Where the helper binaries are (tests pass `env!("CARGO_BIN_EXE_...")`).
 #[derive(Clone, Debug)]
@@ -454,13 +458,31 @@ impl Sandbox {
     /// loopback), then `listeners` (TOML `[[listener]]` sections).
     #[must_use]
     pub fn config_toml(&self, listeners: &str) -> String {
-        self.config_toml_with(listeners, "[interface]\nmanage = false\n")
+        self.config_toml_with(listeners, UNMANAGED_INTERFACE)
     }
 
     /// The same, with `tables` (TOML tables such as `[interface]` or `[kubernetes]`) instead of
     /// the default `[interface] manage = false`.
     #[must_use]
     pub fn config_toml_with(&self, listeners: &str, tables: &str) -> String {
+        self.config_toml_probing(
+            listeners,
+            tables,
+            paced(Duration::from_millis(250)),
+            paced(Duration::from_millis(200)),
+        )
+    }
+
+    /// The same, probing every `interval` with `timeout` (the benchmarks use the agent's
+    /// defaults).
+    #[must_use]
+    pub fn config_toml_probing(
+        &self,
+        listeners: &str,
+        tables: &str,
+        interval: Duration,
+        timeout: Duration,
+    ) -> String {
         format!(
             "cgroup = {:?}\npin_dir = {:?}\nlock_file = {:?}\ncache_netns = {:?}\nsocket_reconcile_interval_ms = {}\n\n[probe]\ninterval_ms = {}\ntimeout_ms = {}\n\n[metrics]\naddress = \"127.0.0.1:0\"\n\n{tables}\n{listeners}",
             self.cgroup.path().display().to_string(),
@@ -468,8 +490,8 @@ impl Sandbox {
             self.lock_file().display().to_string(),
             self.node_netns_path().display().to_string(),
             paced_ms(500),
-            paced_ms(250),
-            paced_ms(200),
+            interval.as_millis(),
+            timeout.as_millis(),
         )
     }
 

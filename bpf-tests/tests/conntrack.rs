@@ -10,7 +10,7 @@ use bpf_tests::{
     bench::{Bench, NODE_ID, V6_ID, standard_listeners},
     cli::start_agent,
     conntrack,
-    pace::paced,
+    pace::pause,
     sandbox::{Ns, Query, Sandbox, Tools, Transport},
     topology::{
         NODE_LISTENER, UPSTREAM_A_V4, UPSTREAM_A_V6, UPSTREAM_B_V4, UPSTREAM_B_V6, V6_LISTENER,
@@ -273,7 +273,7 @@ fn a_node_without_nftables_still_steers_and_says_so_once() -> anyhow::Result<()>
     let mut agent = start_agent(&config)?;
     let outcome = sandbox.query(Ns::Pod, Query::new(dns(NODE_LISTENER), Transport::Udp))?;
     assert_eq!(who(outcome.answer()), "cache", "{outcome:?}");
-    std::thread::sleep(paced(Duration::from_millis(1000))); // about ten more checks
+    pause(1000); // about ten more checks
     let log = agent.printed().to_vec();
     let warnings: Vec<&String> = log
         .iter()

@@ -10,7 +10,7 @@ use bpf_tests::{
     caches::{CacheKind, start_cache},
     cli::{set_state, start_agent},
     dns::now_ms,
-    pace::{paced, paced_ms},
+    pace::{paced, paced_ms, pause},
     sandbox::{CacheSpec, Ns, Query, Sandbox, Tools, Transport},
     stream::{Stream, StreamReport},
     topology::{NODE_LISTENER, dns, who},
@@ -49,11 +49,6 @@ fn stream(bench: &Bench, seconds: u64) -> anyhow::Result<Stream> {
         dns(NODE_LISTENER),
         paced(Duration::from_secs(seconds)),
     )
-}
-
-/// Lets `milliseconds` pass (stretched by the machine's pace) between the events of a test.
-fn pause(milliseconds: u64) {
-    std::thread::sleep(Duration::from_millis(paced_ms(milliseconds)));
 }
 
 /// Asserts the failover shape around an event at `event_ms`, prints the figures, and returns the

@@ -7,7 +7,7 @@ use std::{net::IpAddr, time::Duration};
 use bpf_tests::{
     bench::{Bench, CLUSTER_ID},
     fake_kube::{FakeKube, endpoint_slice},
-    pace::paced,
+    pace::pause,
     sandbox::{Sandbox, Tools},
 };
 use redirector_common::addr::port_from_be;
@@ -237,7 +237,7 @@ fn the_cluster_pool_follows_endpoint_slices_through_every_kind_of_change() -> an
 
     // Bookmarks change nothing.
     kube.bookmark();
-    std::thread::sleep(paced(Duration::from_millis(300)));
+    pause(300);
     assert_eq!(
         kernel_pool(&bench, CLUSTER_ID)?,
         expect(&["10.244.3.3"], 53)
@@ -253,7 +253,7 @@ fn the_cluster_pool_follows_endpoint_slices_through_every_kind_of_change() -> an
     );
     broken["endpoints"] = serde_json::json!("not a list");
     kube.apply(broken);
-    std::thread::sleep(paced(Duration::from_millis(1500)));
+    pause(1500);
     assert_eq!(
         kernel_pool(&bench, CLUSTER_ID)?,
         expect(&["10.244.3.3"], 53),

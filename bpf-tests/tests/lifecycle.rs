@@ -9,7 +9,7 @@ use bpf_tests::{
     cli::{redirector, set_state, start_agent},
     command::run,
     dns::now_ms,
-    pace::{paced, paced_ms},
+    pace::{paced_ms, pause},
     sandbox::{CacheSpec, Ns, Query, Sandbox, Tools, Transport},
     stream::Stream,
     topology::{NODE_LISTENER, UPSTREAM_A_V4, UPSTREAM_B_V4, dns, who},
@@ -43,27 +43,27 @@ fn restarts_under_a_query_stream_lose_no_query_and_keep_state() -> anyhow::Resul
         Duration::from_secs(120),
     )?;
     let mut events = Vec::new();
-    std::thread::sleep(paced(Duration::from_millis(800)));
+    pause(800);
     drop(agent); // kill -9
     events.push(("agent killed (SIGKILL)", now_ms()));
-    std::thread::sleep(paced(Duration::from_millis(600)));
+    pause(600);
     agent = start_agent(&config)?; // adopts the pins
     events.push(("agent started, adopting", now_ms()));
-    std::thread::sleep(paced(Duration::from_millis(800)));
+    pause(800);
     agent.signal(Signal::SIGTERM)?;
     agent.wait_exit(Duration::from_secs(10))?;
     events.push(("agent stopped (SIGTERM)", now_ms()));
-    std::thread::sleep(paced(Duration::from_millis(600)));
+    pause(600);
     agent = start_agent(&config)?; // the same binary again: what an upgrade does
     events.push(("agent started again", now_ms()));
-    std::thread::sleep(paced(Duration::from_millis(800)));
+    pause(800);
     // A kill while the cache dies: the kernel alone fails over, the next agent fails back.
     drop(agent);
     events.push(("agent killed (SIGKILL)", now_ms()));
     let cache_killed = now_ms();
     sandbox.stop_server("cache")?;
     events.push(("cache killed (SIGKILL)", cache_killed));
-    std::thread::sleep(paced(Duration::from_millis(500)));
+    pause(500);
     sandbox.start_cache("cache", &CacheSpec::standard())?;
     events.push(("cache restarted", now_ms()));
     let agent = start_agent(&config)?;
@@ -433,7 +433,7 @@ fn an_agent_in_a_cgroup_namespace_of_its_own_finds_its_cgroup_and_probes_unsteer
     // The cache dies: the kernel fails over, and the agent's probes, not steered, fail too. A
     // steered probe would reach an upstream and find the dead cache "alive".
     sandbox.stop_server("cache")?;
-    std::thread::sleep(paced(Duration::from_millis(1500)));
+    pause(1500);
     let status = redirector(&[
         "status",
         "--config",

@@ -8,7 +8,7 @@ use std::{
 
 use bpf_tests::{
     bench::{Bench, CLUSTER_ID, NODE_ID, V6_ID, mapped, socket_addr},
-    pace::paced,
+    pace::{paced, pause},
     sandbox::{Ns, Query, Tools, Transport},
     topology::{
         CLUSTER_LISTENER, NODE_LISTENER, OTHER_PORT, UPSTREAM_A, UPSTREAM_A_V4, UPSTREAM_B,
@@ -434,7 +434,7 @@ fn a_connected_dual_stack_socket_stays_where_it_connected() -> anyhow::Result<()
         paced(Duration::from_millis(1500)),
         &["--kinds", "connected", "--mapped"],
     )?;
-    std::thread::sleep(paced(Duration::from_millis(500)));
+    pause(500);
     bench.set_mode(NODE_ID, MODE_UPSTREAM)?;
     let report = stream.finish()?;
     assert!(report.records.len() > 20, "{}", report.summary());

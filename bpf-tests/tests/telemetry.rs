@@ -12,7 +12,7 @@ use bpf_tests::{
     command::run,
     fake_kube::{FakeKube, endpoint_slice},
     http::{get, sample},
-    pace::paced,
+    pace::pause,
     sandbox::{Ns, Query, Sandbox, Tools, Transport},
     topology::{NODE_LISTENER, dns, who},
 };
@@ -63,7 +63,7 @@ fn metrics_agree_with_the_kernel_and_with_what_happened() -> anyhow::Result<()> 
     bench.wait_until("the override observed", Duration::from_secs(5), |bench| {
         Ok(!bench.agent.stats.transitions("node").is_empty())
     })?;
-    std::thread::sleep(paced(Duration::from_millis(300)));
+    pause(300);
 
     let response = get(address, "/metrics")?;
     assert_eq!(response.status, 200);
@@ -203,7 +203,7 @@ fn readyz_waits_for_every_pool_and_healthz_does_not() -> anyhow::Result<()> {
     let address = bench.agent.metrics.expect("metrics are served");
 
     // The API server is down: DNS works, the agent is alive, but not ready.
-    std::thread::sleep(paced(Duration::from_millis(500)));
+    pause(500);
     assert_eq!(queries(&bench.sandbox, 1)?, ["cache"]);
     assert_eq!(get(address, "/healthz")?.status, 200);
     let readyz = get(address, "/readyz")?;

@@ -6,7 +6,7 @@
 //! number is a floor, not a proof: distribution kernels backport features, and the VM tests
 //! (`cargo xtask vm-test`) prove the programs on Debian's 6.1 and 6.12 as well as on the host.
 
-use std::{cmp::Ordering, fmt};
+use std::fmt;
 
 /// A mainline kernel release, `major.minor`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -223,10 +223,9 @@ impl KernelCheck {
     /// The features the kernel is older than. A release that cannot be read lacks nothing: the
     /// verifier has the last word.
     pub fn missing(&self) -> impl Iterator<Item = &'static KernelFeature> + '_ {
-        FEATURES.iter().filter(move |feature| {
-            self.version
-                .is_some_and(|version| version.cmp(&feature.since) == Ordering::Less)
-        })
+        FEATURES
+            .iter()
+            .filter(move |feature| self.version.is_some_and(|version| version < feature.since))
     }
 }
 

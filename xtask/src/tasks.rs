@@ -9,12 +9,15 @@ use crate::{
     sweep,
 };
 
+/// The workspace's root directory (xtask's parent).
+pub fn workspace_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
 /// The workspace's target directory.
 fn target_dir() -> PathBuf {
-    std::env::var_os("CARGO_TARGET_DIR").map_or_else(
-        || PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target"),
-        PathBuf::from,
-    )
+    std::env::var_os("CARGO_TARGET_DIR")
+        .map_or_else(|| workspace_root().join("target"), PathBuf::from)
 }
 
 fn require_root(task: &str) -> anyhow::Result<()> {
@@ -101,13 +104,8 @@ pub fn bench(out: &std::path::Path) -> anyhow::Result<()> {
         "building the bench failed",
     )?;
     let dir = target_dir().join("release");
-    let out = if out.is_absolute() {
-        out.to_owned()
-    } else {
-        PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-            .join("..")
-            .join(out)
-    };
+    // A relative `out` is from the workspace root; an absolute one replaces it.
+    let out = workspace_root().join(out);
     let mut bench = Command::new(dir.join("bench"));
     bench
         .arg("--out")

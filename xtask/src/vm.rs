@@ -175,7 +175,7 @@ pub fn run(options: &VmArgs) -> anyhow::Result<()> {
         .to_owned();
     let vm_dir = target_dir.join("vm");
     std::fs::create_dir_all(&vm_dir).with_context(|| format!("creating {}", vm_dir.display()))?;
-    let workdir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../bpf-tests");
+    let workdir = crate::tasks::workspace_root().join("bpf-tests");
     let workdir = workdir
         .canonicalize()
         .with_context(|| format!("finding {}", workdir.display()))?;

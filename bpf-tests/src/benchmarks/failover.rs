@@ -87,7 +87,8 @@ pub struct FailoverTrials {
     pub lost_long: Spread,
     /// Queries sent, per trial.
     pub total: Spread,
-    /// From the cache's return to its first answer again, ms, over the trials that failed back.
+    /// From the cache's return until every socket is answered by the cache again, ms, over the
+    /// trials that failed back (see [`Failover::failback_ms`]).
     pub failback_ms: Spread,
     /// Trials that never failed back.
     pub never_failed_back: usize,

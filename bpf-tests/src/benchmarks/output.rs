@@ -200,8 +200,8 @@ pub fn markdown(report: &Report) -> String {
     text
 }
 
-/// Answers per 100 ms around the cache's death: redirector's kill -9 against the NAT fallback's.
-/// The kill -9 timelines, one panel per `who`: the trial with the median gap.
+/// Answers per 100 ms around the cache's death: redirector's kill -9 against the NAT fallback's,
+/// one panel per `who`, each the trial with the median gap.
 fn failover_chart(rows: &[FailoverTrials], path: &Path) -> anyhow::Result<()> {
     let picked: Vec<&Failover> = rows
         .iter()

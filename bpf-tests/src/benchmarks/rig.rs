@@ -14,7 +14,7 @@ use crate::{
     cli::start_agent,
     command::{TestProcess, output_within},
     conntrack,
-    sandbox::{Ns, Sandbox, Tools},
+    sandbox::{Ns, Sandbox, Tools, UNMANAGED_INTERFACE},
 };
 
 /// Where the cache listens: an address of the node that is no listener, so that redirector
@@ -68,10 +68,13 @@ impl Rig {
             SocketAddr::new(IpAddr::V4(CACHE_ADDRESS), 53),
         )?;
         conntrack::activate(sandbox.netns(Ns::Node))?;
-        // The defaults' probes (every 500 ms, 300 ms timeout), not the tests' faster ones.
-        let text = sandbox.config_toml(&listeners()).replace(
-            "interval_ms = 250\ntimeout_ms = 200",
-            "interval_ms = 500\ntimeout_ms = 300",
+        // The agent's default probes, not the tests' faster ones.
+        let probe = redirector::config::ProbeSettings::default();
+        let text = sandbox.config_toml_probing(
+            &listeners(),
+            UNMANAGED_INTERFACE,
+            probe.interval,
+            probe.timeout,
         );
         let config = sandbox.write_file("config.toml", &text)?;
         Ok(Self {

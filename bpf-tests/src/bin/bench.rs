@@ -121,13 +121,12 @@ fn main() -> anyhow::Result<()> {
     rig.stop_and_uninstall(agent)?;
 
     let mut trials = Vec::new();
-    for trial in 0..NAT_FALLBACK_TRIALS {
+    for trial in 1..=NAT_FALLBACK_TRIALS {
         eprintln!(
-            "bench: the incumbent's NAT fallback, trial {} of {NAT_FALLBACK_TRIALS} (30 s)",
-            trial + 1
+            "bench: the incumbent's NAT fallback, trial {trial} of {NAT_FALLBACK_TRIALS} (30 s)"
         );
         // The events fall at a different moment of the probe period in each trial.
-        let phase_ms = trial * failover::PROBE_EVERY_MS / NAT_FALLBACK_TRIALS;
+        let phase_ms = (trial - 1) * failover::PROBE_EVERY_MS / NAT_FALLBACK_TRIALS;
         trials.push(failover::nat_fallback(&mut rig, phase_ms)?);
     }
     failovers.push(FailoverTrials::of(trials));

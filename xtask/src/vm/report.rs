@@ -96,8 +96,6 @@ pub struct KernelRun {
     pub binaries: Vec<BinaryRun>,
     /// True once stage 2 said every binary had run.
     pub done: bool,
-    /// Lines of the port outside any binary (what stage 2 printed besides markers).
-    pub stray: Vec<String>,
 }
 
 /// A line worth showing while the guest runs.
@@ -217,14 +215,12 @@ impl KernelRun {
                 _ => None,
             };
         }
-        let Some(binary) = self
+        // Lines outside a running binary are only stage 2's own, which has nothing else to say
+        // there.
+        let binary = self
             .binaries
             .last_mut()
-            .filter(|binary| binary.exit.is_none())
-        else {
-            self.stray.push(line.to_owned());
-            return None;
-        };
+            .filter(|binary| binary.exit.is_none())?;
         binary.output.push(line.to_owned());
         let (test, status) = test_line(line)?;
         binary.tests.push((test.to_owned(), status));

@@ -3,9 +3,8 @@
 # sys, cgroup2, bpffs and /run (its /tmp is the host's under the overlay: a workspace cloned
 # below /tmp is visible, and what the tests write there stays in the guest); the kernel's
 # modules where modprobe looks (the kernel loads veth, nf_tables, conntrack... on demand, as on
-# a real node); the run's frozen binaries
-# over the profile directory; then every test binary, with its output on the results port
-# (/dev/ttyS1) between markers the host parses:
+# a real node); the run's frozen binaries over the profile directory; then every test binary,
+# with its output on the results port (/dev/ttyS1) between markers the host parses:
 #   @@vm-test ready kernel=RELEASE
 #   @@vm-test begin NAME
 #   (the test binary's own output: one "test NAME ... ok|FAILED|ignored" line per test)

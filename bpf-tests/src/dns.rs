@@ -112,8 +112,12 @@ impl QueryOutcome {
 /// One query of a `dns-stream` run, printed by it as one JSON line.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct StreamRecord {
-    /// When the query was sent, milliseconds since the Unix epoch.
+    /// When the query began (before its socket was opened or its send called), milliseconds
+    /// since the Unix epoch: its destination was chosen after this.
     pub sent_ms: u64,
+    /// When its send returned: its destination was chosen before this (at connect, or at the
+    /// long-lived socket's sendto).
+    pub steered_ms: u64,
     /// `fresh` (a new connected socket per query, as glibc does) or `long` (one long-lived
     /// unconnected socket).
     pub kind: String,

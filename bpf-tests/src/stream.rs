@@ -146,7 +146,7 @@ impl StreamReport {
         Self::answered_by(record).starts_with("upstream")
     }
 
-    /// Records sent in `[from, to)` (milliseconds since the epoch).
+    /// Records begun in `[from, to)` (milliseconds since the epoch).
     pub fn between(&self, from: u64, to: u64) -> impl Iterator<Item = &StreamRecord> {
         self.records
             .iter()
@@ -180,16 +180,35 @@ impl StreamReport {
             .min_by_key(|record| record.sent_ms)
     }
 
-    /// How many queries sent after the flip whose first upstream answer was sent at
-    /// `first_upstream_ms` got no answer. A query sent in that same millisecond may have left
-    /// just before the flip, into a cache socket that was closing, so it does not count: send
-    /// times have millisecond resolution, and only a later millisecond is surely after.
+    /// The moment by which the listener had surely left the cache after `event_ms`: the earliest
+    /// return of a send that an upstream answered, among the queries begun at or after the event.
+    /// The stream's threads note a query's start before its destination is chosen, so start
+    /// times of different threads do not order their steering: a query of one thread may start
+    /// later than another's and still be steered earlier, into a cache socket that was closing.
+    /// Only a query begun after this moment was surely steered after the flip.
     #[must_use]
-    pub fn failures_after_flip(&self, first_upstream_ms: u64) -> usize {
-        self.failures_between(first_upstream_ms + 1, u64::MAX)
+    pub fn flipped_by(&self, event_ms: u64) -> Option<u64> {
+        self.records
+            .iter()
+            .filter(|record| record.sent_ms >= event_ms && Self::is_upstream(record))
+            .map(|record| record.steered_ms)
+            .min()
     }
 
-    /// How many queries sent in `[from, to)` got no answer.
+    /// Records begun after `flipped_by` (see [`Self::flipped_by`]): surely steered after the flip.
+    pub fn after_flip(&self, flipped_by: u64) -> impl Iterator<Item = &StreamRecord> {
+        self.between(flipped_by + 1, u64::MAX)
+    }
+
+    /// How many queries begun after `flipped_by` (see [`Self::flipped_by`]) got no answer.
+    #[must_use]
+    pub fn failures_after_flip(&self, flipped_by: u64) -> usize {
+        self.after_flip(flipped_by)
+            .filter(|record| record.error.is_some())
+            .count()
+    }
+
+    /// How many queries begun in `[from, to)` got no answer.
     #[must_use]
     pub fn failures_between(&self, from: u64, to: u64) -> usize {
         self.between(from, to)
@@ -197,8 +216,9 @@ impl StreamReport {
             .count()
     }
 
-    /// A summary of who answered, for test output, followed by every failed query: when it was
-    /// sent (relative to the first query), from which socket kind, and what went wrong.
+    /// A summary of who answered, for test output, followed by every failed query: when it began
+    /// and when its send returned (relative to the first query), from which socket kind, and
+    /// what went wrong.
     #[must_use]
     pub fn summary(&self) -> String {
         let mut counts = std::collections::BTreeMap::new();
@@ -216,9 +236,10 @@ impl StreamReport {
             .iter()
             .filter_map(|record| {
                 let error = record.error.as_ref()?;
-                let offset = record.sent_ms.saturating_sub(start);
                 Some(format!(
-                    "\n  failed at +{offset} ms ({}): {error}",
+                    "\n  failed: begun at +{} ms, sent by +{} ms ({}): {error}",
+                    record.sent_ms.saturating_sub(start),
+                    record.steered_ms.saturating_sub(start),
                     record.kind
                 ))
             })
@@ -234,5 +255,62 @@ impl StreamReport {
             .map(|record| record.sent_ms)
             .min()
             .unwrap_or_default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::IpAddr;
+
+    use super::*;
+    use crate::topology::{CACHE, UPSTREAM_A};
+
+    fn record(sent_ms: u64, steered_ms: u64, kind: &str, answer: Option<IpAddr>) -> StreamRecord {
+        StreamRecord {
+            sent_ms,
+            steered_ms,
+            kind: kind.to_owned(),
+            answer,
+            error: answer
+                .is_none()
+                .then(|| "recv: Connection refused".to_owned()),
+        }
+    }
+
+    /// The shape of a CI failure (6.12 VM, 2026-11-30): a fresh query refused although it began
+    /// a millisecond or two after the first query an upstream answered. Threads interleave so:
+    /// the long-lived socket's thread begins at 1002 and is descheduled until its sendto is
+    /// steered upstream at 1006; the fresh socket's thread begins at 1003, is steered to the
+    /// cache before the flip, and its datagram meets the closed socket.
+    #[test]
+    fn a_query_begun_before_the_flips_witness_was_sent_is_not_counted_after_it() {
+        let report = StreamReport {
+            records: vec![
+                record(990, 990, "fresh", Some(IpAddr::V4(CACHE.a))),
+                record(1002, 1006, "long", Some(IpAddr::V4(UPSTREAM_A.a))),
+                record(1003, 1003, "fresh", None),
+                record(1020, 1020, "fresh", Some(IpAddr::V4(UPSTREAM_A.a))),
+            ],
+        };
+        let flipped_by = report.flipped_by(1000).expect("an upstream answered");
+        assert_eq!(flipped_by, 1006);
+        assert_eq!(report.failures_after_flip(flipped_by), 0);
+    }
+
+    #[test]
+    fn a_query_begun_after_an_upstream_send_returned_counts_when_it_fails() {
+        let report = StreamReport {
+            records: vec![
+                record(1002, 1003, "long", Some(IpAddr::V4(UPSTREAM_A.a))),
+                record(1004, 1004, "fresh", None),
+            ],
+        };
+        let flipped_by = report.flipped_by(1000).expect("an upstream answered");
+        assert_eq!(report.failures_after_flip(flipped_by), 1);
+        assert_eq!(
+            report.flipped_by(1003),
+            None,
+            "no upstream answer began after 1003"
+        );
     }
 }

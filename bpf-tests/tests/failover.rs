@@ -52,7 +52,7 @@ fn stream(bench: &Bench, seconds: u64) -> anyhow::Result<Stream> {
 }
 
 /// Asserts the failover shape around an event at `event_ms`, prints the figures, and returns the
-/// time of the first upstream answer.
+/// moment by which the listener had surely flipped ([`StreamReport::flipped_by`]).
 fn assert_failed_over(report: &StreamReport, started_ms: u64, event_ms: u64, what: &str) -> u64 {
     let before: Vec<_> = report
         .between(started_ms, event_ms.saturating_sub(paced_ms(350)))
@@ -90,7 +90,9 @@ fn assert_failed_over(report: &StreamReport, started_ms: u64, event_ms: u64, wha
         first_upstream.saturating_sub(last_cache),
         report.summary()
     );
-    first_upstream
+    report
+        .flipped_by(event_ms)
+        .expect("an upstream answered after the event")
 }
 
 fn kill_9_fails_over_in_the_kernel(kind: CacheKind) -> anyhow::Result<()> {
@@ -104,17 +106,16 @@ fn kill_9_fails_over_in_the_kernel(kind: CacheKind) -> anyhow::Result<()> {
     bench.sandbox.stop_server("cache")?;
     let report = stream.finish()?;
 
-    let first_upstream =
-        assert_failed_over(&report, started, killed, &format!("kill -9 of {kind:?}"));
+    let flipped_by = assert_failed_over(&report, started, killed, &format!("kill -9 of {kind:?}"));
     assert_eq!(
-        report.failures_after_flip(first_upstream),
+        report.failures_after_flip(flipped_by),
         0,
         "an answer went missing after the flip: {}",
         report.summary()
     );
     assert!(
         report
-            .between(first_upstream, u64::MAX)
+            .after_flip(flipped_by)
             .all(|record| StreamReport::answered_by(record).starts_with("upstream")),
         "a dead cache answered? {}",
         report.summary()
@@ -166,8 +167,7 @@ fn clean_stop_and_restart(kind: CacheKind) -> anyhow::Result<()> {
     start_cache(&mut bench.sandbox, kind, "cache")?;
     let report = stream.finish()?;
 
-    let first_upstream =
-        assert_failed_over(&report, started, stopped, &format!("SIGTERM of {kind:?}"));
+    let flipped_by = assert_failed_over(&report, started, stopped, &format!("SIGTERM of {kind:?}"));
     let back = report.first_cache_answer(restarted).unwrap_or_else(|| {
         panic!(
             "the restarted cache never got DNS back: {}",
@@ -179,7 +179,7 @@ fn clean_stop_and_restart(kind: CacheKind) -> anyhow::Result<()> {
         back.sent_ms - restarted
     );
     assert_eq!(
-        report.failures_after_flip(first_upstream),
+        report.failures_after_flip(flipped_by),
         0,
         "{}",
         report.summary()
@@ -232,10 +232,9 @@ fn hang_and_resume(kind: CacheKind) -> anyhow::Result<()> {
     bench.sandbox.process("cache")?.signal(Signal::SIGCONT)?;
     let report = stream.finish()?;
 
-    let first_upstream =
-        assert_failed_over(&report, started, stopped, &format!("SIGSTOP of {kind:?}"));
+    let flipped_by = assert_failed_over(&report, started, stopped, &format!("SIGSTOP of {kind:?}"));
     assert!(
-        first_upstream < resumed,
+        flipped_by < resumed,
         "the hang was not noticed before SIGCONT: {}",
         report.summary()
     );
@@ -247,7 +246,7 @@ fn hang_and_resume(kind: CacheKind) -> anyhow::Result<()> {
         back.sent_ms - resumed
     );
     assert_eq!(
-        report.failures_after_flip(first_upstream),
+        report.failures_after_flip(flipped_by),
         0,
         "{}",
         report.summary()
@@ -501,10 +500,10 @@ fn the_kernel_fails_over_alone_after_the_agent_is_killed() -> anyhow::Result<()>
     let killed = now_ms();
     sandbox.stop_server("cache")?;
     let report = stream.finish()?;
-    let first_upstream =
+    let flipped_by =
         assert_failed_over(&report, started, killed, "kill -9 of the cache, agent dead");
     assert_eq!(
-        report.failures_after_flip(first_upstream),
+        report.failures_after_flip(flipped_by),
         0,
         "{}",
         report.summary()

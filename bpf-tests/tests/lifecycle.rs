@@ -91,22 +91,19 @@ fn restarts_under_a_query_stream_lose_no_query_and_keep_state() -> anyhow::Resul
         "a query failed across the agent's restarts: {}",
         report.summary()
     );
-    let first_upstream = report
-        .first_upstream_answer(cache_killed)
-        .unwrap_or_else(|| {
-            panic!(
-                "the kernel failed over without an agent: {}",
-                report.summary()
-            )
-        })
-        .sent_ms;
+    let flipped_by = report.flipped_by(cache_killed).unwrap_or_else(|| {
+        panic!(
+            "the kernel failed over without an agent: {}",
+            report.summary()
+        )
+    });
     assert!(
-        report.failures_between(in_flight_since, first_upstream) <= 2,
+        report.failures_between(in_flight_since, flipped_by + 1) <= 2,
         "more queries failed than were in flight at the cache's kill: {}",
         report.summary()
     );
     assert_eq!(
-        report.failures_after_flip(first_upstream),
+        report.failures_after_flip(flipped_by),
         0,
         "a query failed after the flip: {}",
         report.summary()
@@ -115,7 +112,7 @@ fn restarts_under_a_query_stream_lose_no_query_and_keep_state() -> anyhow::Resul
         .last_cache_answer(u64::MAX)
         .map(|record| record.sent_ms);
     assert!(
-        back.is_some_and(|back| back > first_upstream),
+        back.is_some_and(|back| back > flipped_by),
         "the new agent failed back: {}",
         report.summary()
     );

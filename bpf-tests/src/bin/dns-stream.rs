@@ -106,15 +106,48 @@ fn run(settings: &Settings, kind: Kind, first_id: u16) -> anyhow::Result<()> {
     while Instant::now() < settings.deadline {
         id = id.wrapping_add(1);
         let sent_ms = now_ms();
-        let result = match (&long_lived, kind) {
-            (Some(socket), Kind::Long) => unconnected_query(socket, settings, id),
-            (Some(socket), _) => connected_query(socket, id),
-            (None, _) => open(settings, true).and_then(|socket| connected_query(&socket, id)),
-        };
-        emit(settings, sent_ms, kind.name(), result);
+        let (steered_ms, result) = query_once(settings, kind, long_lived.as_ref(), id);
+        emit(settings, sent_ms, steered_ms, kind.name(), result);
         thread::sleep(settings.interval);
     }
     Ok(())
+}
+
+/// One query from `long_lived`, or from a fresh socket when there is none: when its send returned
+/// (its destination was chosen by then: at connect, or at this sendto), and its answer.
+fn query_once(
+    settings: &Settings,
+    kind: Kind,
+    long_lived: Option<&UdpSocket>,
+    id: u16,
+) -> (u64, anyhow::Result<IpAddr>) {
+    let fresh;
+    let socket = match long_lived {
+        Some(socket) => socket,
+        None => match open(settings, true) {
+            Ok(socket) => {
+                fresh = socket;
+                &fresh
+            }
+            Err(error) => return (now_ms(), Err(error)),
+        },
+    };
+    let sent = query(id, PROBE_NAME, RecordType::A).and_then(|message| {
+        if kind == Kind::Long {
+            socket.send_to(&message, settings.server).context("sendto")
+        } else {
+            socket.send(&message).context("send")
+        }
+    });
+    let steered_ms = now_ms();
+    let answer = sent.and_then(|_| {
+        if kind == Kind::Long {
+            unconnected_answer(socket, settings, id)
+        } else {
+            connected_answer(socket, id)
+        }
+    });
+    (steered_ms, answer)
 }
 
 /// A UDP socket for the server's family (AF_INET6 and the mapped address with `--mapped`),
@@ -144,13 +177,20 @@ fn open(settings: &Settings, connect: bool) -> anyhow::Result<UdpSocket> {
     Ok(socket)
 }
 
-fn emit(settings: &Settings, sent_ms: u64, kind: &str, result: anyhow::Result<IpAddr>) {
+fn emit(
+    settings: &Settings,
+    sent_ms: u64,
+    steered_ms: u64,
+    kind: &str,
+    result: anyhow::Result<IpAddr>,
+) {
     let (answer, error) = match result {
         Ok(answer) => (Some(answer), None),
         Err(error) => (None, Some(format!("{error:#}"))),
     };
     let record = StreamRecord {
         sent_ms,
+        steered_ms,
         kind: kind.to_owned(),
         answer,
         error,
@@ -161,10 +201,8 @@ fn emit(settings: &Settings, sent_ms: u64, kind: &str, result: anyhow::Result<Ip
     }
 }
 
-fn connected_query(socket: &UdpSocket, id: u16) -> anyhow::Result<IpAddr> {
-    socket
-        .send(&query(id, PROBE_NAME, RecordType::A)?)
-        .context("send")?;
+/// The answer to query `id` on a connected socket.
+fn connected_answer(socket: &UdpSocket, id: u16) -> anyhow::Result<IpAddr> {
     let mut buffer = [0u8; 4096];
     loop {
         let len = socket.recv(&mut buffer).context("recv")?;
@@ -175,10 +213,8 @@ fn connected_query(socket: &UdpSocket, id: u16) -> anyhow::Result<IpAddr> {
     }
 }
 
-fn unconnected_query(socket: &UdpSocket, settings: &Settings, id: u16) -> anyhow::Result<IpAddr> {
-    socket
-        .send_to(&query(id, PROBE_NAME, RecordType::A)?, settings.server)
-        .context("sendto")?;
+/// The answer to query `id` on the unconnected socket, which must come from the server asked.
+fn unconnected_answer(socket: &UdpSocket, settings: &Settings, id: u16) -> anyhow::Result<IpAddr> {
     let deadline = Instant::now() + settings.timeout;
     let mut buffer = [0u8; 4096];
     loop {

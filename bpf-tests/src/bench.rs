@@ -238,18 +238,7 @@ impl Bench {
         limit: Duration,
         mut condition: impl FnMut(&Self) -> anyhow::Result<bool>,
     ) -> anyhow::Result<()> {
-        let limit = crate::pace::paced(limit);
-        let deadline = std::time::Instant::now() + limit;
-        loop {
-            if condition(self)? {
-                return Ok(());
-            }
-            anyhow::ensure!(
-                std::time::Instant::now() < deadline,
-                "{what} did not happen within {limit:?}"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        crate::pace::wait_until(what, limit, Duration::from_millis(20), || condition(self))
     }
 }
 

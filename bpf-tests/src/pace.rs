@@ -46,3 +46,26 @@ pub fn paced_ms(milliseconds: u64) -> u64 {
 pub fn pause(milliseconds: u64) {
     std::thread::sleep(paced(Duration::from_millis(milliseconds)));
 }
+
+/// Waits until `condition` holds, checking every `every`, for at most `limit` stretched to this
+/// machine's pace; fails with `what` otherwise. For states the system must reach, not for timing
+/// claims.
+pub fn wait_until(
+    what: &str,
+    limit: Duration,
+    every: Duration,
+    mut condition: impl FnMut() -> anyhow::Result<bool>,
+) -> anyhow::Result<()> {
+    let limit = paced(limit);
+    let deadline = std::time::Instant::now() + limit;
+    loop {
+        if condition()? {
+            return Ok(());
+        }
+        anyhow::ensure!(
+            std::time::Instant::now() < deadline,
+            "{what} did not happen within {limit:?}"
+        );
+        std::thread::sleep(every);
+    }
+}

@@ -9,7 +9,7 @@ use bpf_tests::{
     cli::{redirector, set_state, start_agent},
     command::run,
     dns::now_ms,
-    pace::{paced_ms, pause},
+    pace::{paced_ms, pause, wait_until},
     sandbox::{CacheSpec, Ns, Query, Sandbox, Tools, Transport},
     stream::Stream,
     topology::{NODE_LISTENER, UPSTREAM_A_V4, UPSTREAM_B_V4, dns, who},
@@ -430,16 +430,24 @@ fn an_agent_in_a_cgroup_namespace_of_its_own_finds_its_cgroup_and_probes_unsteer
     // The cache dies: the kernel fails over, and the agent's probes, not steered, fail too. A
     // steered probe would reach an upstream and find the dead cache "alive".
     sandbox.stop_server("cache")?;
-    pause(1500);
-    let status = redirector(&[
-        "status",
-        "--config",
-        &config.display().to_string(),
-        "--json",
-    ])?;
-    let report: serde_json::Value = serde_json::from_str(&status.stdout)?;
+    let status = || -> anyhow::Result<serde_json::Value> {
+        let printed = redirector(&[
+            "status",
+            "--config",
+            &config.display().to_string(),
+            "--json",
+        ])?;
+        Ok(serde_json::from_str(&printed.stdout)?)
+    };
+    let result = wait_until(
+        "the probes' verdict on the dead cache",
+        Duration::from_secs(10),
+        Duration::from_millis(200),
+        || Ok(status()?["listeners"][0]["probe_verdict"] == "down"),
+    );
+    let report = status()?;
     assert_eq!(report["listeners"][0]["name"], "node");
-    assert_eq!(report["listeners"][0]["probe_verdict"], "down", "{report}");
+    assert!(result.is_ok(), "{result:?}: {report}");
     drop(agent);
     drop(own);
     assert_eq!(

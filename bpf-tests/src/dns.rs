@@ -114,7 +114,7 @@ impl QueryOutcome {
 pub struct StreamRecord {
     /// When the query began (before its socket was opened or its send called), milliseconds
     /// since the Unix epoch: its destination was chosen after this.
-    pub sent_ms: u64,
+    pub begun_ms: u64,
     /// When its send returned: its destination was chosen before this (at connect, or at the
     /// long-lived socket's sendto).
     pub steered_ms: u64,

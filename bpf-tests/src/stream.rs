@@ -150,34 +150,34 @@ impl StreamReport {
     pub fn between(&self, from: u64, to: u64) -> impl Iterator<Item = &StreamRecord> {
         self.records
             .iter()
-            .filter(move |record| record.sent_ms >= from && record.sent_ms < to)
+            .filter(move |record| record.begun_ms >= from && record.begun_ms < to)
     }
 
-    /// The last record answered by the cache that was sent before `before`.
+    /// The last record answered by the cache begun before `before`.
     #[must_use]
     pub fn last_cache_answer(&self, before: u64) -> Option<&StreamRecord> {
         self.records
             .iter()
-            .filter(|record| record.sent_ms < before && Self::answered_by(record) == "cache")
-            .max_by_key(|record| record.sent_ms)
+            .filter(|record| record.begun_ms < before && Self::answered_by(record) == "cache")
+            .max_by_key(|record| record.begun_ms)
     }
 
-    /// The first record answered by an upstream sent at or after `after`.
+    /// The first record answered by an upstream, begun at or after `after`.
     #[must_use]
     pub fn first_upstream_answer(&self, after: u64) -> Option<&StreamRecord> {
         self.records
             .iter()
-            .filter(|record| record.sent_ms >= after && Self::is_upstream(record))
-            .min_by_key(|record| record.sent_ms)
+            .filter(|record| record.begun_ms >= after && Self::is_upstream(record))
+            .min_by_key(|record| record.begun_ms)
     }
 
-    /// The first record answered by the cache sent at or after `after`.
+    /// The first record answered by the cache, begun at or after `after`.
     #[must_use]
     pub fn first_cache_answer(&self, after: u64) -> Option<&StreamRecord> {
         self.records
             .iter()
-            .filter(|record| record.sent_ms >= after && Self::answered_by(record) == "cache")
-            .min_by_key(|record| record.sent_ms)
+            .filter(|record| record.begun_ms >= after && Self::answered_by(record) == "cache")
+            .min_by_key(|record| record.begun_ms)
     }
 
     /// The moment by which the listener had surely left the cache after `event_ms`: the earliest
@@ -190,7 +190,7 @@ impl StreamReport {
     pub fn flipped_by(&self, event_ms: u64) -> Option<u64> {
         self.records
             .iter()
-            .filter(|record| record.sent_ms >= event_ms && Self::is_upstream(record))
+            .filter(|record| record.begun_ms >= event_ms && Self::is_upstream(record))
             .map(|record| record.steered_ms)
             .min()
     }
@@ -228,7 +228,7 @@ impl StreamReport {
         let start = self
             .records
             .iter()
-            .map(|record| record.sent_ms)
+            .map(|record| record.begun_ms)
             .min()
             .unwrap_or_default();
         let failures: String = self
@@ -238,7 +238,7 @@ impl StreamReport {
                 let error = record.error.as_ref()?;
                 Some(format!(
                     "\n  failed: begun at +{} ms, sent by +{} ms ({}): {error}",
-                    record.sent_ms.saturating_sub(start),
+                    record.begun_ms.saturating_sub(start),
                     record.steered_ms.saturating_sub(start),
                     record.kind
                 ))
@@ -247,12 +247,12 @@ impl StreamReport {
         format!("{} queries: {counts:?}{failures}", self.records.len())
     }
 
-    /// When the first query was sent (milliseconds since the epoch).
+    /// When the first query began (milliseconds since the epoch).
     #[must_use]
     pub fn started_ms(&self) -> u64 {
         self.records
             .iter()
-            .map(|record| record.sent_ms)
+            .map(|record| record.begun_ms)
             .min()
             .unwrap_or_default()
     }
@@ -265,9 +265,9 @@ mod tests {
     use super::*;
     use crate::topology::{CACHE, UPSTREAM_A};
 
-    fn record(sent_ms: u64, steered_ms: u64, kind: &str, answer: Option<IpAddr>) -> StreamRecord {
+    fn record(begun_ms: u64, steered_ms: u64, kind: &str, answer: Option<IpAddr>) -> StreamRecord {
         StreamRecord {
-            sent_ms,
+            begun_ms,
             steered_ms,
             kind: kind.to_owned(),
             answer,
@@ -278,10 +278,10 @@ mod tests {
     }
 
     /// The shape of a CI failure (6.12 VM, 2026-11-30): a fresh query refused although it began
-    /// a millisecond or two after the first query an upstream answered. Threads interleave so:
-    /// the long-lived socket's thread begins at 1002 and is descheduled until its sendto is
-    /// steered upstream at 1006; the fresh socket's thread begins at 1003, is steered to the
-    /// cache before the flip, and its datagram meets the closed socket.
+    /// a millisecond or two after the first query an upstream answered. One interleaving that
+    /// gives it: the long-lived socket's thread begins at 1002 and is descheduled until its
+    /// sendto is steered upstream at 1006; the fresh socket's thread begins at 1003, is steered
+    /// to the cache before the flip, and its datagram meets the closed socket.
     #[test]
     fn a_query_begun_before_the_flips_witness_was_sent_is_not_counted_after_it() {
         let report = StreamReport {

@@ -77,10 +77,10 @@ fn assert_failed_over(report: &StreamReport, started_ms: u64, event_ms: u64, wha
                 report.summary()
             )
         })
-        .sent_ms;
+        .begun_ms;
     let last_cache = report
         .last_cache_answer(first_upstream)
-        .map_or(0, |record| record.sent_ms);
+        .map_or(0, |record| record.begun_ms);
     let lost = report.failures_between(started_ms, first_upstream);
     println!(
         "{what}: last cache answer {} ms before the event, first upstream answer {} ms after it: \
@@ -176,7 +176,7 @@ fn clean_stop_and_restart(kind: CacheKind) -> anyhow::Result<()> {
     });
     println!(
         "{kind:?} restarted: cache answers again {} ms later",
-        back.sent_ms - restarted
+        back.begun_ms - restarted
     );
     assert_eq!(
         report.failures_after_flip(flipped_by),
@@ -243,7 +243,7 @@ fn hang_and_resume(kind: CacheKind) -> anyhow::Result<()> {
         .unwrap_or_else(|| panic!("the resumed cache never got DNS back: {}", report.summary()));
     println!(
         "{kind:?} resumed: cache answers again {} ms later",
-        back.sent_ms - resumed
+        back.begun_ms - resumed
     );
     assert_eq!(
         report.failures_after_flip(flipped_by),
@@ -354,10 +354,10 @@ fn a_cache_that_binds_before_it_answers_gets_no_dns() -> anyhow::Result<()> {
         .expect("the cache got DNS back once it answered");
     println!(
         "muted cache: DNS back {} ms after it bound (muted for {muted_ms} ms)",
-        back.sent_ms - bound
+        back.begun_ms - bound
     );
     assert!(
-        back.sent_ms >= bound + muted_ms,
+        back.begun_ms >= bound + muted_ms,
         "DNS reached the cache before it answered"
     );
     Ok(())

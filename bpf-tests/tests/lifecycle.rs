@@ -110,7 +110,7 @@ fn restarts_under_a_query_stream_lose_no_query_and_keep_state() -> anyhow::Resul
     );
     let back = report
         .last_cache_answer(u64::MAX)
-        .map(|record| record.sent_ms);
+        .map(|record| record.begun_ms);
     assert!(
         back.is_some_and(|back| back > flipped_by),
         "the new agent failed back: {}",

@@ -150,21 +150,21 @@ fn summarize(
 ) -> Failover {
     let first_upstream = report
         .first_upstream_answer(struck)
-        .map(|record| record.sent_ms);
+        .map(|record| record.begun_ms);
     let last_cache = first_upstream
         .and_then(|first| report.last_cache_answer(first))
-        .map(|record| record.sent_ms);
+        .map(|record| record.begun_ms);
     // Every socket back on the cache: after the last query since the return that anyone else
     // answered (or nobody did).
     let last_elsewhere = report
         .between(back, u64::MAX)
         .filter(|record| StreamReport::answered_by(record) != "cache")
-        .map(|record| record.sent_ms)
+        .map(|record| record.begun_ms)
         .max()
         .unwrap_or(back);
     let failback = report
         .first_cache_answer(last_elsewhere)
-        .map(|record| record.sent_ms);
+        .map(|record| record.begun_ms);
     let start = report.started_ms();
     let mut timeline = Vec::new();
     let mut from = start;

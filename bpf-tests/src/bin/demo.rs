@@ -209,13 +209,13 @@ fn act_two_kill_and_restart(sandbox: &mut Sandbox, kind: CacheKind) -> anyhow::R
 
     let first_upstream = report
         .first_upstream_answer(killed)
-        .map(|record| record.sent_ms);
+        .map(|record| record.begun_ms);
     let last_cache = first_upstream
         .and_then(|first| report.last_cache_answer(first))
-        .map(|record| record.sent_ms);
+        .map(|record| record.begun_ms);
     let back = report
         .first_cache_answer(restarted)
-        .map(|record| record.sent_ms);
+        .map(|record| record.begun_ms);
 
     println!("\n  phase                          queries  cache  upstream  failed");
     let failback_from = back.unwrap_or(u64::MAX);

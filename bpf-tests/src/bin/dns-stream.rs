@@ -105,9 +105,9 @@ fn run(settings: &Settings, kind: Kind, first_id: u16) -> anyhow::Result<()> {
     let mut id = first_id;
     while Instant::now() < settings.deadline {
         id = id.wrapping_add(1);
-        let sent_ms = now_ms();
+        let begun_ms = now_ms();
         let (steered_ms, result) = query_once(settings, kind, long_lived.as_ref(), id);
-        emit(settings, sent_ms, steered_ms, kind.name(), result);
+        emit(settings, begun_ms, steered_ms, kind.name(), result);
         thread::sleep(settings.interval);
     }
     Ok(())
@@ -179,7 +179,7 @@ fn open(settings: &Settings, connect: bool) -> anyhow::Result<UdpSocket> {
 
 fn emit(
     settings: &Settings,
-    sent_ms: u64,
+    begun_ms: u64,
     steered_ms: u64,
     kind: &str,
     result: anyhow::Result<IpAddr>,
@@ -189,7 +189,7 @@ fn emit(
         Err(error) => (None, Some(format!("{error:#}"))),
     };
     let record = StreamRecord {
-        sent_ms,
+        begun_ms,
         steered_ms,
         kind: kind.to_owned(),
         answer,

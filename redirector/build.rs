@@ -5,6 +5,10 @@
 //! ISA, kernel 5.1+: 32-bit jumps and subregisters; measured here, connect4 and sendmsg4 shrink
 //! from 392 to 360 instructions), and it stays quiet unless the build fails, instead of relaying
 //! every line of the nested cargo as a warning.
+//!
+//! The nested build runs on the dated nightly that `redirector-ebpf/rust-toolchain.toml` pins
+//! (`REDIRECTOR_EBPF_TOOLCHAIN` overrides it), named to rustup explicitly: this script runs from
+//! the workspace, where rustup would otherwise pick the userspace pin.
 
 use std::{
     env,
@@ -17,6 +21,29 @@ use anyhow::{Context as _, bail};
 /// The eBPF crate's package and binary name.
 const EBPF_PACKAGE: &str = "redirector-ebpf";
 
+/// Names another toolchain than the pin, for trying one (xtask's setup and lints read it too).
+const TOOLCHAIN_OVERRIDE: &str = "REDIRECTOR_EBPF_TOOLCHAIN";
+
+/// The `[toolchain]` table of a `rust-toolchain.toml`.
+#[derive(serde::Deserialize)]
+struct ToolchainFile {
+    toolchain: Toolchain,
+}
+
+#[derive(serde::Deserialize)]
+struct Toolchain {
+    channel: String,
+}
+
+/// The channel the eBPF pin names.
+fn pinned_channel(file: &Path) -> anyhow::Result<String> {
+    let text = std::fs::read_to_string(file)
+        .with_context(|| format!("reading the eBPF toolchain pin {}", file.display()))?;
+    let pin: ToolchainFile = toml::from_str(&text)
+        .with_context(|| format!("parsing the eBPF toolchain pin {}", file.display()))?;
+    Ok(pin.toolchain.channel)
+}
+
 fn main() -> anyhow::Result<()> {
     let manifest_dir = PathBuf::from(env::var("CARGO_MANIFEST_DIR").context("CARGO_MANIFEST_DIR")?);
     let workspace = manifest_dir
@@ -28,7 +55,7 @@ fn main() -> anyhow::Result<()> {
             workspace.join(input).display()
         );
     }
-    println!("cargo::rerun-if-env-changed=REDIRECTOR_EBPF_TOOLCHAIN");
+    println!("cargo::rerun-if-env-changed={TOOLCHAIN_OVERRIDE}");
 
     let out_dir = PathBuf::from(env::var("OUT_DIR").context("OUT_DIR")?);
     let target = match env::var("CARGO_CFG_TARGET_ENDIAN").as_deref() {
@@ -36,7 +63,11 @@ fn main() -> anyhow::Result<()> {
         _ => "bpfel-unknown-none",
     };
     let arch = env::var("CARGO_CFG_TARGET_ARCH").context("CARGO_CFG_TARGET_ARCH")?;
-    let toolchain = env::var("REDIRECTOR_EBPF_TOOLCHAIN").unwrap_or_else(|_| "nightly".to_owned());
+    let pin_file = workspace.join(EBPF_PACKAGE).join("rust-toolchain.toml");
+    let toolchain = match env::var(TOOLCHAIN_OVERRIDE) {
+        Ok(toolchain) if !toolchain.is_empty() => toolchain,
+        _ => pinned_channel(&pin_file)?,
+    };
     let target_dir = out_dir.join("ebpf-target");
 
     let rustflags = [
@@ -55,20 +86,23 @@ fn main() -> anyhow::Result<()> {
         .arg(&target_dir)
         .current_dir(workspace)
         .env("CARGO_ENCODED_RUSTFLAGS", rustflags)
-        // The outer build's compiler settings must not leak into the nightly one.
+        // The outer build's compiler settings must not leak into the eBPF one.
         .env_remove("RUSTC")
         .env_remove("RUSTC_WORKSPACE_WRAPPER")
         .env_remove("RUSTUP_TOOLCHAIN");
-    let output = build.output().context(
-        "running `rustup run nightly cargo build` for the eBPF object (is rustup installed?)",
-    )?;
+    let output = build.output().with_context(|| {
+        format!(
+            "running `rustup run {toolchain} cargo build` for the eBPF object (is rustup installed?)"
+        )
+    })?;
     if !output.status.success() {
         for line in String::from_utf8_lossy(&output.stderr).lines() {
             println!("cargo::warning={line}");
         }
         bail!(
-            "building the eBPF object failed ({}); it needs the nightly toolchain with rust-src \
-             and bpf-linker: run `cargo xtask setup`, which installs what is missing",
+            "building the eBPF object with {toolchain} failed ({}); it needs that toolchain with \
+             rust-src, and a bpf-linker built against the same LLVM: run `cargo xtask setup`, \
+             which installs what is missing and checks that the two agree",
             output.status
         );
     }

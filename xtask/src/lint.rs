@@ -5,6 +5,8 @@ use std::process::Command;
 
 use anyhow::{Context as _, bail};
 
+use crate::toolchain::Pin;
+
 /// Runs every lint; fails on the first that reports anything.
 pub fn run() -> anyhow::Result<()> {
     cargo(
@@ -15,11 +17,8 @@ pub fn run() -> anyhow::Result<()> {
         &["clippy", "--all-targets", "--", "-D", "warnings"],
         "clippy reported warnings in the userspace crates",
     )?;
-    let mut ebpf = Command::new("rustup");
+    let mut ebpf = Pin::ebpf()?.run("cargo");
     ebpf.args([
-        "run",
-        "nightly",
-        "cargo",
         "clippy",
         "--package",
         "redirector-ebpf",
@@ -31,8 +30,7 @@ pub fn run() -> anyhow::Result<()> {
         "--",
         "-D",
         "warnings",
-    ])
-    .env_remove("RUSTUP_TOOLCHAIN");
+    ]);
     check(&mut ebpf, "clippy reported warnings in the eBPF crate")
 }
 

@@ -2,9 +2,11 @@
 //! it needs (`setup`), so the README's commands work on a fresh machine.
 
 mod lint;
+mod pinned_rustup;
 mod setup;
 mod sweep;
 mod tasks;
+mod toolchain;
 mod vm;
 
 use clap::{Parser, Subcommand};
@@ -18,7 +20,8 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Task {
-    /// Install what is missing: nightly rust-src, LLVM 22, bpf-linker, the Debian test tools.
+    /// Install what is missing: the pinned eBPF toolchain, Debian's LLVM, bpf-linker, the Debian
+    /// test tools; check that the eBPF toolchain and bpf-linker are on one LLVM.
     Setup,
     /// Build the eBPF object and every userspace crate.
     Build,
@@ -83,6 +86,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             filter,
         } => {
             setup::ensure()?;
+            pinned_rustup::enter()?;
             tasks::test(!no_lint, filter.as_deref())?;
             if no_vm {
                 eprintln!("xtask: VM tests skipped (--no-vm): only the host kernel was tested");

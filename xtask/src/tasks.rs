@@ -6,16 +6,19 @@ use anyhow::{Context as _, bail};
 
 use crate::{
     lint::{self, cargo},
-    sweep,
+    pinned_rustup, sweep,
 };
 
 /// The workspace's root directory (xtask's parent).
 pub fn workspace_root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+    let xtask = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    xtask
+        .parent()
+        .map_or_else(|| xtask.join(".."), std::path::Path::to_path_buf)
 }
 
 /// The workspace's target directory.
-fn target_dir() -> PathBuf {
+pub fn target_dir() -> PathBuf {
     std::env::var_os("CARGO_TARGET_DIR")
         .map_or_else(|| workspace_root().join("target"), PathBuf::from)
 }
@@ -48,6 +51,7 @@ pub fn test(with_lints: bool, filter: Option<&str>) -> anyhow::Result<()> {
         &["build", "--package", "redirector", "--bins"],
         "building the redirector binary failed",
     )?;
+    pinned_rustup::check_object(&target_dir().join("debug/build"))?;
     let binary = target_dir().join("debug/redirector");
     let mut test = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned()));
     test.args(["test", "--no-fail-fast"])

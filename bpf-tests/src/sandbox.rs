@@ -32,6 +32,44 @@ pub const PREFIX: &str = "rdt";
 /// sandbox's (on the node namespace's loopback), not the agent's to manage.
 pub const UNMANAGED_INTERFACE: &str = "[interface]\nmanage = false\n";
 
+/// A `dns-query --hold` client: one long-lived UDP socket whose queries the test paces. Killed
+/// (it is the test's own child) when dropped.
+#[derive(Debug)]
+pub struct HeldClient {
+    child: std::process::Child,
+    stdin: std::process::ChildStdin,
+    stdout: std::io::BufReader<std::process::ChildStdout>,
+    started: bool,
+}
+
+impl HeldClient {
+    /// Sends the socket's next query and returns its outcome (the client's own timeout bounds
+    /// the wait).
+    pub fn ask(&mut self) -> anyhow::Result<QueryOutcome> {
+        use std::io::{BufRead as _, Write as _};
+        if self.started {
+            self.stdin
+                .write_all(b"next\n")
+                .and_then(|()| self.stdin.flush())
+                .context("asking the held client for its next query")?;
+        }
+        self.started = true;
+        let mut line = String::new();
+        self.stdout
+            .read_line(&mut line)
+            .context("reading the held client's outcome")?;
+        serde_json::from_str(line.trim())
+            .with_context(|| format!("the held client printed {line:?}"))
+    }
+}
+
+impl Drop for HeldClient {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
 /// Where the helper binaries are (tests pass `env!("CARGO_BIN_EXE_...")`).
 #[derive(Clone, Debug)]
 pub struct Tools {
@@ -669,6 +707,42 @@ impl Sandbox {
                 })
             })
             .collect()
+    }
+
+    /// Starts `dns-query --hold` from `ns` in the test cgroup: `count` UDP queries of `query`
+    /// from one long-lived socket, each after the first sent when [`HeldClient::ask`] asks.
+    pub fn hold_client(&self, ns: Ns, query: Query, count: u16) -> anyhow::Result<HeldClient> {
+        let (mut command, _procs) = self.client_command(
+            ns,
+            &self.cgroup,
+            &self.tools.dns_query.display().to_string(),
+        )?;
+        command.args([
+            "--hold",
+            "--server",
+            &query.server.to_string(),
+            "--transport",
+            query.transport.arg(),
+            "--count",
+            &count.to_string(),
+        ]);
+        if query.mapped {
+            command.arg("--mapped");
+        }
+        command
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped());
+        let mut child = command
+            .spawn()
+            .with_context(|| format!("starting {command:?}"))?;
+        let stdin = child.stdin.take().context("dns-query's stdin is piped")?;
+        let stdout = child.stdout.take().context("dns-query's stdout is piped")?;
+        Ok(HeldClient {
+            child,
+            stdin,
+            stdout: std::io::BufReader::new(stdout),
+            started: false,
+        })
     }
 
     /// Runs one query from `ns` in the test cgroup (where the programs apply).

@@ -454,3 +454,90 @@ fn a_connected_dual_stack_socket_stays_where_it_connected() -> anyhow::Result<()
     assert!(is_upstream(outcome.answer()), "{outcome:?}");
     Ok(())
 }
+
+/// A long-lived socket's replies are translated from the socket's own storage, which no other
+/// socket can evict. Before, they came from the `REVERSE_NAT` LRU alone, and a socket whose
+/// target had not changed never wrote its entry again: with 1024 entries in upstream mode, 3000
+/// fresh-socket queries evicted the entries of a long-lived unconnected and a long-lived connected
+/// socket, whose replies were then shown from the upstream's own address (and dropped by every
+/// resolver: that socket's DNS was dead for its lifetime).
+#[test]
+fn long_lived_sockets_keep_their_translation_when_the_lru_churns() -> anyhow::Result<()> {
+    const ENTRIES: usize = 1024;
+    let mut sandbox = bpf_tests::sandbox::Sandbox::new(tools())?;
+    sandbox.start_standard_servers()?;
+    let config = format!(
+        "reverse_nat_entries = {ENTRIES}\n{}",
+        sandbox.config_toml(&bpf_tests::bench::standard_listeners(&sandbox))
+    );
+    let mut bench = Bench::with_config(sandbox, &config)?;
+    bench.set_mode(NODE_ID, MODE_UPSTREAM)?;
+    let listener = dns(NODE_LISTENER);
+    let mut held = Vec::new();
+    for transport in [Transport::Udp, Transport::UdpConnected] {
+        let mut client = bench
+            .sandbox
+            .hold_client(Ns::Pod, Query::new(listener, transport), 2)?;
+        let first = client.ask()?;
+        assert!(first.ok, "{transport:?}, first query: {first:?}");
+        assert!(is_upstream(first.answer()), "{transport:?}: {first:?}");
+        assert_eq!(
+            seen_peer(&first),
+            Some(listener),
+            "{transport:?}: {first:?}"
+        );
+        held.push((transport, client));
+    }
+
+    // Three times the map's size in fresh sockets, each with an entry of its own.
+    let churn = 3 * ENTRIES;
+    let mut answered = 0;
+    for _ in 0..3 {
+        let outcomes = bench.sandbox.queries_in(
+            Ns::Pod,
+            bench.sandbox.cgroup(),
+            Query::new(listener, Transport::Udp),
+            u16::try_from(ENTRIES)?,
+        )?;
+        answered += outcomes
+            .iter()
+            .filter(|outcome| outcome.ok && seen_peer(outcome) == Some(listener))
+            .count();
+    }
+    assert_eq!(
+        answered, churn,
+        "every churning query was answered as the listener"
+    );
+    let entries = bench.reverse_entries().len();
+    assert!(
+        entries <= ENTRIES,
+        "the LRU holds at most {ENTRIES} entries, so most of the {} written were evicted: {entries}",
+        churn + held.len()
+    );
+
+    let before = bench.counters(NODE_ID)?;
+    for (transport, client) in &mut held {
+        let second = client.ask()?;
+        assert!(second.ok, "{transport:?}, second query: {second:?}");
+        assert!(is_upstream(second.answer()), "{transport:?}: {second:?}");
+        // Both what recvfrom reports and, for the connected socket, what getpeername reports.
+        assert_eq!(
+            socket_addr(second.reply_from.as_ref()),
+            Some(listener),
+            "{transport:?}: the reply must come from the listener: {second:?}"
+        );
+        if *transport == Transport::UdpConnected {
+            assert_eq!(
+                socket_addr(second.peer.as_ref()),
+                Some(listener),
+                "{transport:?}: getpeername must show the listener: {second:?}"
+            );
+        }
+    }
+    let after = bench.counters(NODE_ID)?;
+    assert_eq!(
+        after.reverse_missed, before.reverse_missed,
+        "no reply of a steered socket went untranslated"
+    );
+    Ok(())
+}

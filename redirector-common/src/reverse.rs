@@ -48,13 +48,18 @@ pub struct ReverseValue {
 const _: () = assert!(size_of::<ReverseValue>() == 20);
 
 /// Value of the `STEERED_SOCKS` socket storage: present once a socket was steered to a target
-/// other than the address it named. `recvmsg` and `getpeername` of sockets without it return at
-/// once, so unrelated UDP pays one storage lookup and nothing else. It also remembers the last
-/// translation, so a socket sending many datagrams to one target writes `REVERSE_NAT` once.
+/// other than the address it named, and the translation of its replies. `recvmsg` and
+/// `getpeername` of sockets without it return at once, so unrelated UDP pays one storage lookup
+/// and nothing else. Replies from the target it holds are rewritten from it alone: it lives as
+/// long as the socket, so a long-lived socket keeps its translation however many other sockets
+/// churn through `REVERSE_NAT` (an LRU that evicts). `REVERSE_NAT` serves the other targets of a
+/// socket that sent to several (an unconnected socket asking two listeners in turn), and is
+/// written only when this translation changes, so a socket sending many datagrams to one target
+/// writes it once.
 #[repr(C)]
 #[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
 pub struct SteeredSocket {
-    /// The listener the socket addressed last (for counting misses).
+    /// The listener the socket addressed last.
     pub listener_id: u32,
     /// The target it was steered to last, port in network byte order.
     pub peer_port_be: u16,
@@ -62,8 +67,10 @@ pub struct SteeredSocket {
     pub _padding: u16,
     /// The target it was steered to last.
     pub peer: NetAddr,
+    /// The listener address it addressed last: what replies from `peer` are shown as (port 53).
+    pub listener: NetAddr,
 }
-const _: () = assert!(size_of::<SteeredSocket>() == 24);
+const _: () = assert!(size_of::<SteeredSocket>() == 40);
 
 #[cfg(test)]
 mod tests {

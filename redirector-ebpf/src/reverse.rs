@@ -26,7 +26,9 @@ pub enum Outcome {
 }
 
 /// Rewrites the peer address of a reply (recvmsg) or of a connected socket (getpeername) back to
-/// the listener when this socket was steered to that peer.
+/// the listener when this socket was steered to that peer: from the socket's own storage when the
+/// peer is the target it holds (always, for a socket that talks to one target), else from the
+/// LRU map.
 #[inline(always)]
 pub fn try_translate_peer(ctx: &SockAddrContext, family: Family) -> Outcome {
     // SAFETY: the storage belongs to the context's socket, which this program holds.
@@ -34,32 +36,37 @@ pub fn try_translate_peer(ctx: &SockAddrContext, family: Family) -> Outcome {
     if steered.is_null() {
         return Outcome::NotSteered;
     }
+    // SAFETY: non-null storage of this socket. A send of another thread may rewrite it meanwhile;
+    // a copy torn between two translations matches neither peer and falls to the map.
+    let steered = unsafe { context::snapshot(steered) };
     let protocol = context::protocol(ctx).unwrap_or(PROTOCOL_UDP);
-    let key = ReverseKey::new(
-        context::socket_cookie(ctx),
-        context::user_addr(ctx, family),
-        context::user_port_be(ctx),
-    );
-    let Some(translation) = REVERSE_NAT.get_ptr(key) else {
-        // A reply straight from a listener (the socket is back on a cache that listens on the
-        // listener address) needs no translation and is no miss.
-        if key.peer_port_be == port_be(DNS_PORT) && LISTENERS.get_ptr(key.peer).is_some() {
-            return Outcome::NotSteered;
-        }
-        // SAFETY: non-null storage of this socket.
-        let listener_id = unsafe { context::snapshot(steered) }.listener_id;
-        count(counter_index(listener_id, protocol), |c| {
-            c.reverse_missed += 1;
-        });
-        return Outcome::Missed;
+    let peer = context::user_addr(ctx, family);
+    let peer_port_be = context::user_port_be(ctx);
+    let (listener, listener_id) = if steered.peer == peer && steered.peer_port_be == peer_port_be {
+        (steered.listener, steered.listener_id)
+    } else {
+        let key = ReverseKey::new(context::socket_cookie(ctx), peer, peer_port_be);
+        let Some(translation) = REVERSE_NAT.get_ptr(key) else {
+            // A reply straight from a listener (the socket is back on a cache that listens on
+            // the listener address) needs no translation and is no miss.
+            if peer_port_be == port_be(DNS_PORT) && LISTENERS.get_ptr(peer).is_some() {
+                return Outcome::NotSteered;
+            }
+            count(counter_index(steered.listener_id, protocol), |c| {
+                c.reverse_missed += 1;
+            });
+            return Outcome::Missed;
+        };
+        // SAFETY: a live LRU element. LRU elements are preallocated and may be recycled at once
+        // when evicted; the entry just hit was used last of all, so it is the last candidate for
+        // eviction, and a torn copy could at worst show another listener's address (the resolver
+        // then retries).
+        let translation = unsafe { context::snapshot(translation) };
+        (translation.listener, translation.listener_id)
     };
-    // SAFETY: a live LRU element. LRU elements are preallocated and may be recycled at once when
-    // evicted; the entry just hit was used last of all, so it is the last candidate for eviction,
-    // and a torn copy could at worst show another listener's address (the resolver then retries).
-    let translation = unsafe { context::snapshot(translation) };
-    context::set_user_addr(ctx, family, &translation.listener);
+    context::set_user_addr(ctx, family, &listener);
     context::set_user_port_be(ctx, port_be(DNS_PORT));
-    count(counter_index(translation.listener_id, protocol), |c| {
+    count(counter_index(listener_id, protocol), |c| {
         c.reverse_translated += 1;
     });
     Outcome::Translated

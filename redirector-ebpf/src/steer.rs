@@ -181,10 +181,11 @@ fn empty_pool(
     }
 }
 
-/// Records what replies from `target` on this socket must look like, and marks the socket as
-/// steered so the reply hooks look for it. An unconnected socket sends many datagrams to one
-/// target: its storage remembers the last translation, so the LRU map is written once per
-/// (socket, target), not once per datagram.
+/// Records what replies from `target` on this socket must look like: in the socket's own
+/// storage, which lives as long as the socket, and in the LRU map for a socket that talks to
+/// several targets (`SteeredSocket` says which the reply hooks read). An unconnected socket sends
+/// many datagrams to one target: its storage already holds the translation, so the LRU map is
+/// written once per change of (listener, target), not once per datagram.
 #[inline(always)]
 fn remember_translation(
     ctx: &SockAddrContext,
@@ -197,13 +198,16 @@ fn remember_translation(
     let mut mark = SteeredSocket::default();
     // SAFETY: the storage belongs to the context's socket, which this program holds.
     let stored = unsafe { STEERED_SOCKS.get_or_insert_ptr_mut(ctx, Some(&mut mark)) };
+    let translation = SteeredSocket {
+        listener_id: listener.id,
+        peer_port_be: target_port_be,
+        _padding: 0,
+        peer: *target,
+        listener: listener_addr,
+    };
     if !stored.is_null() {
         // SAFETY: non-null storage of this socket.
-        let last = unsafe { context::snapshot(stored) };
-        if last.listener_id == listener.id
-            && last.peer == *target
-            && last.peer_port_be == target_port_be
-        {
+        if unsafe { context::snapshot(stored) } == translation {
             return;
         }
     }
@@ -212,19 +216,13 @@ fn remember_translation(
         listener: listener_addr,
         listener_id: listener.id,
     };
-    // A full LRU evicts its oldest entry; an error here leaves only the reply unrewritten.
+    // A full LRU evicts its oldest entry; an error here leaves only the replies from this
+    // target unrewritten once the socket has moved on to another one.
     let _ = REVERSE_NAT.insert(key, value, u64::from(BPF_ANY));
     if !stored.is_null() {
         // SAFETY: non-null storage of this socket; a concurrent send of another thread on the
         // same socket writes a translation just as valid.
-        unsafe {
-            *stored = SteeredSocket {
-                listener_id: listener.id,
-                peer_port_be: target_port_be,
-                _padding: 0,
-                peer: *target,
-            };
-        }
+        unsafe { *stored = translation };
     }
 }
 

@@ -2,7 +2,9 @@
 //! UDP, or TCP; optionally from a dual-stack AF_INET6 socket to an IPv4-mapped address) and
 //! prints what it saw as one JSON line: the answer, where the reply came from (`recvfrom`), and
 //! the connected peer (`getpeername`). With `--count N`, it does so N times, each from a fresh
-//! socket (as glibc does for every lookup), one line each.
+//! socket (as glibc does for every lookup), one line each. With `--hold` (UDP), the N queries
+//! share one socket, as a long-lived resolver's do, and each after the first waits for a line on
+//! standard input, so a test can change the world between them.
 
 use std::{
     io::{Read as _, Write as _},
@@ -42,13 +44,45 @@ struct Args {
     /// How many queries to send, one after the other, each from a fresh socket.
     #[arg(long, default_value_t = 1)]
     count: u16,
+    /// UDP: send every query from one socket (connected once, for `udp-connected`), and wait for
+    /// a line on standard input before each query after the first.
+    #[arg(long)]
+    hold: bool,
 }
 
 fn main() {
     let args = Args::parse();
     let first_id = u16::try_from(std::process::id() & 0xffff).unwrap_or(1);
+    if args.hold {
+        hold(&args, first_id);
+        return;
+    }
     for sequence in 0..args.count {
         report(ask(&args, first_id.wrapping_add(sequence)));
+    }
+}
+
+/// `--hold`: the queries of one UDP socket, each after the first once standard input says so.
+fn hold(args: &Args, first_id: u16) {
+    let socket = match open_udp(args) {
+        Ok(socket) => socket,
+        Err(error) => return report(Err(error)),
+    };
+    let mut line = String::new();
+    for sequence in 0..args.count {
+        if sequence > 0 {
+            line.clear();
+            if std::io::stdin().read_line(&mut line).unwrap_or(0) == 0 {
+                return;
+            }
+        }
+        report(exchange_udp(
+            args,
+            &socket,
+            first_id.wrapping_add(sequence),
+            true,
+        ));
+        let _ = std::io::stdout().flush();
     }
 }
 
@@ -72,52 +106,101 @@ fn report(result: anyhow::Result<QueryOutcome>) {
     );
 }
 
-fn ask(args: &Args, id: u16) -> anyhow::Result<QueryOutcome> {
-    let server = if args.mapped {
+/// The address to send to: the server, or its IPv4-mapped form with `--mapped`.
+fn destination(args: &Args) -> anyhow::Result<SocketAddr> {
+    if args.mapped {
         match args.server.ip() {
-            IpAddr::V4(v4) => SocketAddr::new(IpAddr::V6(v4.to_ipv6_mapped()), args.server.port()),
+            IpAddr::V4(v4) => Ok(SocketAddr::new(
+                IpAddr::V6(v4.to_ipv6_mapped()),
+                args.server.port(),
+            )),
             IpAddr::V6(_) => bail!("--mapped needs an IPv4 server"),
         }
     } else {
-        args.server
-    };
+        Ok(args.server)
+    }
+}
+
+fn request(args: &Args, id: u16) -> anyhow::Result<Vec<u8>> {
     let record_type = if args.aaaa {
         RecordType::AAAA
     } else {
         RecordType::A
     };
-    let request = query(id, PROBE_NAME, record_type)?;
-    let timeout = Some(Duration::from_millis(args.timeout_ms));
-    let mut outcome = QueryOutcome::default();
+    query(id, PROBE_NAME, record_type)
+}
 
-    let response = match args.transport {
-        Transport::Udp | Transport::UdpConnected => {
-            let local: SocketAddr = if server.is_ipv4() {
-                "0.0.0.0:0".parse()?
-            } else {
-                SocketAddr::new(IpAddr::V6(Ipv6Addr::UNSPECIFIED), 0)
-            };
-            let socket = UdpSocket::bind(local).context("bind")?;
-            socket.set_read_timeout(timeout).context("timeout")?;
-            let mut buffer = [0u8; 4096];
-            if matches!(args.transport, Transport::UdpConnected) {
-                socket.connect(server).context("connect")?;
-                outcome.peer = Some(socket.peer_addr().context("getpeername")?.to_string());
-                socket.send(&request).context("send")?;
-                let len = socket.recv(&mut buffer).context("recv")?;
-                buffer[..len].to_vec()
-            } else {
-                socket.send_to(&request, server).context("sendto")?;
-                let (len, from) = socket.recv_from(&mut buffer).context("recvfrom")?;
-                outcome.reply_from = Some(from.to_string());
-                buffer[..len].to_vec()
-            }
+/// A UDP socket of the destination's family; connected for `udp-connected`.
+fn open_udp(args: &Args) -> anyhow::Result<UdpSocket> {
+    let server = destination(args)?;
+    let local: SocketAddr = if server.is_ipv4() {
+        "0.0.0.0:0".parse()?
+    } else {
+        SocketAddr::new(IpAddr::V6(Ipv6Addr::UNSPECIFIED), 0)
+    };
+    let socket = UdpSocket::bind(local).context("bind")?;
+    socket
+        .set_read_timeout(Some(Duration::from_millis(args.timeout_ms)))
+        .context("timeout")?;
+    if matches!(args.transport, Transport::UdpConnected) {
+        socket.connect(server).context("connect")?;
+    }
+    Ok(socket)
+}
+
+/// One query on a UDP socket from `open_udp`. `reply_source` also reads a connected socket's
+/// reply with `recvfrom`, so the reply's source is reported besides `getpeername`.
+fn exchange_udp(
+    args: &Args,
+    socket: &UdpSocket,
+    id: u16,
+    reply_source: bool,
+) -> anyhow::Result<QueryOutcome> {
+    let request = request(args, id)?;
+    let mut outcome = QueryOutcome::default();
+    let mut buffer = [0u8; 4096];
+    let len = if matches!(args.transport, Transport::UdpConnected) {
+        outcome.peer = Some(socket.peer_addr().context("getpeername")?.to_string());
+        socket.send(&request).context("send")?;
+        if reply_source {
+            let (len, from) = socket.recv_from(&mut buffer).context("recvfrom")?;
+            outcome.reply_from = Some(from.to_string());
+            len
+        } else {
+            socket.recv(&mut buffer).context("recv")?
         }
+    } else {
+        socket
+            .send_to(&request, destination(args)?)
+            .context("sendto")?;
+        let (len, from) = socket.recv_from(&mut buffer).context("recvfrom")?;
+        outcome.reply_from = Some(from.to_string());
+        len
+    };
+    answered(outcome, id, &buffer[..len])
+}
+
+fn answered(mut outcome: QueryOutcome, id: u16, response: &[u8]) -> anyhow::Result<QueryOutcome> {
+    let (rcode, answers) = parse_answer(id, response)?;
+    outcome.ok = true;
+    outcome.rcode = Some(rcode.to_string());
+    outcome.answers = answers;
+    Ok(outcome)
+}
+
+fn ask(args: &Args, id: u16) -> anyhow::Result<QueryOutcome> {
+    match args.transport {
+        Transport::Udp | Transport::UdpConnected => exchange_udp(args, &open_udp(args)?, id, false),
         Transport::Tcp => {
+            let server = destination(args)?;
+            let request = request(args, id)?;
+            let mut outcome = QueryOutcome::default();
             let mut stream =
                 TcpStream::connect_timeout(&server, Duration::from_millis(args.timeout_ms))
                     .context("connect")?;
-            stream.set_read_timeout(timeout).context("timeout")?;
+            stream
+                .set_read_timeout(Some(Duration::from_millis(args.timeout_ms)))
+                .context("timeout")?;
             outcome.peer = Some(stream.peer_addr().context("getpeername")?.to_string());
             let len = u16::try_from(request.len())?.to_be_bytes();
             stream.write_all(&len).context("send")?;
@@ -126,12 +209,7 @@ fn ask(args: &Args, id: u16) -> anyhow::Result<QueryOutcome> {
             stream.read_exact(&mut reply_len).context("recv")?;
             let mut reply = vec![0u8; usize::from(u16::from_be_bytes(reply_len))];
             stream.read_exact(&mut reply).context("recv")?;
-            reply
+            answered(outcome, id, &reply)
         }
-    };
-    let (rcode, answers) = parse_answer(id, &response)?;
-    outcome.ok = true;
-    outcome.rcode = Some(rcode.to_string());
-    outcome.answers = answers;
-    Ok(outcome)
+    }
 }

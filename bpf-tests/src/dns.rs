@@ -99,6 +99,10 @@ pub struct QueryOutcome {
     pub error: Option<String>,
     /// The errno of the failed syscall, when there was one.
     pub errno: Option<i32>,
+    /// `--hold --reopen`: the errno of the send that failed on the held socket, after which the
+    /// client opened a new socket and asked again (this outcome is the second attempt's).
+    #[serde(default)]
+    pub reopened_after_errno: Option<i32>,
 }
 
 impl QueryOutcome {
@@ -118,13 +122,17 @@ pub struct StreamRecord {
     /// When its send returned: its destination was chosen before this (at connect, or at the
     /// long-lived socket's sendto).
     pub steered_ms: u64,
-    /// `fresh` (a new connected socket per query, as glibc does) or `long` (one long-lived
-    /// unconnected socket).
+    /// `fresh` (a new connected socket per query, as glibc does), `long` (one long-lived
+    /// unconnected socket) or `connected` (one long-lived connected socket).
     pub kind: String,
     /// The first address answered, when answered.
     pub answer: Option<IpAddr>,
     /// What failed, when not answered.
     pub error: Option<String>,
+    /// `connected`: the send on the long-lived socket failed, and the query was asked again at
+    /// once from a new socket (as c-ares does); this record is the second attempt's.
+    #[serde(default)]
+    pub reopened: bool,
 }
 
 /// Milliseconds since the Unix epoch (the stream's and the tests' shared clock).

@@ -9,6 +9,7 @@ pub mod bench;
 pub mod benchmarks;
 pub mod bpffs;
 pub mod caches;
+pub mod cares;
 pub mod cgroup;
 pub mod cli;
 pub mod command;

@@ -709,14 +709,23 @@ impl Sandbox {
             .collect()
     }
 
-    /// Starts `dns-query --hold` from `ns` in the test cgroup: `count` UDP queries of `query`
-    /// from one long-lived socket, each after the first sent when [`HeldClient::ask`] asks.
-    pub fn hold_client(&self, ns: Ns, query: Query, count: u16) -> anyhow::Result<HeldClient> {
-        let (mut command, _procs) = self.client_command(
-            ns,
-            &self.cgroup,
-            &self.tools.dns_query.display().to_string(),
-        )?;
+    /// Starts `dns-query --hold` from `ns` in `cgroup`: `count` UDP queries of `query` from one
+    /// long-lived socket, each after the first sent when [`HeldClient::ask`] asks. With
+    /// `reopen`, a send that fails closes the socket and the query is asked again from a new one
+    /// (`--reopen`), as c-ares and glibc do on a socket error.
+    pub fn held_client(
+        &self,
+        ns: Ns,
+        cgroup: &TestCgroup,
+        query: Query,
+        count: u16,
+        reopen: bool,
+    ) -> anyhow::Result<HeldClient> {
+        let (mut command, _procs) =
+            self.client_command(ns, cgroup, &self.tools.dns_query.display().to_string())?;
+        if reopen {
+            command.arg("--reopen");
+        }
         command.args([
             "--hold",
             "--server",

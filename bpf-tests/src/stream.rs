@@ -274,6 +274,7 @@ mod tests {
             error: answer
                 .is_none()
                 .then(|| "recv: Connection refused".to_owned()),
+            reopened: false,
         }
     }
 

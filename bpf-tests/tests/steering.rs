@@ -422,10 +422,12 @@ fn ipv6_listener_is_steered_and_translated() -> anyhow::Result<()> {
 }
 
 #[test]
-fn a_connected_dual_stack_socket_stays_where_it_connected() -> anyhow::Result<()> {
+fn a_connected_dual_stack_socket_is_moved_never_redirected() -> anyhow::Result<()> {
     // An AF_INET6 socket connected to ::ffff:listener passes sendmsg4 on every send. Forcing the
     // listener upstream mid-stream must not redirect its datagrams: the connected socket would
     // drop the replies (they come from another address), and every query would time out.
+    // Instead its first send after the flip is refused (the egress program), the client reopens
+    // as c-ares does, and the new socket is steered at its connect.
     let mut bench = Bench::standard(tools())?;
     let stream = bpf_tests::stream::Stream::start_with(
         &bench.sandbox,
@@ -438,14 +440,37 @@ fn a_connected_dual_stack_socket_stays_where_it_connected() -> anyhow::Result<()
     bench.set_mode(NODE_ID, MODE_UPSTREAM)?;
     let report = stream.finish()?;
     assert!(report.records.len() > 20, "{}", report.summary());
-    for record in &report.records {
-        assert_eq!(
-            bpf_tests::stream::StreamReport::answered_by(record),
-            "cache",
-            "{}",
-            report.summary()
-        );
-    }
+    let answered: Vec<&str> = report
+        .records
+        .iter()
+        .map(bpf_tests::stream::StreamReport::answered_by)
+        .collect();
+    let first_upstream = answered
+        .iter()
+        .position(|by| by.starts_with("upstream"))
+        .unwrap_or_else(|| panic!("the socket never moved: {}", report.summary()));
+    assert!(
+        answered[..first_upstream].iter().all(|by| *by == "cache")
+            && answered[first_upstream..]
+                .iter()
+                .all(|by| by.starts_with("upstream")),
+        "every query answered, by the cache until the move and by an upstream after: {}",
+        report.summary()
+    );
+    let reopened: Vec<usize> = report
+        .records
+        .iter()
+        .enumerate()
+        .filter(|(_, record)| record.reopened)
+        .map(|(index, _)| index)
+        .collect();
+    assert_eq!(
+        reopened,
+        [first_upstream],
+        "one refused send, the move: {}",
+        report.summary()
+    );
+    assert_eq!(bench.counters(NODE_ID)?.moved_to_upstream, 1);
     // New sockets follow the listener.
     let outcome = bench.sandbox.query(
         Ns::Pod,
@@ -475,9 +500,13 @@ fn long_lived_sockets_keep_their_translation_when_the_lru_churns() -> anyhow::Re
     let listener = dns(NODE_LISTENER);
     let mut held = Vec::new();
     for transport in [Transport::Udp, Transport::UdpConnected] {
-        let mut client = bench
-            .sandbox
-            .hold_client(Ns::Pod, Query::new(listener, transport), 2)?;
+        let mut client = bench.sandbox.held_client(
+            Ns::Pod,
+            bench.sandbox.cgroup(),
+            Query::new(listener, transport),
+            2,
+            false,
+        )?;
         let first = client.ask()?;
         assert!(first.ok, "{transport:?}, first query: {first:?}");
         assert!(is_upstream(first.answer()), "{transport:?}: {first:?}");

@@ -54,8 +54,14 @@ pub struct ListenerCounters {
     /// Replies and peer lookups on a steered socket with no translation recorded (evicted, or the
     /// socket also talks to servers directly).
     pub reverse_missed: u64,
+    /// Sends of connected sockets refused so that they reconnect to the cache (their peer was an
+    /// upstream, or the listener left untouched, while the route is the cache).
+    pub moved_to_cache: u64,
+    /// Sends of connected sockets refused so that they reconnect to the pool (their peer was the
+    /// cache, or a target that left the pool, while the route is upstream).
+    pub moved_to_upstream: u64,
 }
-const _: () = assert!(size_of::<ListenerCounters>() == 56);
+const _: () = assert!(size_of::<ListenerCounters>() == 72);
 
 impl ListenerCounters {
     /// Field-wise sum, for folding the per-CPU values.
@@ -69,6 +75,8 @@ impl ListenerCounters {
             skipped_cgroup: self.skipped_cgroup + other.skipped_cgroup,
             reverse_translated: self.reverse_translated + other.reverse_translated,
             reverse_missed: self.reverse_missed + other.reverse_missed,
+            moved_to_cache: self.moved_to_cache + other.moved_to_cache,
+            moved_to_upstream: self.moved_to_upstream + other.moved_to_upstream,
         }
     }
 }
@@ -105,10 +113,14 @@ mod tests {
             skipped_cgroup: 5,
             reverse_translated: 6,
             reverse_missed: 7,
+            moved_to_cache: 8,
+            moved_to_upstream: 9,
         };
         let two = one.add(&one);
         assert_eq!(two.to_cache, 2);
         assert_eq!(two.reverse_missed, 14);
         assert_eq!(two.skipped_cgroup, 10);
+        assert_eq!(two.moved_to_cache, 16);
+        assert_eq!(two.moved_to_upstream, 18);
     }
 }

@@ -18,6 +18,7 @@ pub mod listener;
 pub mod names;
 pub mod pool;
 pub mod reverse;
+pub mod stale;
 
 #[cfg(feature = "user")]
 mod pod;

@@ -85,6 +85,13 @@ pub const PROG_SOCK_RELEASE: &str = "dns_release";
 /// Every `cgroup_sock` program in the object.
 pub const SOCK_PROGRAMS: [&str; 3] = [PROG_POST_BIND4, PROG_POST_BIND6, PROG_SOCK_RELEASE];
 
+/// `cgroup_skb/egress`: refuses the next send of a connected DNS socket whose peer is no longer
+/// where its listener's route points (`stale`).
+pub const PROG_EGRESS: &str = "dns_egress";
+
+/// Every `cgroup_skb` program in the object.
+pub const SKB_PROGRAMS: [&str; 1] = [PROG_EGRESS];
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -95,6 +102,7 @@ mod tests {
             .iter()
             .chain(SOCK_ADDR_PROGRAMS.iter())
             .chain(SOCK_PROGRAMS.iter())
+            .chain(SKB_PROGRAMS.iter())
         {
             assert!(
                 name.len() <= 15,

@@ -5,6 +5,10 @@
 //! not. There is no NAT: the destination is rewritten before the socket ever routes a packet, and
 //! replies are shown to the application as coming from the listener it addressed.
 //!
+//! A cgroup `skb` egress program (4.10; 5.2 for the socket storage it reads) refuses the next send
+//! of a connected DNS socket whose peer is no longer where its listener's route points, so the
+//! resolver reconnects and connect steers it to the current route.
+//!
 //! Each entry point is a thin shim: it names its hook and address family and maps the result of a
 //! `try_*` function onto the verdict the kernel expects.
 #![no_std]
@@ -17,11 +21,12 @@ mod context;
 mod liveness;
 mod maps;
 mod reverse;
+mod stale;
 mod steer;
 
 use aya_ebpf::{
-    macros::{cgroup_sock, cgroup_sock_addr},
-    programs::{SockAddrContext, SockContext},
+    macros::{cgroup_skb, cgroup_sock, cgroup_sock_addr},
+    programs::{SkBuffContext, SockAddrContext, SockContext},
 };
 
 use crate::{context::Family, steer::Hook};
@@ -89,6 +94,25 @@ pub fn dns_getpeer4(ctx: SockAddrContext) -> i32 {
 #[cgroup_sock_addr(getpeername6)]
 pub fn dns_getpeer6(ctx: SockAddrContext) -> i32 {
     reverse_verdict(reverse::try_translate_peer(&ctx, Family::Ipv6))
+}
+
+/// `cgroup_skb/egress`: let the packet go.
+const VERDICT_SKB_PASS: i32 = 1;
+/// `cgroup_skb/egress`: drop the packet; the sender's `send` fails with `EPERM`.
+const VERDICT_SKB_DROP: i32 = 0;
+
+/// The verdict of the egress program.
+#[inline(always)]
+fn egress_verdict(egress: stale::Egress) -> i32 {
+    match egress {
+        stale::Egress::Pass => VERDICT_SKB_PASS,
+        stale::Egress::Refuse => VERDICT_SKB_DROP,
+    }
+}
+
+#[cgroup_skb(egress)]
+pub fn dns_egress(ctx: SkBuffContext) -> i32 {
+    egress_verdict(stale::try_check_egress(&ctx))
 }
 
 /// The verdict of a socket-tracking program: tracking never refuses a bind or a close.

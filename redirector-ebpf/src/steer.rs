@@ -67,30 +67,21 @@ pub fn try_steer(ctx: &SockAddrContext, family: Family, hook: Hook) -> Result<()
     let listener = unsafe { context::snapshot(listener) };
     let counters = counter_index(listener.id, protocol);
 
-    if in_skipped_cgroup(listener.id) {
+    // SAFETY: plain helper call; `bpf_get_current_ancestor_cgroup_id` is available to sock_addr
+    // programs since 5.7 and returns 0 above the task's own depth.
+    if in_skipped_cgroup(listener.id, |level| unsafe {
+        bpf_get_current_ancestor_cgroup_id(level)
+    }) {
         count(counters, |c| c.skipped_cgroup += 1);
         return Ok(());
     }
 
-    let (Some(mode), Some(health), Some(sockets)) = (
-        LISTENER_MODE.get_ptr(listener.id),
-        CACHE_HEALTH.get_ptr(listener.id),
-        SOCKET_COUNTS.get_ptr(listener.id),
-    ) else {
+    let Some(route) = current_route(&listener) else {
         return Ok(());
-    };
-    // SAFETY: array elements, valid for the program's lifetime; the CLI, the agent and the other
-    // programs change them concurrently, so they are copied, never borrowed.
-    let (mode, health, sockets) = unsafe {
-        (
-            context::snapshot(mode),
-            context::snapshot(health),
-            context::snapshot(sockets),
-        )
     };
     // The cookie is a helper call: fetched once, and only when a target choice or a reverse
     // entry needs it.
-    let (target, cookie) = match route(listener.liveness, &mode, &health, &sockets) {
+    let (target, cookie) = match route {
         Route::Cache => {
             count(counters, |c| c.to_cache += 1);
             (listener.cache, None)
@@ -133,6 +124,29 @@ pub fn try_steer(ctx: &SockAddrContext, family: Family, hook: Hook) -> Result<()
         target_port_be,
     );
     Ok(())
+}
+
+/// Where the listener's DNS goes now: the operator's mode, the agent's verdict and the kernel's
+/// socket counts, through the truth table (`listener::route`).
+#[inline(always)]
+pub fn current_route(listener: &ListenerConfig) -> Option<Route> {
+    let (Some(mode), Some(health), Some(sockets)) = (
+        LISTENER_MODE.get_ptr(listener.id),
+        CACHE_HEALTH.get_ptr(listener.id),
+        SOCKET_COUNTS.get_ptr(listener.id),
+    ) else {
+        return None;
+    };
+    // SAFETY: array elements, valid for the program's lifetime; the CLI, the agent and the other
+    // programs change them concurrently, so they are copied, never borrowed.
+    let (mode, health, sockets) = unsafe {
+        (
+            context::snapshot(mode),
+            context::snapshot(health),
+            context::snapshot(sockets),
+        )
+    };
+    Some(route(listener.liveness, &mode, &health, &sockets))
 }
 
 /// The upstream target for the socket with `cookie`, or `None` when the pool is empty.
@@ -226,12 +240,13 @@ fn remember_translation(
     }
 }
 
-/// True when the calling task belongs to a cgroup skipped for this listener, or to one of its
-/// descendants (the cache's own upstream queries must never be steered back to it). Checks only
-/// the levels at which a skipped cgroup exists: usually one helper call and one lookup.
-/// `bpf_get_current_ancestor_cgroup_id` is available to sock_addr programs since 5.7.
+/// True when the socket's cgroup is skipped for this listener, or is one of its descendants (the
+/// cache's own upstream queries must never be steered back to it). `ancestor(level)` is the id of
+/// the cgroup's ancestor at `level` (0 above its depth): the calling task's in sock_addr programs,
+/// the skb's socket's at egress. Checks only the levels at which a skipped cgroup exists: usually
+/// one helper call and one lookup.
 #[inline(always)]
-fn in_skipped_cgroup(listener_id: u32) -> bool {
+pub fn in_skipped_cgroup(listener_id: u32, ancestor: impl Fn(i32) -> u64) -> bool {
     let Some(config) = DATAPATH_CONFIG.get(0) else {
         return false;
     };
@@ -242,8 +257,7 @@ fn in_skipped_cgroup(listener_id: u32) -> bool {
     let mut level = 0;
     while level <= MAX_CGROUP_LEVEL {
         if levels & (1 << level) != 0 {
-            // SAFETY: plain helper call; returns 0 above the task's own depth.
-            let id = unsafe { bpf_get_current_ancestor_cgroup_id(level as i32) };
+            let id = ancestor(level as i32);
             if id != 0
                 && let Some(skip) = SKIP_CGROUPS.get_ptr(id)
                 // SAFETY: entries are written whole by the agent.

@@ -75,6 +75,12 @@ pub struct KernelFeature {
 /// Every kernel feature redirector uses, in the README's order.
 pub const FEATURES: &[KernelFeature] = &[
     KernelFeature {
+        name: "cgroup v2 `cgroup_skb` egress",
+        used_for: "moving connected DNS sockets off a stale peer",
+        since: KernelVersion::new(4, 10),
+        need: Need::Required,
+    },
+    KernelFeature {
         name: "cgroup v2 `connect4`/`connect6`",
         used_for: "steering TCP and connected UDP",
         since: KernelVersion::new(4, 17),
@@ -99,8 +105,26 @@ pub const FEATURES: &[KernelFeature] = &[
         need: Need::Required,
     },
     KernelFeature {
+        name: "`bpf_skb_ancestor_cgroup_id` in cgroup_skb programs",
+        used_for: "skipped cgroups at egress",
+        since: KernelVersion::new(4, 19),
+        need: Need::Required,
+    },
+    KernelFeature {
+        name: "`__sk_buff.sk`, `bpf_sk_fullsock` in cgroup_skb programs",
+        used_for: "the sending socket at egress",
+        since: KernelVersion::new(5, 1),
+        need: Need::Required,
+    },
+    KernelFeature {
         name: "cgroup v2 `recvmsg4`/`recvmsg6`",
         used_for: "reply source rewrite",
+        since: KernelVersion::new(5, 2),
+        need: Need::Required,
+    },
+    KernelFeature {
+        name: "`bpf_sk_storage_get` in cgroup_skb programs",
+        used_for: "a connected socket's translation at egress",
         since: KernelVersion::new(5, 2),
         need: Need::Required,
     },

@@ -23,6 +23,9 @@ const DEBIAN_PACKAGES: &[&str] = &[
     "iptables",
     "conntrack",
     "dnsperf",
+    // The c-ares tests: Debian's python3 (the VMs share it), pip for pycares from PyPI.
+    "python3",
+    "python3-pip",
     // `cargo xtask vm-test`: qemu (with QEMU 7.2's virtiofsd), busybox for the guest's
     // initramfs, depmod for the kernels' module index and modprobe in the guest.
     "qemu-system-x86",
@@ -42,7 +45,42 @@ pub fn ensure() -> anyhow::Result<()> {
     let ebpf = Pin::ebpf()?;
     ensure_ebpf_toolchain(&ebpf)?;
     let linker = ensure_bpf_linker()?;
-    check_llvm_agrees(&ebpf, &linker)
+    check_llvm_agrees(&ebpf, &linker)?;
+    ensure_test_python()
+}
+
+/// pycares, the c-ares binding the resolver tests drive (`bpf-tests/src/cares.rs`), at this
+/// version (c-ares 1.34.9 inside).
+const PYCARES: &str = "pycares==5.2.1";
+
+/// Installs pycares for Debian's python3 into `target/test-python` (`pip install --target`: the
+/// system's packages stay untouched), unless it imports from there already.
+fn ensure_test_python() -> anyhow::Result<()> {
+    let python = "/usr/bin/python3";
+    let target = crate::tasks::workspace_root().join("target/test-python");
+    let imports = Command::new(python)
+        .args(["-c", "import pycares"])
+        .env("PYTHONPATH", &target)
+        .output()
+        .is_ok_and(|output| output.status.success());
+    if imports {
+        return Ok(());
+    }
+    eprintln!("xtask: installing {PYCARES} into {}", target.display());
+    let mut install = Command::new(python);
+    install
+        .args(["-m", "pip", "install", "--quiet", "--upgrade", "--target"])
+        .arg(&target)
+        .arg(PYCARES)
+        .env("PIP_DISABLE_PIP_VERSION_CHECK", "1")
+        .env("PIP_ROOT_USER_ACTION", "ignore");
+    if !status_ok(&mut install)? {
+        bail!(
+            "`{python} -m pip install --target {} {PYCARES}` failed; see pip's output above",
+            target.display()
+        );
+    }
+    Ok(())
 }
 
 fn is_root() -> bool {

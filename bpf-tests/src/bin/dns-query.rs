@@ -4,7 +4,9 @@
 //! the connected peer (`getpeername`). With `--count N`, it does so N times, each from a fresh
 //! socket (as glibc does for every lookup), one line each. With `--hold` (UDP), the N queries
 //! share one socket, as a long-lived resolver's do, and each after the first waits for a line on
-//! standard input, so a test can change the world between them.
+//! standard input, so a test can change the world between them. With `--hold --reopen`, a send
+//! that fails closes the held socket and the query is asked again at once from a new one, as
+//! c-ares and glibc do on a socket error.
 
 use std::{
     io::{Read as _, Write as _},
@@ -48,6 +50,9 @@ struct Args {
     /// a line on standard input before each query after the first.
     #[arg(long)]
     hold: bool,
+    /// With `--hold`: when a send fails, open a new socket and ask again at once (once).
+    #[arg(long, requires = "hold")]
+    reopen: bool,
 }
 
 fn main() {
@@ -64,7 +69,7 @@ fn main() {
 
 /// `--hold`: the queries of one UDP socket, each after the first once standard input says so.
 fn hold(args: &Args, first_id: u16) {
-    let socket = match open_udp(args) {
+    let mut socket = match open_udp(args) {
         Ok(socket) => socket,
         Err(error) => return report(Err(error)),
     };
@@ -76,12 +81,19 @@ fn hold(args: &Args, first_id: u16) {
                 return;
             }
         }
-        report(exchange_udp(
-            args,
-            &socket,
-            first_id.wrapping_add(sequence),
-            true,
-        ));
+        let id = first_id.wrapping_add(sequence);
+        let mut outcome = exchange_udp(args, &socket, id, true);
+        if args.reopen
+            && let Some(errno) = send_errno(&outcome)
+        {
+            outcome = open_udp(args).and_then(|fresh| {
+                socket = fresh;
+                let mut retried = exchange_udp(args, &socket, id, true)?;
+                retried.reopened_after_errno = Some(errno);
+                Ok(retried)
+            });
+        }
+        report(outcome);
         let _ = std::io::stdout().flush();
     }
 }
@@ -104,6 +116,22 @@ fn report(result: anyhow::Result<QueryOutcome>) {
         "{}",
         serde_json::to_string(&outcome).unwrap_or_else(|_| "{}".to_owned())
     );
+}
+
+/// The errno of a failed send (not of a failed receive: a timeout keeps the socket, as resolvers
+/// do).
+fn send_errno(outcome: &anyhow::Result<QueryOutcome>) -> Option<i32> {
+    let error = outcome.as_ref().err()?;
+    if !error.chain().any(|cause| {
+        let text = cause.to_string();
+        text == "send" || text == "sendto"
+    }) {
+        return None;
+    }
+    error
+        .chain()
+        .find_map(|cause| cause.downcast_ref::<std::io::Error>())
+        .and_then(std::io::Error::raw_os_error)
 }
 
 /// The address to send to: the server, or its IPv4-mapped form with `--mapped`.

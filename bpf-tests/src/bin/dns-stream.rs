@@ -1,8 +1,9 @@
 //! A continuous DNS client for failover tests: for `--duration-ms`, every `--interval-ms`, one
 //! query per socket kind, each printed as a JSON line (`StreamRecord`) the moment it completes.
 //! Kinds: `fresh` (a new connected UDP socket per query, as glibc does), `long` (one long-lived
-//! unconnected socket), `connected` (one long-lived connected socket, as c-ares does; with
-//! `--mapped`, an AF_INET6 socket connected to the IPv4-mapped server address).
+//! unconnected socket), `connected` (one long-lived connected socket, as c-ares does: reopened
+//! when a send fails, and the query asked again from the new socket; with `--mapped`, an
+//! AF_INET6 socket connected to the IPv4-mapped server address).
 
 use std::{
     io::Write as _,
@@ -97,7 +98,7 @@ fn main() -> anyhow::Result<()> {
 
 /// Queries from one kind of socket until the deadline; ids start at `first_id`.
 fn run(settings: &Settings, kind: Kind, first_id: u16) -> anyhow::Result<()> {
-    let long_lived = match kind {
+    let mut long_lived = match kind {
         Kind::Fresh => None,
         Kind::Long => Some(open(settings, false)?),
         Kind::Connected => Some(open(settings, true)?),
@@ -106,12 +107,37 @@ fn run(settings: &Settings, kind: Kind, first_id: u16) -> anyhow::Result<()> {
     while Instant::now() < settings.deadline {
         id = id.wrapping_add(1);
         let begun_ms = now_ms();
-        let (steered_ms, result) = query_once(settings, kind, long_lived.as_ref(), id);
-        emit(settings, begun_ms, steered_ms, kind.name(), result);
+        let (mut steered_ms, mut result) = query_once(settings, kind, long_lived.as_ref(), id);
+        // c-ares closes a connected socket whose send fails and asks again at once from a new
+        // one; a receive timeout keeps the socket.
+        let reopened = kind == Kind::Connected
+            && result
+                .as_ref()
+                .is_err_and(|error| error.to_string() == SEND_FAILED);
+        if reopened {
+            match open(settings, true) {
+                Ok(socket) => {
+                    long_lived = Some(socket);
+                    (steered_ms, result) = query_once(settings, kind, long_lived.as_ref(), id);
+                }
+                Err(error) => result = Err(error),
+            }
+        }
+        emit(
+            settings,
+            begun_ms,
+            steered_ms,
+            kind.name(),
+            result,
+            reopened,
+        );
         thread::sleep(settings.interval);
     }
     Ok(())
 }
+
+/// The context of a failed send on a connected socket.
+const SEND_FAILED: &str = "send";
 
 /// One query from `long_lived`, or from a fresh socket when there is none: when its send returned
 /// (its destination was chosen by then: at connect, or at this sendto), and its answer.
@@ -136,7 +162,7 @@ fn query_once(
         if kind == Kind::Long {
             socket.send_to(&message, settings.server).context("sendto")
         } else {
-            socket.send(&message).context("send")
+            socket.send(&message).context(SEND_FAILED)
         }
     });
     let steered_ms = now_ms();
@@ -183,6 +209,7 @@ fn emit(
     steered_ms: u64,
     kind: &str,
     result: anyhow::Result<IpAddr>,
+    reopened: bool,
 ) {
     let (answer, error) = match result {
         Ok(answer) => (Some(answer), None),
@@ -194,6 +221,7 @@ fn emit(
         kind: kind.to_owned(),
         answer,
         error,
+        reopened,
     };
     if let (Ok(mut out), Ok(line)) = (settings.out.lock(), serde_json::to_string(&record)) {
         let _ = writeln!(out, "{line}");

@@ -19,7 +19,7 @@ use aya::{
     Ebpf, EbpfLoader,
     maps::{Array, Map, MapData},
     programs::{
-        CgroupAttachMode, Program,
+        CgroupAttachMode, CgroupSkbAttachType, Program,
         links::{FdLink, PinnedLink},
     },
 };
@@ -39,7 +39,7 @@ const PINNED_LINKS_DIR: &str = "links";
 
 /// Every program, in attach order: the counting programs first, so that sockets bound from the
 /// moment steering starts are counted.
-pub const ALL_PROGRAMS: [&str; 11] = [
+pub const ALL_PROGRAMS: [&str; 12] = [
     names::PROG_POST_BIND4,
     names::PROG_POST_BIND6,
     names::PROG_SOCK_RELEASE,
@@ -51,6 +51,8 @@ pub const ALL_PROGRAMS: [&str; 11] = [
     names::PROG_RECVMSG6,
     names::PROG_GETPEERNAME4,
     names::PROG_GETPEERNAME6,
+    // After connect: a socket it moves off a stale peer reconnects through the new connect4/6.
+    names::PROG_EGRESS,
 ];
 
 /// What the pin directory holds.
@@ -143,6 +145,7 @@ impl Datapath {
             match program(&mut ebpf, name)? {
                 Program::CgroupSockAddr(program) => program.load(),
                 Program::CgroupSock(program) => program.load(),
+                Program::CgroupSkb(program) => program.load(),
                 _ => return Err(DatapathError::ProgramType { name }),
             }
             .map_err(|source| DatapathError::Verify { name, source })?;
@@ -213,6 +216,17 @@ impl Datapath {
                 Program::CgroupSock(program) => {
                     let id = program
                         .attach(&cgroup_dir, CgroupAttachMode::Single)
+                        .map_err(attach_error)?;
+                    let link = program.take_link(id).map_err(attach_error)?;
+                    FdLink::try_from(link).map_err(link_error)?
+                }
+                Program::CgroupSkb(program) => {
+                    let id = program
+                        .attach(
+                            &cgroup_dir,
+                            CgroupSkbAttachType::Egress,
+                            CgroupAttachMode::Single,
+                        )
                         .map_err(attach_error)?;
                     let link = program.take_link(id).map_err(attach_error)?;
                     FdLink::try_from(link).map_err(link_error)?
@@ -350,6 +364,7 @@ mod tests {
         let mut expected: Vec<&str> = names::SOCK_ADDR_PROGRAMS
             .iter()
             .chain(names::SOCK_PROGRAMS.iter())
+            .chain(names::SKB_PROGRAMS.iter())
             .copied()
             .collect();
         expected.sort_unstable();

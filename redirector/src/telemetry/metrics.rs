@@ -87,6 +87,13 @@ fn register_listeners(registry: &mut Registry, listeners: &[ListenerSnapshot], s
         "Replies on a steered socket with no translation left (evicted, or a direct server)",
         misses.clone(),
     );
+    let moved = CounterFamily::default();
+    registry.register(
+        "sockets_moved",
+        "Sends of connected DNS sockets refused so that the resolver reconnects to where the \
+         listener's route points now: to the cache, or to the upstream pool",
+        moved.clone(),
+    );
     let route = GaugeFamily::default();
     registry.register(
         "listener_route",
@@ -138,6 +145,8 @@ fn register_listeners(registry: &mut Registry, listeners: &[ListenerSnapshot], s
                 skipped_cgroup,
                 replies_rewritten,
                 reply_misses,
+                moved_to_cache,
+                moved_to_upstream,
             } = counters;
             for (decision, count) in [
                 ("cache", to_cache),
@@ -164,6 +173,16 @@ fn register_listeners(registry: &mut Registry, listeners: &[ListenerSnapshot], s
                 .get_or_create(&per_protocol)
                 .inc_by(replies_rewritten);
             misses.get_or_create(&per_protocol).inc_by(reply_misses);
+            for (direction, count) in [("cache", moved_to_cache), ("upstream", moved_to_upstream)] {
+                moved
+                    .get_or_create(&labels(&[
+                        ("listener", name),
+                        ("family", family),
+                        ("protocol", protocol),
+                        ("to", direction),
+                    ]))
+                    .inc_by(count);
+            }
         }
         for candidate in ["cache", "upstream"] {
             route

@@ -73,6 +73,10 @@ pub struct ProtocolCounters {
     pub replies_rewritten: u64,
     /// Replies on a steered socket with no translation left.
     pub reply_misses: u64,
+    /// Connected sockets refused a send so they reconnect to the cache.
+    pub moved_to_cache: u64,
+    /// Connected sockets refused a send so they reconnect to the upstream pool.
+    pub moved_to_upstream: u64,
 }
 
 /// Counters of both protocols.
@@ -94,6 +98,8 @@ impl From<ListenerTotals> for CounterSnapshot {
             skipped_cgroup: counters.skipped_cgroup,
             replies_rewritten: counters.reverse_translated,
             reply_misses: counters.reverse_missed,
+            moved_to_cache: counters.moved_to_cache,
+            moved_to_upstream: counters.moved_to_upstream,
         };
         Self {
             udp: row(totals.udp),

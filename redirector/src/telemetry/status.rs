@@ -196,6 +196,8 @@ pub fn render_table(report: &StatusReport) -> String {
             "SKIPPED",
             "REWRITTEN",
             "MISSES",
+            "MOVED>CACHE",
+            "MOVED>UPSTREAM",
         ]
         .map(str::to_owned),
     ];
@@ -214,6 +216,8 @@ pub fn render_table(report: &StatusReport) -> String {
                 counters.skipped_cgroup.to_string(),
                 counters.replies_rewritten.to_string(),
                 counters.reply_misses.to_string(),
+                counters.moved_to_cache.to_string(),
+                counters.moved_to_upstream.to_string(),
             ]);
         }
     }

@@ -1,0 +1,221 @@
+//! Long-lived sockets, as resolvers that keep theirs use them (c-ares with `ARES_FLAG_STAYOPEN`,
+//! nginx): a connected UDP socket is steered once, at connect, so after every route change its
+//! next send is refused (EPERM, from the egress program) and the client, which reopens on a send
+//! error as c-ares and glibc do, is steered to the current route by its new socket's connect. An
+//! unconnected socket is steered at every send and is never refused.
+
+use std::time::Duration;
+
+use bpf_tests::{
+    bench::{Bench, NODE_ID, V6_ID, socket_addr},
+    dns::QueryOutcome,
+    sandbox::{CacheSpec, HeldClient, Ns, Query, Tools, Transport},
+    topology::{NODE_LISTENER, V6_LISTENER, dns, who},
+};
+use nix::sys::signal::Signal;
+use redirector::telemetry::snapshot;
+use redirector_common::{
+    counters::ListenerCounters,
+    listener::{MODE_CACHE, MODE_UPSTREAM},
+};
+
+fn tools() -> Tools {
+    bpf_tests::tools!()
+}
+
+/// `EPERM`: what a send dropped at cgroup egress fails with.
+const EPERM: i32 = 1;
+
+/// Where DNS for listener `id` goes now, as the pinned maps say.
+fn route(bench: &Bench, id: u32) -> anyhow::Result<&'static str> {
+    let listeners = snapshot::listeners(&bench.maps)?;
+    let listener = listeners
+        .iter()
+        .find(|listener| listener.id == id)
+        .ok_or_else(|| anyhow::anyhow!("no listener {id}"))?;
+    Ok(listener.route)
+}
+
+/// A reopening client in the pod on one long-lived socket to `query`, and its first answer
+/// (asserted to come from `first`, shown as `query.server`).
+fn held(
+    bench: &Bench,
+    query: Query,
+    count: u16,
+    first: &str,
+) -> anyhow::Result<(HeldClient, QueryOutcome)> {
+    let mut client =
+        bench
+            .sandbox
+            .held_client(Ns::Pod, bench.sandbox.cgroup(), query, count, true)?;
+    let outcome = client.ask()?;
+    assert_answered(&outcome, &query, first, None);
+    Ok((client, outcome))
+}
+
+/// Asserts that `outcome` was answered by `by`, shown as coming from the address `query` asked,
+/// after a reopen for `reopened` (an errno) or without one.
+fn assert_answered(outcome: &QueryOutcome, query: &Query, by: &str, reopened: Option<i32>) {
+    assert!(outcome.ok, "{query:?}: {outcome:?}");
+    let answerer = who(outcome.answer());
+    let matches = match by {
+        "upstream" => answerer.starts_with("upstream"),
+        name => answerer == name,
+    };
+    assert!(
+        matches,
+        "{query:?}: answered by {answerer}, not {by}: {outcome:?}"
+    );
+    let shown = if query.mapped {
+        match query.server.ip() {
+            std::net::IpAddr::V4(v4) => {
+                std::net::SocketAddr::new(v4.to_ipv6_mapped().into(), query.server.port())
+            }
+            std::net::IpAddr::V6(_) => query.server,
+        }
+    } else {
+        query.server
+    };
+    assert_eq!(
+        socket_addr(outcome.reply_from.as_ref()),
+        Some(shown),
+        "{query:?}: the reply must come from the listener: {outcome:?}"
+    );
+    if query.transport == Transport::UdpConnected {
+        assert_eq!(
+            socket_addr(outcome.peer.as_ref()),
+            Some(shown),
+            "{query:?}: getpeername must show the listener: {outcome:?}"
+        );
+    }
+    assert_eq!(
+        outcome.reopened_after_errno, reopened,
+        "{query:?}: reopened after which send error: {outcome:?}"
+    );
+}
+
+/// The moves counted for listener `id` (UDP and TCP together).
+fn moves(bench: &Bench, id: u32) -> anyhow::Result<(u64, u64)> {
+    let ListenerCounters {
+        moved_to_cache,
+        moved_to_upstream,
+        ..
+    } = bench.counters(id)?;
+    Ok((moved_to_cache, moved_to_upstream))
+}
+
+#[test]
+fn a_connected_socket_follows_every_route_change_at_its_next_send() -> anyhow::Result<()> {
+    let mut bench = Bench::standard(tools())?;
+    let cases = [
+        (
+            NODE_ID,
+            Query::new(dns(NODE_LISTENER), Transport::UdpConnected),
+        ),
+        (
+            NODE_ID,
+            Query::new(dns(NODE_LISTENER), Transport::UdpConnected).mapped(),
+        ),
+        (V6_ID, Query::new(dns(V6_LISTENER), Transport::UdpConnected)),
+    ];
+    for (id, query) in cases {
+        let before = moves(&bench, id)?;
+        let (mut client, _) = held(&bench, query, 4, "cache")?;
+        bench.set_mode(id, MODE_UPSTREAM)?;
+        assert_answered(&client.ask()?, &query, "upstream", Some(EPERM));
+        // Nothing changed: the socket stays where it is.
+        assert_answered(&client.ask()?, &query, "upstream", None);
+        bench.set_mode(id, MODE_CACHE)?;
+        assert_answered(&client.ask()?, &query, "cache", Some(EPERM));
+        let after = moves(&bench, id)?;
+        assert_eq!(
+            (after.0 - before.0, after.1 - before.1),
+            (1, 1),
+            "{query:?}: one move each way, counted"
+        );
+    }
+    Ok(())
+}
+
+#[test]
+fn an_unconnected_socket_follows_the_route_and_is_never_refused() -> anyhow::Result<()> {
+    let mut bench = Bench::standard(tools())?;
+    let query = Query::new(dns(NODE_LISTENER), Transport::Udp);
+    let (mut client, _) = held(&bench, query, 3, "cache")?;
+    bench.set_mode(NODE_ID, MODE_UPSTREAM)?;
+    assert_answered(&client.ask()?, &query, "upstream", None);
+    bench.set_mode(NODE_ID, MODE_CACHE)?;
+    assert_answered(&client.ask()?, &query, "cache", None);
+    assert_eq!(moves(&bench, NODE_ID)?, (0, 0));
+    Ok(())
+}
+
+/// The cache's own queries (a skipped cgroup) must never be refused: in the NodeLocal layout the
+/// cache forwards to the very address it serves, over a socket the programs leave alone.
+#[test]
+fn a_connected_socket_of_a_skipped_cgroup_is_never_refused() -> anyhow::Result<()> {
+    let mut bench = Bench::standard(tools())?;
+    let query = Query::new(dns(NODE_LISTENER), Transport::UdpConnected);
+    let mut client =
+        bench
+            .sandbox
+            .held_client(Ns::Pod, bench.sandbox.skipped_cgroup(), query, 2, true)?;
+    assert_answered(&client.ask()?, &query, "cache", None);
+    bench.set_mode(NODE_ID, MODE_UPSTREAM)?;
+    assert_answered(&client.ask()?, &query, "cache", None);
+    assert_eq!(moves(&bench, NODE_ID)?, (0, 0));
+    Ok(())
+}
+
+/// A hung cache keeps its sockets: the probes flip the listener, and a connected socket on the
+/// cache moves at its next send; when the cache resumes and the probes confirm it, the socket,
+/// now on an upstream, moves back.
+#[test]
+fn a_connected_socket_leaves_a_hung_cache_and_returns_when_it_resumes() -> anyhow::Result<()> {
+    let mut bench = Bench::standard(tools())?;
+    let query = Query::new(dns(NODE_LISTENER), Transport::UdpConnected);
+    let (mut client, _) = held(&bench, query, 3, "cache")?;
+    bench.sandbox.process("cache")?.signal(Signal::SIGSTOP)?;
+    bench.wait_until(
+        "the probes fail the hung cache over",
+        Duration::from_secs(10),
+        |b| Ok(route(b, NODE_ID)? == "upstream"),
+    )?;
+    assert_answered(&client.ask()?, &query, "upstream", Some(EPERM));
+    bench.sandbox.process("cache")?.signal(Signal::SIGCONT)?;
+    bench.wait_until(
+        "the probes confirm the resumed cache",
+        Duration::from_secs(10),
+        |b| Ok(route(b, NODE_ID)? == "cache"),
+    )?;
+    assert_answered(&client.ask()?, &query, "cache", Some(EPERM));
+    assert_eq!(moves(&bench, NODE_ID)?, (1, 1));
+    Ok(())
+}
+
+/// kill -9: the kernel flips the listener when the cache's last socket closes, and a connected
+/// socket on the dead cache moves at its next send (instead of sending into a closed port and
+/// waiting for the ICMP error); after a restart it moves back.
+#[test]
+fn a_connected_socket_leaves_a_killed_cache_and_returns_after_a_restart() -> anyhow::Result<()> {
+    let mut bench = Bench::standard(tools())?;
+    let query = Query::new(dns(NODE_LISTENER), Transport::UdpConnected);
+    let (mut client, _) = held(&bench, query, 3, "cache")?;
+    bench.sandbox.process("cache")?.signal(Signal::SIGKILL)?;
+    bench.wait_until(
+        "the kernel fails the dead cache over",
+        Duration::from_secs(5),
+        |b| Ok(route(b, NODE_ID)? == "upstream"),
+    )?;
+    assert_answered(&client.ask()?, &query, "upstream", Some(EPERM));
+    bench.sandbox.stop_server("cache")?;
+    bench.sandbox.start_cache("cache", &CacheSpec::standard())?;
+    bench.wait_until(
+        "the restarted cache is confirmed",
+        Duration::from_secs(10),
+        |b| Ok(route(b, NODE_ID)? == "cache"),
+    )?;
+    assert_answered(&client.ask()?, &query, "cache", Some(EPERM));
+    assert_eq!(moves(&bench, NODE_ID)?, (1, 1));
+    Ok(())
+}

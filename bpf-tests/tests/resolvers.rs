@@ -1,0 +1,160 @@
+//! A real resolver library through a hung and a killed cache: c-ares (pycares from PyPI), with
+//! `ARES_FLAG_STAYOPEN` (one socket for the channel's life, as gRPC C-core sets it) and with its
+//! default flags, one query every 20 ms from the pod, each for a name of its own.
+//!
+//! Asserted: no query begun after the listener's route changed fails, and within 2 s of each
+//! failback at least 95 % of the queries reach the cache. Before the egress program, the
+//! STAYOPEN channel's connected socket stayed on an upstream after every failover: 0 % of its
+//! queries reached the cache once it was back.
+
+use std::time::Duration;
+
+use bpf_tests::{
+    bench::{Bench, NODE_ID},
+    cares::{CaresReport, CaresStream, Flags},
+    dns::now_ms,
+    pace::{paced_ms, pause},
+    sandbox::{CacheSpec, Ns, Tools},
+    topology::NODE_LISTENER,
+};
+use nix::sys::signal::Signal;
+use redirector::telemetry::snapshot;
+
+fn tools() -> Tools {
+    bpf_tests::tools!()
+}
+
+/// What happens to the cache.
+#[derive(Clone, Copy, Debug)]
+enum Event {
+    /// SIGSTOP, then SIGCONT: its sockets stay, the probes notice.
+    Hang,
+    /// SIGKILL, then a new cache: its sockets close, the kernel notices.
+    Kill,
+}
+
+/// Waits until the node listener routes to `route` (`cache` or `upstream`); returns when that
+/// was seen.
+fn wait_for_route(bench: &Bench, route: &str) -> anyhow::Result<u64> {
+    bench.wait_until(
+        &format!("the node listener routes to {route}"),
+        Duration::from_secs(15),
+        |bench| {
+            Ok(snapshot::listeners(&bench.maps)?
+                .iter()
+                .any(|listener| listener.id == NODE_ID && listener.route == route))
+        },
+    )?;
+    Ok(now_ms())
+}
+
+fn through(flags: Flags, event: Event) -> anyhow::Result<()> {
+    let mut bench = Bench::standard(tools())?;
+    let started = now_ms();
+    let stream = CaresStream::start(&bench.sandbox, Ns::Pod, NODE_LISTENER.into(), flags)?;
+    pause(1500);
+    let struck = now_ms();
+    match event {
+        Event::Hang => bench.sandbox.process("cache")?.signal(Signal::SIGSTOP)?,
+        Event::Kill => bench.sandbox.process("cache")?.signal(Signal::SIGKILL)?,
+    }
+    let flipped = wait_for_route(&bench, "upstream")?;
+    pause(1000);
+    let restored = now_ms();
+    match event {
+        Event::Hang => bench.sandbox.process("cache")?.signal(Signal::SIGCONT)?,
+        Event::Kill => {
+            bench.sandbox.stop_server("cache")?;
+            bench.sandbox.start_cache("cache", &CacheSpec::standard())?;
+        }
+    }
+    let failed_back = wait_for_route(&bench, "cache")?;
+    let window = paced_ms(2000);
+    pause(2000 + 300);
+    let report = stream.finish()?;
+    let what = format!("{flags:?} through {event:?}");
+    println!("{what}: {}", report.summary());
+    let counters = bench.counters(NODE_ID)?;
+    println!(
+        "{what}: moved to upstream {}, to the cache {}; route upstream within {} ms, back {} ms \
+         after the cache was restored",
+        counters.moved_to_upstream,
+        counters.moved_to_cache,
+        flipped - struck,
+        failed_back - restored
+    );
+
+    assert_all(
+        &report,
+        started,
+        struck.saturating_sub(paced_ms(50)),
+        "cache",
+        &what,
+    );
+    // The route had changed by `flipped`: nothing begun after it may fail, before or after
+    // the failback.
+    let late_failures: Vec<_> = report
+        .between(flipped, u64::MAX)
+        .filter(|record| record.error.is_some())
+        .collect();
+    assert!(
+        late_failures.is_empty(),
+        "{what}: queries begun after the route changed failed: {}",
+        report.summary()
+    );
+    assert_all(&report, flipped, restored, "upstream", &what);
+    let after: Vec<_> = report.between(failed_back, failed_back + window).collect();
+    assert!(
+        after.len() >= 20,
+        "{what}: too few queries after the failback to judge: {}",
+        report.summary()
+    );
+    let cached = after
+        .iter()
+        .filter(|record| record.answered_by() == "cache")
+        .count();
+    assert!(
+        cached * 100 >= after.len() * 95,
+        "{what}: only {cached} of {} queries reached the cache within 2 s of the failback: {}",
+        after.len(),
+        report.summary()
+    );
+    Ok(())
+}
+
+/// Asserts that every query begun in `[from, to)` was answered by `by` (`cache`, or `upstream`
+/// for either upstream).
+fn assert_all(report: &CaresReport, from: u64, to: u64, by: &str, what: &str) {
+    let records: Vec<_> = report.between(from, to).collect();
+    assert!(!records.is_empty(), "{what}: no query in [{from}, {to})");
+    for record in records {
+        assert!(
+            record.answered_by().starts_with(by),
+            "{what}: q{} begun {} was answered by {}, not {by}: {}",
+            record.seq,
+            record.begun_ms,
+            record.answered_by(),
+            report.summary()
+        );
+    }
+}
+
+#[test]
+fn cares_stayopen_through_a_hung_cache_and_back() -> anyhow::Result<()> {
+    through(Flags::StayOpen, Event::Hang)
+}
+
+#[test]
+fn cares_stayopen_through_a_killed_cache_and_a_restart() -> anyhow::Result<()> {
+    through(Flags::StayOpen, Event::Kill)
+}
+
+#[test]
+fn cares_default_through_a_hung_cache_and_back() -> anyhow::Result<()> {
+    through(Flags::Default, Event::Hang)
+}
+
+#[test]
+fn cares_default_through_a_killed_cache_and_a_restart() -> anyhow::Result<()> {
+    through(Flags::Default, Event::Kill)
+}

@@ -1,0 +1,187 @@
+//! cgroup_skb/egress: a connected UDP DNS socket whose peer is no longer where its listener's route
+//! points is refused its next send, so its resolver opens a new socket, which connect steers to
+//! the current route (`redirector_common::stale` has the rule).
+//!
+//! A drop at cgroup egress fails the sender's `send` with EPERM, for connected UDP also from a
+//! process of the cgroup inside another network namespace (verified on 6.18), and needs no setns
+//! and no socket iterator. TCP is left alone: a dropped segment is retransmitted, not reported, so
+//! refusing it would only stall the connection; a TCP DNS socket carries one exchange or a few.
+//!
+//! Kernel features: cgroup_skb egress 4.10; `__sk_buff.sk` and `bpf_sk_fullsock` 5.1;
+//! `bpf_sk_storage_get` 5.2; `bpf_skb_ancestor_cgroup_id` 4.19 (all in cgroup_skb programs).
+
+use core::ptr::{self, addr_of, read_volatile};
+
+use aya_ebpf::{
+    EbpfContext as _,
+    bindings::bpf_sock,
+    helpers::{bpf_sk_fullsock, bpf_sk_storage_get, bpf_skb_ancestor_cgroup_id},
+    programs::SkBuffContext,
+};
+use redirector_common::{
+    DNS_PORT,
+    addr::{NetAddr, port_be},
+    counters::{IPPROTO_UDP, PROTOCOL_UDP, counter_index},
+    pool::MAX_POOL_TARGETS,
+    reverse::SteeredSocket,
+    stale::{Standing, standing},
+};
+
+use crate::{
+    context,
+    maps::{LISTENERS, POOLS, STEERED_SOCKS},
+    steer::{self, count},
+};
+
+/// `AF_INET6`; anything else with a DNS port is IPv4 here.
+const AF_INET6: u32 = 10;
+
+/// What egress does with a datagram.
+pub enum Egress {
+    /// Let it go (everything but a stale connected DNS socket's send).
+    Pass,
+    /// Drop it: the send fails with EPERM and the resolver reconnects.
+    Refuse,
+}
+
+/// Checks a datagram of a connected socket to port 53 against its listener's current route.
+/// Everything else returns after one field load: `remote_port` is the socket's connected port
+/// (zero for an unconnected socket, whose every datagram sendmsg steers anyway).
+#[inline(always)]
+pub fn try_check_egress(ctx: &SkBuffContext) -> Egress {
+    let skb = ctx.skb.skb;
+    // SAFETY: `skb` is the context pointer the kernel passed; the verifier rewrites the load to
+    // the socket's `skc_dport`, as a 32-bit network-order value.
+    let remote_port = unsafe { read_volatile(addr_of!((*skb).remote_port)) };
+    if remote_port != u32::from(DNS_PORT).to_be() {
+        return Egress::Pass;
+    }
+    // SAFETY: as above. `sk` is the sending socket; the verifier wants it checked for null
+    // before `bpf_sk_fullsock`, which is null for request and time-wait sockets.
+    let sk = unsafe { read_volatile(addr_of!((*skb).__bindgen_anon_2.sk)) };
+    if sk.is_null() {
+        return Egress::Pass;
+    }
+    // SAFETY: a non-null socket pointer of the context.
+    let sk = unsafe { bpf_sk_fullsock(sk) };
+    if sk.is_null() {
+        return Egress::Pass;
+    }
+    // SAFETY: a full socket, as the verifier knows after the null check.
+    if unsafe { read_volatile(addr_of!((*sk).protocol)) } != IPPROTO_UDP {
+        return Egress::Pass;
+    }
+    let peer = remote_addr(ctx);
+    let storage = steered(sk);
+    // The socket's listener: the one it was steered for, when its peer is that translation's
+    // target, else the listener it connected to untouched.
+    let listener_addr = match storage {
+        Some(steered) if steered.peer == peer && steered.peer_port_be == port_be(DNS_PORT) => {
+            steered.listener
+        }
+        _ => peer,
+    };
+    let Some(listener) = LISTENERS.get_ptr(listener_addr) else {
+        return Egress::Pass;
+    };
+    // SAFETY: the agent replaces LISTENERS entries whole.
+    let listener = unsafe { context::snapshot(listener) };
+    if steer::in_skipped_cgroup(listener.id, |level| {
+        // SAFETY: plain helper call on the context's skb; 0 above the socket's cgroup depth.
+        unsafe { bpf_skb_ancestor_cgroup_id(ctx.as_ptr().cast(), level) }
+    }) {
+        return Egress::Pass;
+    }
+    let Some(route) = steer::current_route(&listener) else {
+        return Egress::Pass;
+    };
+    let on_cache = peer == listener.cache.addr && port_be(DNS_PORT) == listener.cache.udp_port_be;
+    let (in_pool, pool_len) = in_pool(listener.id, &peer);
+    let counters = counter_index(listener.id, PROTOCOL_UDP);
+    match standing(route, on_cache, in_pool, pool_len) {
+        Standing::Current => Egress::Pass,
+        Standing::MoveToCache => {
+            count(counters, |c| c.moved_to_cache += 1);
+            Egress::Refuse
+        }
+        Standing::MoveToUpstream => {
+            count(counters, |c| c.moved_to_upstream += 1);
+            Egress::Refuse
+        }
+    }
+}
+
+/// The socket's connected peer, in the shared representation (a dual-stack socket's IPv4 peer is
+/// IPv4-mapped already). Every field is read whichever the family: loads chosen by a branch get
+/// merged by the compiler into one load from a computed context offset, which the verifier
+/// refuses ("dereference of modified ctx ptr").
+#[inline(always)]
+fn remote_addr(ctx: &SkBuffContext) -> NetAddr {
+    let skb = ctx.skb.skb;
+    // SAFETY: context fields of the socket, each one 4-byte load the verifier rewrites.
+    let (family, ip4, ip6) = unsafe {
+        (
+            read_volatile(addr_of!((*skb).family)),
+            read_volatile(addr_of!((*skb).remote_ip4)),
+            [
+                read_volatile(addr_of!((*skb).remote_ip6[0])),
+                read_volatile(addr_of!((*skb).remote_ip6[1])),
+                read_volatile(addr_of!((*skb).remote_ip6[2])),
+                read_volatile(addr_of!((*skb).remote_ip6[3])),
+            ],
+        )
+    };
+    if family == AF_INET6 {
+        NetAddr { words_be: ip6 }
+    } else {
+        NetAddr::from_ipv4_be(ip4)
+    }
+}
+
+/// The socket's translation, if connect steered it.
+#[inline(always)]
+fn steered(sk: *mut bpf_sock) -> Option<SteeredSocket> {
+    // SAFETY: a full socket; no flags: look up, never create. The map pointer is the BTF map's
+    // address, as aya passes it.
+    let value = unsafe {
+        bpf_sk_storage_get(
+            ptr::from_ref(&STEERED_SOCKS).cast_mut().cast(),
+            sk.cast(),
+            ptr::null_mut(),
+            0,
+        )
+    }
+    .cast::<SteeredSocket>();
+    if value.is_null() {
+        None
+    } else {
+        // SAFETY: non-null storage of this socket.
+        Some(unsafe { context::snapshot(value) })
+    }
+}
+
+/// Whether `peer` (port 53) is a target of the listener's pool, and the pool's size.
+#[inline(always)]
+fn in_pool(listener_id: u32, peer: &NetAddr) -> (bool, u32) {
+    let Some(pool) = POOLS.get_ptr(listener_id) else {
+        return (false, 0);
+    };
+    // SAFETY: POOLS is BPF_F_NO_PREALLOC: the element stays whole for this RCU read section.
+    let pool = unsafe { &*pool };
+    let len = if pool.len as usize > MAX_POOL_TARGETS {
+        MAX_POOL_TARGETS as u32
+    } else {
+        pool.len
+    };
+    let mut index = 0;
+    while index < len as usize {
+        if let Some(target) = pool.targets.get(index)
+            && target.addr == *peer
+            && target.udp_port_be == port_be(DNS_PORT)
+        {
+            return (true, len);
+        }
+        index += 1;
+    }
+    (false, len)
+}

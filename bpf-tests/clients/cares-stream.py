@@ -4,7 +4,7 @@
 One query every --interval-ms until standard input closes, each for a name of its own (q<N>.who.test: c-ares
 1.23+ caches answers itself), then one JSON line per query on stdout: seq, begun_ms (milliseconds
 since the Unix epoch, taken before the query is handed to c-ares), done_ms, and the first A record
-or the c-ares error. With --stayopen the channel keeps its UDP socket for its whole life
+or the c-ares error (after a first line saying it has begun). With --stayopen the channel keeps its UDP socket for its whole life
 (ARES_FLAG_STAYOPEN, as gRPC C-core sets it); without, c-ares closes idle sockets (its default).
 """
 
@@ -51,6 +51,8 @@ def main():
 
         return callback
 
+    # The test waits for this line before it strikes the cache.
+    print(json.dumps({"streaming": True}), flush=True)
     stop = threading.Event()
 
     def wait_for_eof():

@@ -16,7 +16,41 @@ use redirector_common::{
     reverse::{ReverseKey, ReverseValue},
 };
 
-use crate::sandbox::{Sandbox, Tools};
+use crate::sandbox::{CacheSpec, Sandbox, Tools};
+
+/// What a test does to the standard cache (`cache`), and how it undoes it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CacheEvent {
+    /// SIGSTOP, then SIGCONT: its sockets stay, so only the probes notice.
+    Hang,
+    /// SIGKILL, then a new cache: its sockets close, so the kernel notices.
+    Kill,
+}
+
+impl CacheEvent {
+    /// Hangs or kills the cache.
+    pub fn strike(self, sandbox: &mut Sandbox) -> anyhow::Result<()> {
+        use nix::sys::signal::Signal;
+        let signal = match self {
+            Self::Hang => Signal::SIGSTOP,
+            Self::Kill => Signal::SIGKILL,
+        };
+        sandbox.process("cache")?.signal(signal)
+    }
+
+    /// Resumes the hung cache, or starts a new one in place of the killed one.
+    pub fn restore(self, sandbox: &mut Sandbox) -> anyhow::Result<()> {
+        match self {
+            Self::Hang => sandbox
+                .process("cache")?
+                .signal(nix::sys::signal::Signal::SIGCONT),
+            Self::Kill => {
+                sandbox.stop_server("cache")?;
+                sandbox.start_cache("cache", &CacheSpec::standard())
+            }
+        }
+    }
+}
 
 /// The listeners most tests use:
 /// - `node` (169.254.10.10): upstreams A and B, its cache's own queries skipped;
@@ -227,6 +261,25 @@ impl Bench {
     #[must_use]
     pub fn reverse_entries(&self) -> Vec<(ReverseKey, ReverseValue)> {
         self.maps.reverse_entries()
+    }
+
+    /// Where DNS for listener `id` goes now (`cache` or `upstream`), as the pinned maps say.
+    pub fn route(&self, id: u32) -> anyhow::Result<&'static str> {
+        redirector::telemetry::snapshot::listeners(&self.maps)?
+            .iter()
+            .find(|listener| listener.id == id)
+            .map(|listener| listener.route)
+            .with_context(|| format!("the maps hold no listener {id}"))
+    }
+
+    /// Waits until listener `id` routes to `route` (`cache` or `upstream`), for at most 15 s
+    /// (stretched by [`crate::pace`]).
+    pub fn wait_for_route(&self, id: u32, route: &str) -> anyhow::Result<()> {
+        self.wait_until(
+            &format!("listener {id} routes to {route}"),
+            Duration::from_secs(15),
+            |bench| Ok(bench.route(id)? == route),
+        )
     }
 
     /// Waits until `condition` holds, checking every 20 ms, for at most `limit` (stretched by

@@ -2,7 +2,11 @@
 //! installs it into `target/test-python` for Debian's `/usr/bin/python3`, which the VMs share).
 //! `clients/cares-stream.py` asks one server a stream of unique names from one channel.
 
-use std::{io::Read as _, path::PathBuf, process::Stdio};
+use std::{
+    io::{BufRead as _, BufReader, Read as _},
+    path::PathBuf,
+    process::{ChildStdout, Stdio},
+};
 
 use anyhow::{Context as _, bail};
 use serde::Deserialize;
@@ -65,11 +69,13 @@ impl CaresRecord {
 #[derive(Debug)]
 pub struct CaresStream {
     child: std::process::Child,
+    stdout: BufReader<ChildStdout>,
     flags: Flags,
 }
 
 impl CaresStream {
-    /// Starts a stream from `ns` to `server`, one query every 20 ms until [`Self::finish`].
+    /// Starts a stream from `ns` to `server`, one query every 20 ms until [`Self::finish`];
+    /// returns once its channel is up and its first query is on its way.
     pub fn start(
         sandbox: &Sandbox,
         ns: Ns,
@@ -94,10 +100,26 @@ impl CaresStream {
         if flags == Flags::StayOpen {
             command.arg("--stayopen");
         }
-        let child = command
+        let mut child = command
             .spawn()
             .with_context(|| format!("starting {command:?}"))?;
-        Ok(Self { child, flags })
+        let mut stdout = BufReader::new(child.stdout.take().context("piped stdout")?);
+        let mut first = String::new();
+        stdout
+            .read_line(&mut first)
+            .context("reading the c-ares stream's first line")?;
+        if !first.contains("\"streaming\"") {
+            let mut err = String::new();
+            if let Some(mut stderr) = child.stderr.take() {
+                let _ = stderr.read_to_string(&mut err);
+            }
+            bail!("the c-ares stream did not start: {first:?} {err}");
+        }
+        Ok(Self {
+            child,
+            stdout,
+            flags,
+        })
     }
 
     /// Ends the stream (its standard input closes), waits for its last queries and returns them
@@ -106,10 +128,7 @@ impl CaresStream {
         drop(self.child.stdin.take());
         let mut out = String::new();
         let mut err = String::new();
-        self.child
-            .stdout
-            .take()
-            .context("piped stdout")?
+        self.stdout
             .read_to_string(&mut out)
             .context("reading the c-ares stream")?;
         self.child

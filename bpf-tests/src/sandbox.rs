@@ -678,22 +678,7 @@ impl Sandbox {
         query: Query,
         count: u16,
     ) -> anyhow::Result<Vec<QueryOutcome>> {
-        let (mut command, _procs) =
-            self.client_command(ns, cgroup, &self.tools.dns_query.display().to_string())?;
-        command.args([
-            "--server",
-            &query.server.to_string(),
-            "--transport",
-            query.transport.arg(),
-            "--count",
-            &count.to_string(),
-        ]);
-        if query.mapped {
-            command.arg("--mapped");
-        }
-        if query.aaaa {
-            command.arg("--aaaa");
-        }
+        let (mut command, _procs) = self.dns_query_command(ns, cgroup, query, count)?;
         let output = output_within(&mut command, Duration::from_secs(60))?;
         let stdout = String::from_utf8_lossy(&output.stdout);
         stdout
@@ -709,6 +694,34 @@ impl Sandbox {
             .collect()
     }
 
+    /// `dns-query` asking `query` `count` times, from `ns` in `cgroup` (keep the descriptor
+    /// until the command is spawned).
+    fn dns_query_command(
+        &self,
+        ns: Ns,
+        cgroup: &TestCgroup,
+        query: Query,
+        count: u16,
+    ) -> anyhow::Result<(Command, std::os::fd::OwnedFd)> {
+        let (mut command, procs) =
+            self.client_command(ns, cgroup, &self.tools.dns_query.display().to_string())?;
+        command.args([
+            "--server",
+            &query.server.to_string(),
+            "--transport",
+            query.transport.arg(),
+            "--count",
+            &count.to_string(),
+        ]);
+        if query.mapped {
+            command.arg("--mapped");
+        }
+        if query.aaaa {
+            command.arg("--aaaa");
+        }
+        Ok((command, procs))
+    }
+
     /// Starts `dns-query --hold` from `ns` in `cgroup`: `count` UDP queries of `query` from one
     /// long-lived socket, each after the first sent when [`HeldClient::ask`] asks. With
     /// `reopen`, a send that fails closes the socket and the query is asked again from a new one
@@ -721,22 +734,10 @@ impl Sandbox {
         count: u16,
         reopen: bool,
     ) -> anyhow::Result<HeldClient> {
-        let (mut command, _procs) =
-            self.client_command(ns, cgroup, &self.tools.dns_query.display().to_string())?;
+        let (mut command, _procs) = self.dns_query_command(ns, cgroup, query, count)?;
+        command.arg("--hold");
         if reopen {
             command.arg("--reopen");
-        }
-        command.args([
-            "--hold",
-            "--server",
-            &query.server.to_string(),
-            "--transport",
-            query.transport.arg(),
-            "--count",
-            &count.to_string(),
-        ]);
-        if query.mapped {
-            command.arg("--mapped");
         }
         command
             .stdin(std::process::Stdio::piped())

@@ -4,16 +4,12 @@
 //! error as c-ares and glibc do, is steered to the current route by its new socket's connect. An
 //! unconnected socket is steered at every send and is never refused.
 
-use std::time::Duration;
-
 use bpf_tests::{
-    bench::{Bench, NODE_ID, V6_ID, socket_addr},
+    bench::{Bench, CacheEvent, NODE_ID, V6_ID, socket_addr},
     dns::QueryOutcome,
-    sandbox::{CacheSpec, HeldClient, Ns, Query, Tools, Transport},
+    sandbox::{HeldClient, Ns, Query, Tools, Transport},
     topology::{NODE_LISTENER, V6_LISTENER, dns, who},
 };
-use nix::sys::signal::Signal;
-use redirector::telemetry::snapshot;
 use redirector_common::{
     counters::ListenerCounters,
     listener::{MODE_CACHE, MODE_UPSTREAM},
@@ -25,16 +21,6 @@ fn tools() -> Tools {
 
 /// `EPERM`: what a send dropped at cgroup egress fails with.
 const EPERM: i32 = 1;
-
-/// Where DNS for listener `id` goes now, as the pinned maps say.
-fn route(bench: &Bench, id: u32) -> anyhow::Result<&'static str> {
-    let listeners = snapshot::listeners(&bench.maps)?;
-    let listener = listeners
-        .iter()
-        .find(|listener| listener.id == id)
-        .ok_or_else(|| anyhow::anyhow!("no listener {id}"))?;
-    Ok(listener.route)
-}
 
 /// A reopening client in the pod on one long-lived socket to `query`, and its first answer
 /// (asserted to come from `first`, shown as `query.server`).
@@ -167,55 +153,30 @@ fn a_connected_socket_of_a_skipped_cgroup_is_never_refused() -> anyhow::Result<(
     Ok(())
 }
 
-/// A hung cache keeps its sockets: the probes flip the listener, and a connected socket on the
-/// cache moves at its next send; when the cache resumes and the probes confirm it, the socket,
-/// now on an upstream, moves back.
-#[test]
-fn a_connected_socket_leaves_a_hung_cache_and_returns_when_it_resumes() -> anyhow::Result<()> {
+/// A connected socket on the cache moves at its next send once the listener routes upstream
+/// (a hung cache: the probes flip it; a killed one: the kernel does, instead of the socket
+/// sending into a closed port and waiting for the ICMP error), and moves back once the cache is
+/// confirmed again.
+fn leaves_and_returns(event: CacheEvent) -> anyhow::Result<()> {
     let mut bench = Bench::standard(tools())?;
     let query = Query::new(dns(NODE_LISTENER), Transport::UdpConnected);
     let (mut client, _) = held(&bench, query, 3, "cache")?;
-    bench.sandbox.process("cache")?.signal(Signal::SIGSTOP)?;
-    bench.wait_until(
-        "the probes fail the hung cache over",
-        Duration::from_secs(10),
-        |b| Ok(route(b, NODE_ID)? == "upstream"),
-    )?;
+    event.strike(&mut bench.sandbox)?;
+    bench.wait_for_route(NODE_ID, "upstream")?;
     assert_answered(&client.ask()?, &query, "upstream", Some(EPERM));
-    bench.sandbox.process("cache")?.signal(Signal::SIGCONT)?;
-    bench.wait_until(
-        "the probes confirm the resumed cache",
-        Duration::from_secs(10),
-        |b| Ok(route(b, NODE_ID)? == "cache"),
-    )?;
+    event.restore(&mut bench.sandbox)?;
+    bench.wait_for_route(NODE_ID, "cache")?;
     assert_answered(&client.ask()?, &query, "cache", Some(EPERM));
-    assert_eq!(moves(&bench, NODE_ID)?, (1, 1));
+    assert_eq!(moves(&bench, NODE_ID)?, (1, 1), "{event:?}");
     Ok(())
 }
 
-/// kill -9: the kernel flips the listener when the cache's last socket closes, and a connected
-/// socket on the dead cache moves at its next send (instead of sending into a closed port and
-/// waiting for the ICMP error); after a restart it moves back.
+#[test]
+fn a_connected_socket_leaves_a_hung_cache_and_returns_when_it_resumes() -> anyhow::Result<()> {
+    leaves_and_returns(CacheEvent::Hang)
+}
+
 #[test]
 fn a_connected_socket_leaves_a_killed_cache_and_returns_after_a_restart() -> anyhow::Result<()> {
-    let mut bench = Bench::standard(tools())?;
-    let query = Query::new(dns(NODE_LISTENER), Transport::UdpConnected);
-    let (mut client, _) = held(&bench, query, 3, "cache")?;
-    bench.sandbox.process("cache")?.signal(Signal::SIGKILL)?;
-    bench.wait_until(
-        "the kernel fails the dead cache over",
-        Duration::from_secs(5),
-        |b| Ok(route(b, NODE_ID)? == "upstream"),
-    )?;
-    assert_answered(&client.ask()?, &query, "upstream", Some(EPERM));
-    bench.sandbox.stop_server("cache")?;
-    bench.sandbox.start_cache("cache", &CacheSpec::standard())?;
-    bench.wait_until(
-        "the restarted cache is confirmed",
-        Duration::from_secs(10),
-        |b| Ok(route(b, NODE_ID)? == "cache"),
-    )?;
-    assert_answered(&client.ask()?, &query, "cache", Some(EPERM));
-    assert_eq!(moves(&bench, NODE_ID)?, (1, 1));
-    Ok(())
+    leaves_and_returns(CacheEvent::Kill)
 }

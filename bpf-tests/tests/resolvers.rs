@@ -7,68 +7,33 @@
 //! STAYOPEN channel's connected socket stayed on an upstream after every failover: 0 % of its
 //! queries reached the cache once it was back.
 
-use std::time::Duration;
-
 use bpf_tests::{
-    bench::{Bench, NODE_ID},
+    bench::{Bench, CacheEvent, NODE_ID},
     cares::{CaresReport, CaresStream, Flags},
     dns::now_ms,
     pace::{paced_ms, pause},
-    sandbox::{CacheSpec, Ns, Tools},
+    sandbox::{Ns, Tools},
     topology::NODE_LISTENER,
 };
-use nix::sys::signal::Signal;
-use redirector::telemetry::snapshot;
 
 fn tools() -> Tools {
     bpf_tests::tools!()
 }
 
-/// What happens to the cache.
-#[derive(Clone, Copy, Debug)]
-enum Event {
-    /// SIGSTOP, then SIGCONT: its sockets stay, the probes notice.
-    Hang,
-    /// SIGKILL, then a new cache: its sockets close, the kernel notices.
-    Kill,
-}
-
-/// Waits until the node listener routes to `route` (`cache` or `upstream`); returns when that
-/// was seen.
-fn wait_for_route(bench: &Bench, route: &str) -> anyhow::Result<u64> {
-    bench.wait_until(
-        &format!("the node listener routes to {route}"),
-        Duration::from_secs(15),
-        |bench| {
-            Ok(snapshot::listeners(&bench.maps)?
-                .iter()
-                .any(|listener| listener.id == NODE_ID && listener.route == route))
-        },
-    )?;
-    Ok(now_ms())
-}
-
-fn through(flags: Flags, event: Event) -> anyhow::Result<()> {
+fn through(flags: Flags, event: CacheEvent) -> anyhow::Result<()> {
     let mut bench = Bench::standard(tools())?;
     let started = now_ms();
     let stream = CaresStream::start(&bench.sandbox, Ns::Pod, NODE_LISTENER.into(), flags)?;
     pause(1500);
     let struck = now_ms();
-    match event {
-        Event::Hang => bench.sandbox.process("cache")?.signal(Signal::SIGSTOP)?,
-        Event::Kill => bench.sandbox.process("cache")?.signal(Signal::SIGKILL)?,
-    }
-    let flipped = wait_for_route(&bench, "upstream")?;
+    event.strike(&mut bench.sandbox)?;
+    bench.wait_for_route(NODE_ID, "upstream")?;
+    let flipped = now_ms();
     pause(1000);
     let restored = now_ms();
-    match event {
-        Event::Hang => bench.sandbox.process("cache")?.signal(Signal::SIGCONT)?,
-        Event::Kill => {
-            bench.sandbox.stop_server("cache")?;
-            bench.sandbox.start_cache("cache", &CacheSpec::standard())?;
-        }
-    }
-    let failed_back = wait_for_route(&bench, "cache")?;
+    event.restore(&mut bench.sandbox)?;
+    bench.wait_for_route(NODE_ID, "cache")?;
+    let failed_back = now_ms();
     let window = paced_ms(2000);
     pause(2000 + 300);
     let report = stream.finish()?;
@@ -113,6 +78,10 @@ fn through(flags: Flags, event: Event) -> anyhow::Result<()> {
         .iter()
         .filter(|record| record.answered_by() == "cache")
         .count();
+    println!(
+        "{what}: {cached} of {} queries reached the cache within 2 s of the failback",
+        after.len()
+    );
     assert!(
         cached * 100 >= after.len() * 95,
         "{what}: only {cached} of {} queries reached the cache within 2 s of the failback: {}",
@@ -141,20 +110,20 @@ fn assert_all(report: &CaresReport, from: u64, to: u64, by: &str, what: &str) {
 
 #[test]
 fn cares_stayopen_through_a_hung_cache_and_back() -> anyhow::Result<()> {
-    through(Flags::StayOpen, Event::Hang)
+    through(Flags::StayOpen, CacheEvent::Hang)
 }
 
 #[test]
 fn cares_stayopen_through_a_killed_cache_and_a_restart() -> anyhow::Result<()> {
-    through(Flags::StayOpen, Event::Kill)
+    through(Flags::StayOpen, CacheEvent::Kill)
 }
 
 #[test]
 fn cares_default_through_a_hung_cache_and_back() -> anyhow::Result<()> {
-    through(Flags::Default, Event::Hang)
+    through(Flags::Default, CacheEvent::Hang)
 }
 
 #[test]
 fn cares_default_through_a_killed_cache_and_a_restart() -> anyhow::Result<()> {
-    through(Flags::Default, Event::Kill)
+    through(Flags::Default, CacheEvent::Kill)
 }

@@ -7,7 +7,7 @@ use anyhow::{Context as _, bail};
 
 use crate::toolchain::{EBPF_TOOLCHAIN_OVERRIDE, LLVM_MAJOR, Pin};
 
-/// Debian packages the build and the tests use, besides Debian's LLVM (`llvm_packages`).
+/// Debian packages the build and the tests use, besides Debian's LLVM (`debian_packages` adds it).
 const DEBIAN_PACKAGES: &[&str] = &[
     // bpf-linker's LLVM needs them to link.
     "libzstd-dev",

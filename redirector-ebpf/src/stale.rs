@@ -3,9 +3,10 @@
 //! the current route (`redirector_common::stale` has the rule).
 //!
 //! A drop at cgroup egress fails the sender's `send` with EPERM, for connected UDP also from a
-//! process of the cgroup inside another network namespace (verified on 6.18), and needs no setns
-//! and no socket iterator. TCP is left alone: a dropped segment is retransmitted, not reported, so
-//! refusing it would only stall the connection; a TCP DNS socket carries one exchange or a few.
+//! process of the cgroup inside another network namespace (`bpf-tests/tests/long_lived.rs` shows
+//! it on 6.1, 6.12 and 6.18), and needs no setns and no socket iterator. TCP is left alone: a
+//! dropped segment is retransmitted, not reported, so refusing it would only stall the
+//! connection; a TCP DNS socket carries one exchange or a few.
 //!
 //! Kernel features: cgroup_skb egress 4.10; `__sk_buff.sk` and `bpf_sk_fullsock` 5.1;
 //! `bpf_sk_storage_get` 5.2; `bpf_skb_ancestor_cgroup_id` 4.19 (all in cgroup_skb programs).

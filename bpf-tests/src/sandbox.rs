@@ -734,10 +734,50 @@ impl Sandbox {
         count: u16,
         reopen: bool,
     ) -> anyhow::Result<HeldClient> {
+        self.spawn_held(ns, cgroup, query, count, reopen, false)
+    }
+
+    /// As [`Self::held_client`], but the first query too waits for [`HeldClient::ask`]: this
+    /// returns once the client's socket is open (and connected, for `udp-connected`), so a test
+    /// can change the route between the connect and the first send.
+    pub fn held_client_idle(
+        &self,
+        ns: Ns,
+        cgroup: &TestCgroup,
+        query: Query,
+        count: u16,
+        reopen: bool,
+    ) -> anyhow::Result<HeldClient> {
+        use std::io::BufRead as _;
+        let mut client = self.spawn_held(ns, cgroup, query, count, reopen, true)?;
+        let mut line = String::new();
+        client
+            .stdout
+            .read_line(&mut line)
+            .context("reading whether the held client opened its socket")?;
+        if line.trim() != r#"{"opened":true}"# {
+            bail!("the held client did not open its socket: it printed {line:?}");
+        }
+        client.started = true;
+        Ok(client)
+    }
+
+    fn spawn_held(
+        &self,
+        ns: Ns,
+        cgroup: &TestCgroup,
+        query: Query,
+        count: u16,
+        reopen: bool,
+        idle_first: bool,
+    ) -> anyhow::Result<HeldClient> {
         let (mut command, _procs) = self.dns_query_command(ns, cgroup, query, count)?;
         command.arg("--hold");
         if reopen {
             command.arg("--reopen");
+        }
+        if idle_first {
+            command.arg("--idle-first");
         }
         command
             .stdin(std::process::Stdio::piped())

@@ -123,6 +123,35 @@ fn a_connected_socket_follows_every_route_change_at_its_next_send() -> anyhow::R
     Ok(())
 }
 
+/// A socket's first send after its connect: towards the cache it goes where the socket connected
+/// (the upstream answers it; a resolver with a socket per query that connected the moment before
+/// a failback must not fail that query), and its next send moves it. Towards the upstream pool
+/// it is refused at once: a dead or hung cache would lose it.
+#[test]
+fn the_first_send_after_connect_is_refused_only_towards_the_upstream() -> anyhow::Result<()> {
+    let mut bench = Bench::standard(tools())?;
+    let query = Query::new(dns(NODE_LISTENER), Transport::UdpConnected);
+
+    bench.set_mode(NODE_ID, MODE_UPSTREAM)?;
+    let mut on_upstream =
+        bench
+            .sandbox
+            .held_client_idle(Ns::Pod, bench.sandbox.cgroup(), query, 2, true)?;
+    bench.set_mode(NODE_ID, MODE_CACHE)?;
+    assert_answered(&on_upstream.ask()?, &query, "upstream", None);
+    assert_answered(&on_upstream.ask()?, &query, "cache", Some(EPERM));
+    assert_eq!(moves(&bench, NODE_ID)?, (1, 0));
+
+    let mut on_cache =
+        bench
+            .sandbox
+            .held_client_idle(Ns::Pod, bench.sandbox.cgroup(), query, 1, true)?;
+    bench.set_mode(NODE_ID, MODE_UPSTREAM)?;
+    assert_answered(&on_cache.ask()?, &query, "upstream", Some(EPERM));
+    assert_eq!(moves(&bench, NODE_ID)?, (1, 1));
+    Ok(())
+}
+
 #[test]
 fn an_unconnected_socket_follows_the_route_and_is_never_refused() -> anyhow::Result<()> {
     let mut bench = Bench::standard(tools())?;

@@ -63,8 +63,9 @@ pub struct SteeredSocket {
     pub listener_id: u32,
     /// The target it was steered to last, port in network byte order.
     pub peer_port_be: u16,
-    /// Zero.
-    pub _padding: u16,
+    /// Zero when connect decided `peer`; the egress program sets it to one as the first datagram
+    /// of the connected socket leaves (`stale::standing` says why it matters).
+    pub sent: u16,
     /// The target it was steered to last.
     pub peer: NetAddr,
     /// The listener address it addressed last: what replies from `peer` are shown as (port 53).

@@ -27,14 +27,28 @@ pub enum Standing {
 /// - `pool_len`: the pool's size. With an empty pool nothing is moved towards it: new sockets
 ///   meet the empty-pool policy, and a socket already open keeps what it has rather than being
 ///   refused for nothing better.
+/// - `first_send`: this is the socket's first datagram since connect chose its peer.
 ///
 /// An upstream peer that is still in the pool stays even if the socket's hash would pick another
 /// target of a changed pool: a socket moves only when its peer is wrong, never to rebalance.
+///
+/// The first datagram of a socket on an upstream goes there even when the route is the cache
+/// again. A resolver that opens a socket per query (glibc) and connected it the moment before
+/// the failback would fail a query for nothing: the upstream answers it. A socket that sends
+/// again is one that is kept, and it moves at that send. Towards the upstream pool nothing is
+/// spared: the cache is dead or hung, and a target that left the pool is going away, so the send
+/// would be lost and the refusal makes the resolver ask again at once.
 #[inline(always)]
 #[must_use]
-pub const fn standing(route: Route, on_cache: bool, in_pool: bool, pool_len: u32) -> Standing {
+pub const fn standing(
+    route: Route,
+    on_cache: bool,
+    in_pool: bool,
+    pool_len: u32,
+    first_send: bool,
+) -> Standing {
     match route {
-        Route::Cache if on_cache => Standing::Current,
+        Route::Cache if on_cache || first_send => Standing::Current,
         Route::Cache => Standing::MoveToCache,
         Route::Upstream if pool_len == 0 || (in_pool && !on_cache) => Standing::Current,
         Route::Upstream => Standing::MoveToUpstream,
@@ -47,19 +61,25 @@ mod tests {
 
     #[test]
     fn a_socket_on_the_current_route_stays() {
-        assert_eq!(standing(Route::Cache, true, false, 2), Standing::Current);
-        assert_eq!(standing(Route::Upstream, false, true, 2), Standing::Current);
+        assert_eq!(
+            standing(Route::Cache, true, false, 2, false),
+            Standing::Current
+        );
+        assert_eq!(
+            standing(Route::Upstream, false, true, 2, false),
+            Standing::Current
+        );
     }
 
     #[test]
     fn a_socket_on_the_cache_moves_when_the_route_is_upstream() {
         assert_eq!(
-            standing(Route::Upstream, true, false, 2),
+            standing(Route::Upstream, true, false, 2, false),
             Standing::MoveToUpstream
         );
         // A cache address that is also a pool target is still the cache.
         assert_eq!(
-            standing(Route::Upstream, true, true, 2),
+            standing(Route::Upstream, true, true, 2, false),
             Standing::MoveToUpstream
         );
     }
@@ -68,11 +88,11 @@ mod tests {
     fn a_socket_off_the_cache_moves_back_when_the_route_is_the_cache() {
         // An upstream target, or the listener address left untouched (empty pool, `pass`).
         assert_eq!(
-            standing(Route::Cache, false, true, 2),
+            standing(Route::Cache, false, true, 2, false),
             Standing::MoveToCache
         );
         assert_eq!(
-            standing(Route::Cache, false, false, 0),
+            standing(Route::Cache, false, false, 0, false),
             Standing::MoveToCache
         );
     }
@@ -80,17 +100,44 @@ mod tests {
     #[test]
     fn a_target_that_left_the_pool_moves_to_one_in_it() {
         assert_eq!(
-            standing(Route::Upstream, false, false, 2),
+            standing(Route::Upstream, false, false, 2, false),
             Standing::MoveToUpstream
         );
     }
 
     #[test]
     fn nothing_moves_towards_an_empty_pool() {
-        assert_eq!(standing(Route::Upstream, true, false, 0), Standing::Current);
         assert_eq!(
-            standing(Route::Upstream, false, false, 0),
+            standing(Route::Upstream, true, false, 0, false),
             Standing::Current
+        );
+        assert_eq!(
+            standing(Route::Upstream, false, false, 0, false),
+            Standing::Current
+        );
+    }
+
+    #[test]
+    fn the_first_send_of_a_socket_on_an_upstream_goes_there_after_failback() {
+        assert_eq!(
+            standing(Route::Cache, false, true, 2, true),
+            Standing::Current
+        );
+        assert_eq!(
+            standing(Route::Cache, false, true, 2, false),
+            Standing::MoveToCache
+        );
+    }
+
+    #[test]
+    fn the_first_send_to_a_dead_cache_or_a_target_gone_from_the_pool_is_refused() {
+        assert_eq!(
+            standing(Route::Upstream, true, false, 2, true),
+            Standing::MoveToUpstream
+        );
+        assert_eq!(
+            standing(Route::Upstream, false, false, 2, true),
+            Standing::MoveToUpstream
         );
     }
 }

@@ -73,14 +73,21 @@ pub fn try_check_egress(ctx: &SkBuffContext) -> Egress {
         return Egress::Pass;
     }
     let peer = remote_addr(ctx);
-    let storage = steered(sk);
     // The socket's listener: the one it was steered for, when its peer is that translation's
     // target, else the listener it connected to untouched.
-    let listener_addr = match storage {
-        Some(steered) if steered.peer == peer && steered.peer_port_be == port_be(DNS_PORT) => {
-            steered.listener
+    let (listener_addr, first_send) = match steered(sk, &peer) {
+        Some(steered) => {
+            // SAFETY: storage of this socket, held for the program's run; another thread's send
+            // on the same socket may write the same one concurrently.
+            let first_send = unsafe { (*steered).sent == 0 };
+            if first_send {
+                // SAFETY: as above.
+                unsafe { (*steered).sent = 1 };
+            }
+            // SAFETY: as above.
+            (unsafe { (*steered).listener }, first_send)
         }
-        _ => peer,
+        None => (peer, false),
     };
     let Some(listener) = LISTENERS.get_ptr(listener_addr) else {
         return Egress::Pass;
@@ -99,7 +106,7 @@ pub fn try_check_egress(ctx: &SkBuffContext) -> Egress {
     let on_cache = peer == listener.cache.addr && port_be(DNS_PORT) == listener.cache.udp_port_be;
     let (in_pool, pool_len) = in_pool(listener.id, &peer);
     let counters = counter_index(listener.id, PROTOCOL_UDP);
-    match standing(route, on_cache, in_pool, pool_len) {
+    match standing(route, on_cache, in_pool, pool_len, first_send) {
         Standing::Current => Egress::Pass,
         Standing::MoveToCache => {
             count(counters, |c| c.moved_to_cache += 1);
@@ -139,9 +146,9 @@ fn remote_addr(ctx: &SkBuffContext) -> NetAddr {
     }
 }
 
-/// The socket's translation, if connect steered it.
+/// The socket's translation, if connect steered it to `peer` (port 53).
 #[inline(always)]
-fn steered(sk: *mut bpf_sock) -> Option<SteeredSocket> {
+fn steered(sk: *mut bpf_sock, peer: &NetAddr) -> Option<*mut SteeredSocket> {
     // SAFETY: a full socket; no flags: look up, never create. The map pointer is the BTF map's
     // address, as aya passes it.
     let value = unsafe {
@@ -154,11 +161,11 @@ fn steered(sk: *mut bpf_sock) -> Option<SteeredSocket> {
     }
     .cast::<SteeredSocket>();
     if value.is_null() {
-        None
-    } else {
-        // SAFETY: non-null storage of this socket.
-        Some(unsafe { context::snapshot(value) })
+        return None;
     }
+    // SAFETY: non-null storage of this socket.
+    let steered = unsafe { context::snapshot(value) };
+    (steered.peer == *peer && steered.peer_port_be == port_be(DNS_PORT)).then_some(value)
 }
 
 /// Whether `peer` (port 53) is a target of the listener's pool, and the pool's size.

@@ -199,7 +199,9 @@ fn empty_pool(
 /// storage, which lives as long as the socket, and in the LRU map for a socket that talks to
 /// several targets (`SteeredSocket` says which the reply hooks read). An unconnected socket sends
 /// many datagrams to one target: its storage already holds the translation, so the LRU map is
-/// written once per change of (listener, target), not once per datagram.
+/// written once per change of (listener, target), not once per datagram. A socket connected
+/// again after it sent (its storage says `sent`) is written anew, so `sent` describes the peer of
+/// its latest connect.
 #[inline(always)]
 fn remember_translation(
     ctx: &SockAddrContext,
@@ -215,7 +217,7 @@ fn remember_translation(
     let translation = SteeredSocket {
         listener_id: listener.id,
         peer_port_be: target_port_be,
-        _padding: 0,
+        sent: 0,
         peer: *target,
         listener: listener_addr,
     };

@@ -15,6 +15,7 @@ mod initramfs;
 mod kernel;
 mod machine;
 mod report;
+mod scope;
 
 use std::{
     os::unix::fs::MetadataExt as _,
@@ -71,6 +72,9 @@ pub struct VmArgs {
     /// TCG runs them several times slower than the host (REDIRECTOR_TEST_SLOWDOWN).
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=100))]
     pub slowdown: u32,
+    /// Also run the tests the VMs leave to the host kernel (`vm/scope.rs` lists them and why).
+    #[arg(long)]
+    pub with_host_only: bool,
     /// Only tests whose name contains this.
     pub filter: Option<String>,
 }
@@ -164,7 +168,10 @@ pub fn run(options: &VmArgs) -> anyhow::Result<()> {
         }
     }
     let started = Instant::now();
-    let artifacts = artifacts::build(&options.tests)?;
+    let mut artifacts = artifacts::build(&options.tests)?;
+    artifacts
+        .tests
+        .retain(|test| scope::runs_binary(&test.name, &options.tests, options.with_host_only));
     if artifacts.tests.is_empty() {
         bail!("bpf-tests has no test binary to run");
     }
@@ -206,6 +213,7 @@ pub fn run(options: &VmArgs) -> anyhow::Result<()> {
         "--test-threads".to_owned(),
         options.test_threads.to_string(),
     ];
+    test_args.extend(scope::skip_args(&options.tests, options.with_host_only));
     test_args.extend(options.filter.clone());
     let plan = |kernel: &kernel::Kernel| initramfs::Plan {
         kernel_modules: kernel.modules.clone(),
@@ -238,6 +246,8 @@ pub fn run(options: &VmArgs) -> anyhow::Result<()> {
         options.timeout_secs,
         options.slowdown
     );
+    let left_out = scope::describe(&options.tests, options.with_host_only);
+    eprint!("{left_out}");
 
     let mut results = Vec::new();
     for kernel in &kernels {
@@ -276,13 +286,19 @@ pub fn run(options: &VmArgs) -> anyhow::Result<()> {
         });
     }
     drop(snapshot);
-    summarize(&results, artifacts.tests.len(), started.elapsed())
+    summarize(
+        &results,
+        artifacts.tests.len(),
+        &left_out,
+        started.elapsed(),
+    )
 }
 
 /// Prints every kernel's table and failures; fails unless every boot passed.
 fn summarize(
     results: &[KernelResult],
     expected_binaries: usize,
+    left_out: &str,
     total: Duration,
 ) -> anyhow::Result<()> {
     let mut failed = Vec::new();
@@ -338,6 +354,7 @@ fn summarize(
             result.log_dir.display()
         );
     }
+    eprint!("{left_out}");
     eprintln!("xtask: vm-test took {total:.0?}");
     if !failed.is_empty() {
         bail!(

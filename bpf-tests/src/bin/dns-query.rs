@@ -4,7 +4,8 @@
 //! the connected peer (`getpeername`). With `--count N`, it does so N times, each from a fresh
 //! socket (as glibc does for every lookup), one line each. With `--hold` (UDP), the N queries
 //! share one socket, as a long-lived resolver's do, and each after the first waits for a line on
-//! standard input, so a test can change the world between them. With `--hold --reopen`, a send
+//! standard input, so a test can change the world between them (with `--idle-first`, also between
+//! the connect and the first query). With `--hold --reopen`, a send
 //! that fails closes the held socket and the query is asked again at once from a new one, as
 //! c-ares and glibc do on a socket error.
 
@@ -53,6 +54,10 @@ struct Args {
     /// With `--hold`: when a send fails, open a new socket and ask again at once (once).
     #[arg(long, requires = "hold")]
     reopen: bool,
+    /// With `--hold`: open (and connect) the socket, print `{"opened":true}`, and wait for a line
+    /// on standard input before the first query too.
+    #[arg(long, requires = "hold")]
+    idle_first: bool,
 }
 
 fn main() {
@@ -74,8 +79,12 @@ fn hold(args: &Args, first_id: u16) {
         Err(error) => return report(Err(error)),
     };
     let mut line = String::new();
+    if args.idle_first {
+        println!(r#"{{"opened":true}}"#);
+        let _ = std::io::stdout().flush();
+    }
     for sequence in 0..args.count {
-        if sequence > 0 {
+        if sequence > 0 || args.idle_first {
             line.clear();
             if std::io::stdin().read_line(&mut line).unwrap_or(0) == 0 {
                 return;

@@ -1,0 +1,146 @@
+//! What the VMs leave to the host kernel's run: tests that vary what runs above the kernel (cache
+//! daemons, resolver libraries) over kernel paths that tests run in every VM take as well. Under
+//! TCG they would cost about a third of the VM time and prove nothing more of a kernel; they still
+//! run on every `cargo xtask test`, on the host's kernel. Every VM run says what it left out.
+
+/// Tests of the bpf-tests the VMs do not run unless asked.
+pub struct HostOnly {
+    /// The test binary.
+    pub binary: &'static str,
+    /// Substrings of the names of its tests left out (libtest's `--skip`); empty: the whole
+    /// binary.
+    pub skip: &'static [&'static str],
+    /// Why no kernel is missed.
+    pub why: &'static str,
+}
+
+/// The tests the VMs leave to the host, with their reasons.
+pub const HOST_ONLY: &[HostOnly] = &[
+    HostOnly {
+        binary: "failover",
+        skip: &["_of_dnsmasq_", "_of_unbound_", "_of_the_embedded_cache"],
+        why: "kill -9, stop and hang through dnsmasq, unbound and the embedded cache: the test \
+              server's run of each takes the same kernel paths, and \
+              wildcard_and_reuseport_sockets_are_counted_one_by_one their socket shapes",
+    },
+    HostOnly {
+        binary: "resolvers",
+        skip: &[],
+        why: "how c-ares, glibc and musl answer the egress program's EPERM is userspace; \
+              long_lived shows the kernel's side (the refused send, the move) on every kernel",
+    },
+];
+
+/// Whether the VMs leave out `host`'s tests: unless `everything`, or `named` (the `--tests`
+/// argument) names its binary.
+fn left_out(host: &HostOnly, named: &[String], everything: bool) -> bool {
+    !everything && !named.iter().any(|name| name == host.binary)
+}
+
+/// Whether the VMs run the test binary `binary` at all.
+#[must_use]
+pub fn runs_binary(binary: &str, named: &[String], everything: bool) -> bool {
+    !HOST_ONLY.iter().any(|host| {
+        host.binary == binary && host.skip.is_empty() && left_out(host, named, everything)
+    })
+}
+
+/// libtest arguments that leave out the host-only tests of the binaries that run. Test names
+/// are unique across the bpf-tests, so a `--skip` given to every binary matches only its own.
+#[must_use]
+pub fn skip_args(named: &[String], everything: bool) -> Vec<String> {
+    HOST_ONLY
+        .iter()
+        .filter(|host| left_out(host, named, everything))
+        .flat_map(|host| host.skip)
+        .flat_map(|skip| ["--skip".to_owned(), (*skip).to_owned()])
+        .collect()
+}
+
+/// One line per entry the VMs leave out, for the run's header and summary.
+#[must_use]
+pub fn describe(named: &[String], everything: bool) -> String {
+    HOST_ONLY
+        .iter()
+        .filter(|host| left_out(host, named, everything))
+        .map(|host| {
+            let which = if host.skip.is_empty() {
+                format!("{} (every test)", host.binary)
+            } else {
+                format!("{} tests matching {}", host.binary, host.skip.join(", "))
+            };
+            format!("  left to the host kernel: {which}: {}\n", host.why)
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn host_only_tests_are_left_out_unless_named_or_asked_for() {
+        let none: [String; 0] = [];
+        assert!(!runs_binary("resolvers", &none, false));
+        assert!(runs_binary("resolvers", &["resolvers".to_owned()], false));
+        assert!(runs_binary("resolvers", &none, true));
+        assert!(runs_binary("failover", &none, false));
+        let skips = skip_args(&none, false);
+        assert!(
+            skips
+                .windows(2)
+                .any(|pair| pair == ["--skip", "_of_dnsmasq_"])
+        );
+        assert!(skip_args(&["failover".to_owned()], false).is_empty());
+        assert!(skip_args(&none, true).is_empty());
+        assert!(describe(&none, true).is_empty());
+        assert_eq!(describe(&none, false).lines().count(), HOST_ONLY.len());
+    }
+
+    /// Every skip matches tests of its own binary only, and at least one: a rename must not
+    /// make a skip miss its tests, or leave out another binary's.
+    #[test]
+    fn every_skip_matches_tests_of_its_binary_only() {
+        let tests_dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../bpf-tests/tests");
+        let mut names: Vec<(String, String)> = Vec::new();
+        for entry in std::fs::read_dir(&tests_dir).expect("bpf-tests/tests is readable") {
+            let path = entry.expect("a directory entry").path();
+            let Some(binary) = path.file_stem().and_then(|stem| stem.to_str()) else {
+                continue;
+            };
+            let source = std::fs::read_to_string(&path).expect("a test source is readable");
+            let mut lines = source.lines();
+            while let Some(line) = lines.next() {
+                if line.trim() != "#[test]" {
+                    continue;
+                }
+                if let Some(name) = lines
+                    .next()
+                    .and_then(|next| next.trim().strip_prefix("fn "))
+                    .and_then(|rest| rest.split('(').next())
+                {
+                    names.push((binary.to_owned(), name.to_owned()));
+                }
+            }
+        }
+        assert!(names.len() > 50, "found only {} tests", names.len());
+        for host in HOST_ONLY {
+            assert!(
+                names.iter().any(|(binary, _)| binary == host.binary),
+                "no test binary {}",
+                host.binary
+            );
+            for skip in host.skip {
+                let matched: Vec<&(String, String)> = names
+                    .iter()
+                    .filter(|(_, name)| name.contains(skip))
+                    .collect();
+                assert!(!matched.is_empty(), "{skip} matches no test");
+                assert!(
+                    matched.iter().all(|(binary, _)| binary == host.binary),
+                    "{skip} matches tests of other binaries: {matched:?}"
+                );
+            }
+        }
+    }
+}

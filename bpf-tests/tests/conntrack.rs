@@ -258,7 +258,7 @@ fn a_node_without_nftables_still_steers_and_says_so_once() -> anyhow::Result<()>
     let mut sandbox = Sandbox::new(tools())?;
     sandbox.start_standard_servers()?;
     // What nft prints on a kernel built without nf_tables (the netlink subsystem is missing).
-    let fake_nft = sandbox.write_file(
+    let fake_nft = sandbox.write_executable(
         "nft-without-kernel-support",
         "#!/bin/sh\ncat >/dev/null\necho 'Error: Could not process rule: Operation not supported' >&2\nexit 1\n",
     )?;

@@ -10,9 +10,12 @@ use bpf_tests::{
     sandbox::{HeldClient, Ns, Query, Tools, Transport},
     topology::{NODE_LISTENER, V6_LISTENER, dns, who},
 };
+use std::time::{Duration, Instant};
+
 use redirector_common::{
     counters::ListenerCounters,
     listener::{MODE_CACHE, MODE_UPSTREAM},
+    stale::FAILBACK_GRACE_NS,
 };
 
 fn tools() -> Tools {
@@ -80,6 +83,14 @@ fn assert_answered(outcome: &QueryOutcome, query: &Query, by: &str, reopened: Op
     );
 }
 
+/// Waits until a socket steered at `steered` is past the failback grace, so that a failback moves
+/// it at its next send (`redirector_common::stale::FAILBACK_GRACE_NS`: the kernel's clock, not
+/// stretched in the VMs).
+fn outlast_failback_grace(steered: Instant) {
+    let grace = Duration::from_nanos(FAILBACK_GRACE_NS) + Duration::from_millis(50);
+    std::thread::sleep(grace.saturating_sub(steered.elapsed()));
+}
+
 /// The moves counted for listener `id` (UDP and TCP together).
 fn moves(bench: &Bench, id: u32) -> anyhow::Result<(u64, u64)> {
     let ListenerCounters {
@@ -109,8 +120,10 @@ fn a_connected_socket_follows_every_route_change_at_its_next_send() -> anyhow::R
         let (mut client, _) = held(&bench, query, 4, "cache")?;
         bench.set_mode(id, MODE_UPSTREAM)?;
         assert_answered(&client.ask()?, &query, "upstream", Some(EPERM));
+        let reopened = Instant::now();
         // Nothing changed: the socket stays where it is.
         assert_answered(&client.ask()?, &query, "upstream", None);
+        outlast_failback_grace(reopened);
         bench.set_mode(id, MODE_CACHE)?;
         assert_answered(&client.ask()?, &query, "cache", Some(EPERM));
         let after = moves(&bench, id)?;
@@ -123,22 +136,33 @@ fn a_connected_socket_follows_every_route_change_at_its_next_send() -> anyhow::R
     Ok(())
 }
 
-/// A socket's first send after its connect: towards the cache it goes where the socket connected
-/// (the upstream answers it; a resolver with a socket per query that connected the moment before
-/// a failback must not fail that query), and its next send moves it. Towards the upstream pool
-/// it is refused at once: a dead or hung cache would lose it.
+/// A socket connected to an upstream moments before a failback (within the grace) keeps it: the
+/// upstream answers, and a resolver with a socket per query that connected the instant before
+/// must not have its query refused. Once past the grace, its next send moves it. Towards the
+/// upstream pool nothing is spared: a socket connected to the cache moments before it died or
+/// hung is refused at its first send, which the cache would lose.
 #[test]
-fn the_first_send_after_connect_is_refused_only_towards_the_upstream() -> anyhow::Result<()> {
+fn a_socket_connected_just_before_a_failback_finishes_on_its_upstream() -> anyhow::Result<()> {
     let mut bench = Bench::standard(tools())?;
     let query = Query::new(dns(NODE_LISTENER), Transport::UdpConnected);
 
     bench.set_mode(NODE_ID, MODE_UPSTREAM)?;
+    let before_connect = Instant::now();
     let mut on_upstream =
         bench
             .sandbox
             .held_client_idle(Ns::Pod, bench.sandbox.cgroup(), query, 2, true)?;
     bench.set_mode(NODE_ID, MODE_CACHE)?;
-    assert_answered(&on_upstream.ask()?, &query, "upstream", None);
+    let first = on_upstream.ask()?;
+    let grace = Duration::from_nanos(FAILBACK_GRACE_NS);
+    anyhow::ensure!(
+        before_connect.elapsed() < grace,
+        "the client took {:?} from its start to its first answer, more than the {grace:?} grace: \
+         this test cannot tell the grace from a refusal",
+        before_connect.elapsed()
+    );
+    assert_answered(&first, &query, "upstream", None);
+    outlast_failback_grace(Instant::now());
     assert_answered(&on_upstream.ask()?, &query, "cache", Some(EPERM));
     assert_eq!(moves(&bench, NODE_ID)?, (1, 0));
 
@@ -193,8 +217,10 @@ fn leaves_and_returns(event: CacheEvent) -> anyhow::Result<()> {
     event.strike(&mut bench.sandbox)?;
     bench.wait_for_route(NODE_ID, "upstream")?;
     assert_answered(&client.ask()?, &query, "upstream", Some(EPERM));
+    let reopened = Instant::now();
     event.restore(&mut bench.sandbox)?;
     bench.wait_for_route(NODE_ID, "cache")?;
+    outlast_failback_grace(reopened);
     assert_answered(&client.ask()?, &query, "cache", Some(EPERM));
     assert_eq!(moves(&bench, NODE_ID)?, (1, 1), "{event:?}");
     Ok(())

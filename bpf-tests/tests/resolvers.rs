@@ -1,17 +1,24 @@
-//! A real resolver library through a hung and a killed cache: c-ares (pycares from PyPI), with
-//! `ARES_FLAG_STAYOPEN` (one socket for the channel's life, as gRPC C-core sets it) and with its
-//! default flags, one query every 20 ms from the pod, each for a name of its own.
+//! Real resolver libraries through a hung and a killed cache, one query every 20 ms from the pod,
+//! each for a name of its own (c-ares caches answers itself):
+//! - c-ares (pycares from PyPI), with `ARES_FLAG_STAYOPEN` (one socket for the channel's life, as
+//!   gRPC C-core sets it) and with its default flags;
+//! - glibc: getaddrinfo (`getent ahosts`, a socket per lookup) and `res_query` on one resolver
+//!   state with `RES_STAYOPEN` (one connected socket for every query);
+//! - musl: getaddrinfo from a static binary (an unconnected socket per lookup).
 //!
 //! Asserted: no query begun after the listener's route changed fails, and within 2 s of each
 //! failback at least 95 % of the queries reach the cache. Before the egress program, the
 //! STAYOPEN channel's connected socket stayed on an upstream after every failover: 0 % of its
 //! queries reached the cache once it was back.
+//!
+//! These run on the host kernel only (`xtask/src/vm/scope.rs`): how a library answers the
+//! refused send is userspace; `long_lived.rs` shows the kernel's side on every kernel.
 
 use bpf_tests::{
     bench::{Bench, CacheEvent, NODE_ID},
-    cares::{CaresReport, CaresStream, Flags},
     dns::now_ms,
     pace::{paced_ms, pause},
+    resolvers::{Resolver, ResolverReport, ResolverStream},
     sandbox::{Ns, Tools},
     topology::NODE_LISTENER,
 };
@@ -20,16 +27,18 @@ fn tools() -> Tools {
     bpf_tests::tools!()
 }
 
-fn through(flags: Flags, event: CacheEvent) -> anyhow::Result<()> {
+fn through(resolver: Resolver, event: CacheEvent) -> anyhow::Result<()> {
     let mut bench = Bench::standard(tools())?;
     let started = now_ms();
-    let stream = CaresStream::start(&bench.sandbox, Ns::Pod, NODE_LISTENER.into(), flags)?;
+    let stream = ResolverStream::start(&bench.sandbox, Ns::Pod, NODE_LISTENER.into(), resolver)?;
     pause(1500);
     let struck = now_ms();
     event.strike(&mut bench.sandbox)?;
     bench.wait_for_route(NODE_ID, "upstream")?;
     let flipped = now_ms();
-    pause(1000);
+    // Longer than the failback grace (1 s, which a socket reconnected at the flip would still be
+    // in at the failback otherwise), as every real outage is.
+    pause(1500);
     let restored = now_ms();
     event.restore(&mut bench.sandbox)?;
     bench.wait_for_route(NODE_ID, "cache")?;
@@ -37,7 +46,7 @@ fn through(flags: Flags, event: CacheEvent) -> anyhow::Result<()> {
     let window = paced_ms(2000);
     pause(2000 + 300);
     let report = stream.finish()?;
-    let what = format!("{flags:?} through {event:?}");
+    let what = format!("{resolver:?} through {event:?}");
     println!("{what}: {}", report.summary());
     let counters = bench.counters(NODE_ID)?;
     println!(
@@ -93,7 +102,7 @@ fn through(flags: Flags, event: CacheEvent) -> anyhow::Result<()> {
 
 /// Asserts that every query begun in `[from, to)` was answered by `by` (`cache`, or `upstream`
 /// for either upstream).
-fn assert_all(report: &CaresReport, from: u64, to: u64, by: &str, what: &str) {
+fn assert_all(report: &ResolverReport, from: u64, to: u64, by: &str, what: &str) {
     let records: Vec<_> = report.between(from, to).collect();
     assert!(!records.is_empty(), "{what}: no query in [{from}, {to})");
     for record in records {
@@ -110,20 +119,50 @@ fn assert_all(report: &CaresReport, from: u64, to: u64, by: &str, what: &str) {
 
 #[test]
 fn cares_stayopen_through_a_hung_cache_and_back() -> anyhow::Result<()> {
-    through(Flags::StayOpen, CacheEvent::Hang)
+    through(Resolver::CaresStayOpen, CacheEvent::Hang)
 }
 
 #[test]
 fn cares_stayopen_through_a_killed_cache_and_a_restart() -> anyhow::Result<()> {
-    through(Flags::StayOpen, CacheEvent::Kill)
+    through(Resolver::CaresStayOpen, CacheEvent::Kill)
 }
 
 #[test]
 fn cares_default_through_a_hung_cache_and_back() -> anyhow::Result<()> {
-    through(Flags::Default, CacheEvent::Hang)
+    through(Resolver::CaresDefault, CacheEvent::Hang)
 }
 
 #[test]
 fn cares_default_through_a_killed_cache_and_a_restart() -> anyhow::Result<()> {
-    through(Flags::Default, CacheEvent::Kill)
+    through(Resolver::CaresDefault, CacheEvent::Kill)
+}
+
+#[test]
+fn glibc_getaddrinfo_through_a_hung_cache_and_back() -> anyhow::Result<()> {
+    through(Resolver::GlibcGetaddrinfo, CacheEvent::Hang)
+}
+
+#[test]
+fn glibc_getaddrinfo_through_a_killed_cache_and_a_restart() -> anyhow::Result<()> {
+    through(Resolver::GlibcGetaddrinfo, CacheEvent::Kill)
+}
+
+#[test]
+fn glibc_res_query_stayopen_through_a_hung_cache_and_back() -> anyhow::Result<()> {
+    through(Resolver::GlibcResQueryStayOpen, CacheEvent::Hang)
+}
+
+#[test]
+fn glibc_res_query_stayopen_through_a_killed_cache_and_a_restart() -> anyhow::Result<()> {
+    through(Resolver::GlibcResQueryStayOpen, CacheEvent::Kill)
+}
+
+#[test]
+fn musl_getaddrinfo_through_a_hung_cache_and_back() -> anyhow::Result<()> {
+    through(Resolver::MuslGetaddrinfo, CacheEvent::Hang)
+}
+
+#[test]
+fn musl_getaddrinfo_through_a_killed_cache_and_a_restart() -> anyhow::Result<()> {
+    through(Resolver::MuslGetaddrinfo, CacheEvent::Kill)
 }

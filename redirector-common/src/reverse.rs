@@ -63,15 +63,29 @@ pub struct SteeredSocket {
     pub listener_id: u32,
     /// The target it was steered to last, port in network byte order.
     pub peer_port_be: u16,
-    /// Zero when connect decided `peer`; the egress program sets it to one as the first datagram
-    /// of the connected socket leaves (`stale::standing` says why it matters).
-    pub sent: u16,
+    /// Zero.
+    pub _padding: u16,
     /// The target it was steered to last.
     pub peer: NetAddr,
     /// The listener address it addressed last: what replies from `peer` are shown as (port 53).
     pub listener: NetAddr,
+    /// `bpf_ktime_get_ns` (CLOCK_MONOTONIC) when `peer` was chosen: the egress program lets a
+    /// socket connected moments before a failback finish on its upstream (`stale::standing`).
+    pub steered_ns: u64,
 }
-const _: () = assert!(size_of::<SteeredSocket>() == 40);
+const _: () = assert!(size_of::<SteeredSocket>() == 48);
+
+impl SteeredSocket {
+    /// Whether `self` and `other` translate the same replies the same way (their times aside).
+    #[inline(always)]
+    #[must_use]
+    pub fn translates_like(&self, other: &Self) -> bool {
+        self.listener_id == other.listener_id
+            && self.peer_port_be == other.peer_port_be
+            && self.peer == other.peer
+            && self.listener == other.listener
+    }
+}
 
 #[cfg(test)]
 mod tests {
@@ -89,5 +103,25 @@ mod tests {
             ReverseKey::new(7, a, 5353u16.to_be())
         );
         assert_eq!(ReverseKey::new(7, a, port)._padding, [0; 6]);
+    }
+
+    #[test]
+    fn a_translation_is_the_same_whatever_its_time() {
+        let one = SteeredSocket {
+            listener_id: 1,
+            peer_port_be: 53u16.to_be(),
+            peer: NetAddr::from_ipv4_be(2),
+            listener: NetAddr::from_ipv4_be(3),
+            steered_ns: 10,
+            ..SteeredSocket::default()
+        };
+        assert!(one.translates_like(&SteeredSocket {
+            steered_ns: 20,
+            ..one
+        }));
+        assert!(!one.translates_like(&SteeredSocket {
+            peer: NetAddr::from_ipv4_be(4),
+            ..one
+        }));
     }
 }

@@ -3,8 +3,9 @@
 //!
 //! connect decides a connected socket's peer once. A resolver that keeps its socket (c-ares with
 //! `ARES_FLAG_STAYOPEN`, nginx) would otherwise stay on a dead or hung cache, or on an upstream
-//! long after the cache is back. The egress program refuses the next send of such a socket; the
-//! resolver sees the error, opens a new socket, and connect steers that one to the current route.
+//! long after the cache is back. The egress program refuses the next send of such a socket (after
+//! a failback, once the socket is past a short grace); the resolver sees the error, opens a new
+//! socket, and connect steers that one to the current route.
 
 use crate::listener::Route;
 
@@ -20,6 +21,12 @@ pub enum Standing {
     MoveToUpstream,
 }
 
+/// How long a socket whose peer connect chose may stay on an upstream once the route is the
+/// cache again: 1 s, CLOCK_MONOTONIC. Longer than a resolver takes from its connect to its first
+/// datagrams (glibc sends A and AAAA at once, by `sendmmsg`), shorter than any failover takes
+/// to confirm the cache and fail back.
+pub const FAILBACK_GRACE_NS: u64 = 1_000_000_000;
+
 /// Where a connected socket's peer stands against its listener's route now.
 ///
 /// - `on_cache`: the peer is the listener's cache address and port.
@@ -27,17 +34,17 @@ pub enum Standing {
 /// - `pool_len`: the pool's size. With an empty pool nothing is moved towards it: new sockets
 ///   meet the empty-pool policy, and a socket already open keeps what it has rather than being
 ///   refused for nothing better.
-/// - `first_send`: this is the socket's first datagram since connect chose its peer.
+/// - `fresh`: connect chose the socket's peer less than [`FAILBACK_GRACE_NS`] ago.
 ///
 /// An upstream peer that is still in the pool stays even if the socket's hash would pick another
 /// target of a changed pool: a socket moves only when its peer is wrong, never to rebalance.
 ///
-/// The first datagram of a socket on an upstream goes there even when the route is the cache
-/// again. A resolver that opens a socket per query (glibc) and connected it the moment before
-/// the failback would fail a query for nothing: the upstream answers it. A socket that sends
-/// again is one that is kept, and it moves at that send. Towards the upstream pool nothing is
+/// A fresh socket on an upstream keeps it after a failback: the upstream answers it, and a
+/// resolver with a socket per query (glibc) that connected the moment before the failback would
+/// otherwise have its query refused for nothing, and fail it unless it tries again. A socket
+/// that is kept moves at its first send after the grace. Towards the upstream pool nothing is
 /// spared: the cache is dead or hung, and a target that left the pool is going away, so the send
-/// would be lost and the refusal makes the resolver ask again at once.
+/// would be lost, and the refusal makes the resolver ask again at once.
 #[inline(always)]
 #[must_use]
 pub const fn standing(
@@ -45,14 +52,21 @@ pub const fn standing(
     on_cache: bool,
     in_pool: bool,
     pool_len: u32,
-    first_send: bool,
+    fresh: bool,
 ) -> Standing {
     match route {
-        Route::Cache if on_cache || first_send => Standing::Current,
+        Route::Cache if on_cache || fresh => Standing::Current,
         Route::Cache => Standing::MoveToCache,
         Route::Upstream if pool_len == 0 || (in_pool && !on_cache) => Standing::Current,
         Route::Upstream => Standing::MoveToUpstream,
     }
+}
+
+/// Whether a socket steered at `steered_ns` is fresh at `now_ns` (both CLOCK_MONOTONIC).
+#[inline(always)]
+#[must_use]
+pub const fn is_fresh(steered_ns: u64, now_ns: u64) -> bool {
+    now_ns.saturating_sub(steered_ns) < FAILBACK_GRACE_NS
 }
 
 #[cfg(test)]
@@ -118,7 +132,7 @@ mod tests {
     }
 
     #[test]
-    fn the_first_send_of_a_socket_on_an_upstream_goes_there_after_failback() {
+    fn a_fresh_socket_on_an_upstream_stays_there_after_failback() {
         assert_eq!(
             standing(Route::Cache, false, true, 2, true),
             Standing::Current
@@ -130,7 +144,7 @@ mod tests {
     }
 
     #[test]
-    fn the_first_send_to_a_dead_cache_or_a_target_gone_from_the_pool_is_refused() {
+    fn a_fresh_socket_on_a_dead_cache_or_a_target_gone_from_the_pool_moves() {
         assert_eq!(
             standing(Route::Upstream, true, false, 2, true),
             Standing::MoveToUpstream
@@ -139,5 +153,14 @@ mod tests {
             standing(Route::Upstream, false, false, 2, true),
             Standing::MoveToUpstream
         );
+    }
+
+    #[test]
+    fn a_socket_is_fresh_for_the_grace_only() {
+        assert!(is_fresh(100, 100));
+        assert!(is_fresh(100, 100 + FAILBACK_GRACE_NS - 1));
+        assert!(!is_fresh(100, 100 + FAILBACK_GRACE_NS));
+        // A time before the steering (another CPU's clock read) is fresh.
+        assert!(is_fresh(100, 50));
     }
 }

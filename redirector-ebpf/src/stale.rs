@@ -9,23 +9,25 @@
 //! connection; a TCP DNS socket carries one exchange or a few.
 //!
 //! Kernel features: cgroup_skb egress 4.10; `__sk_buff.sk` and `bpf_sk_fullsock` 5.1;
-//! `bpf_sk_storage_get` 5.2; `bpf_skb_ancestor_cgroup_id` 4.19 (all in cgroup_skb programs).
+//! `bpf_sk_storage_get` 5.2; `bpf_skb_ancestor_cgroup_id` 4.19; `bpf_ktime_get_ns` 4.1 (all in
+//! cgroup_skb programs).
 
 use core::ptr::{self, addr_of, read_volatile};
 
 use aya_ebpf::{
     EbpfContext as _,
     bindings::bpf_sock,
-    helpers::{bpf_sk_fullsock, bpf_sk_storage_get, bpf_skb_ancestor_cgroup_id},
+    helpers::{bpf_ktime_get_ns, bpf_sk_fullsock, bpf_sk_storage_get, bpf_skb_ancestor_cgroup_id},
     programs::SkBuffContext,
 };
 use redirector_common::{
     DNS_PORT,
     addr::{NetAddr, port_be},
     counters::{IPPROTO_UDP, PROTOCOL_UDP, counter_index},
+    listener::Route,
     pool::MAX_POOL_TARGETS,
     reverse::SteeredSocket,
-    stale::{Standing, standing},
+    stale::{Standing, is_fresh, standing},
 };
 
 use crate::{
@@ -73,22 +75,10 @@ pub fn try_check_egress(ctx: &SkBuffContext) -> Egress {
         return Egress::Pass;
     }
     let peer = remote_addr(ctx);
+    let steered = steered(sk, &peer);
     // The socket's listener: the one it was steered for, when its peer is that translation's
     // target, else the listener it connected to untouched.
-    let (listener_addr, first_send) = match steered(sk, &peer) {
-        Some(steered) => {
-            // SAFETY: storage of this socket, held for the program's run; another thread's send
-            // on the same socket may write the same one concurrently.
-            let first_send = unsafe { (*steered).sent == 0 };
-            if first_send {
-                // SAFETY: as above.
-                unsafe { (*steered).sent = 1 };
-            }
-            // SAFETY: as above.
-            (unsafe { (*steered).listener }, first_send)
-        }
-        None => (peer, false),
-    };
+    let listener_addr = steered.map_or(peer, |steered| steered.listener);
     let Some(listener) = LISTENERS.get_ptr(listener_addr) else {
         return Egress::Pass;
     };
@@ -105,8 +95,15 @@ pub fn try_check_egress(ctx: &SkBuffContext) -> Egress {
     };
     let on_cache = peer == listener.cache.addr && port_be(DNS_PORT) == listener.cache.udp_port_be;
     let (in_pool, pool_len) = in_pool(listener.id, &peer);
+    // The clock is read only for a socket off the cache while the route is the cache.
+    let fresh = route == Route::Cache
+        && !on_cache
+        && steered.is_some_and(|steered| {
+            // SAFETY: plain helper call (4.1+).
+            is_fresh(steered.steered_ns, unsafe { bpf_ktime_get_ns() })
+        });
     let counters = counter_index(listener.id, PROTOCOL_UDP);
-    match standing(route, on_cache, in_pool, pool_len, first_send) {
+    match standing(route, on_cache, in_pool, pool_len, fresh) {
         Standing::Current => Egress::Pass,
         Standing::MoveToCache => {
             count(counters, |c| c.moved_to_cache += 1);
@@ -148,7 +145,7 @@ fn remote_addr(ctx: &SkBuffContext) -> NetAddr {
 
 /// The socket's translation, if connect steered it to `peer` (port 53).
 #[inline(always)]
-fn steered(sk: *mut bpf_sock, peer: &NetAddr) -> Option<*mut SteeredSocket> {
+fn steered(sk: *mut bpf_sock, peer: &NetAddr) -> Option<SteeredSocket> {
     // SAFETY: a full socket; no flags: look up, never create. The map pointer is the BTF map's
     // address, as aya passes it.
     let value = unsafe {
@@ -165,7 +162,7 @@ fn steered(sk: *mut bpf_sock, peer: &NetAddr) -> Option<*mut SteeredSocket> {
     }
     // SAFETY: non-null storage of this socket.
     let steered = unsafe { context::snapshot(value) };
-    (steered.peer == *peer && steered.peer_port_be == port_be(DNS_PORT)).then_some(value)
+    (steered.peer == *peer && steered.peer_port_be == port_be(DNS_PORT)).then_some(steered)
 }
 
 /// Whether `peer` (port 53) is a target of the listener's pool, and the pool's size.

@@ -2,7 +2,7 @@
 
 use aya_ebpf::{
     bindings::BPF_ANY,
-    helpers::{bpf_get_current_ancestor_cgroup_id, bpf_set_retval},
+    helpers::{bpf_get_current_ancestor_cgroup_id, bpf_ktime_get_ns, bpf_set_retval},
     programs::SockAddrContext,
 };
 use aya_log_ebpf::info;
@@ -199,9 +199,8 @@ fn empty_pool(
 /// storage, which lives as long as the socket, and in the LRU map for a socket that talks to
 /// several targets (`SteeredSocket` says which the reply hooks read). An unconnected socket sends
 /// many datagrams to one target: its storage already holds the translation, so the LRU map is
-/// written once per change of (listener, target), not once per datagram. A socket connected
-/// again after it sent (its storage says `sent`) is written anew, so `sent` describes the peer of
-/// its latest connect.
+/// written once per change of (listener, target), not once per datagram; the storage's time is
+/// that of the change.
 #[inline(always)]
 fn remember_translation(
     ctx: &SockAddrContext,
@@ -214,16 +213,17 @@ fn remember_translation(
     let mut mark = SteeredSocket::default();
     // SAFETY: the storage belongs to the context's socket, which this program holds.
     let stored = unsafe { STEERED_SOCKS.get_or_insert_ptr_mut(ctx, Some(&mut mark)) };
-    let translation = SteeredSocket {
+    let mut translation = SteeredSocket {
         listener_id: listener.id,
         peer_port_be: target_port_be,
-        sent: 0,
+        _padding: 0,
         peer: *target,
         listener: listener_addr,
+        steered_ns: 0,
     };
     if !stored.is_null() {
         // SAFETY: non-null storage of this socket.
-        if unsafe { context::snapshot(stored) } == translation {
+        if unsafe { context::snapshot(stored) }.translates_like(&translation) {
             return;
         }
     }
@@ -236,6 +236,8 @@ fn remember_translation(
     // target unrewritten once the socket has moved on to another one.
     let _ = REVERSE_NAT.insert(key, value, u64::from(BPF_ANY));
     if !stored.is_null() {
+        // SAFETY: plain helper call (4.1+); read only when the translation changes.
+        translation.steered_ns = unsafe { bpf_ktime_get_ns() };
         // SAFETY: non-null storage of this socket; a concurrent send of another thread on the
         // same socket writes a translation just as valid.
         unsafe { *stored = translation };

@@ -23,9 +23,11 @@ const DEBIAN_PACKAGES: &[&str] = &[
     "iptables",
     "conntrack",
     "dnsperf",
-    // The c-ares tests: Debian's python3 (the VMs share it), pip for pycares from PyPI.
+    // The resolver tests: Debian's python3 (the VMs share it), pip for pycares from PyPI, and
+    // musl-gcc for the static musl client (`bpf-tests/build.rs`).
     "python3",
     "python3-pip",
+    "musl-tools",
     // `cargo xtask vm-test`: qemu (with QEMU 7.2's virtiofsd), busybox for the guest's
     // initramfs, depmod for the kernels' module index and modprobe in the guest.
     "qemu-system-x86",
@@ -49,7 +51,7 @@ pub fn ensure() -> anyhow::Result<()> {
     ensure_test_python()
 }
 
-/// pycares, the c-ares binding the resolver tests drive (`bpf-tests/src/cares.rs`), at this
+/// pycares, the c-ares binding the resolver tests drive (`bpf-tests/src/resolvers.rs`), at this
 /// version (c-ares 1.34.9 inside).
 const PYCARES: &str = "pycares==5.2.1";
 

@@ -1,0 +1,57 @@
+//! Builds the test clients written in C: `clients/musl-getaddrinfo.c`, linked statically against
+//! musl with `musl-gcc` (Debian's musl-tools), into `$OUT_DIR`. The tests find it through
+//! `env!("MUSL_GETADDRINFO")`.
+//!
+//! Without `musl-gcc` the build goes on, with a warning, and `MUSL_GETADDRINFO` is empty: the
+//! tests that need the client fail and say to run `cargo xtask setup`; the others run. This
+//! script runs again on every build until `musl-gcc` appears.
+
+use std::{
+    env,
+    path::{Path, PathBuf},
+    process::Command,
+};
+
+/// The C client and the environment variable naming the binary built from it.
+const MUSL_CLIENT: (&str, &str) = ("clients/musl-getaddrinfo.c", "MUSL_GETADDRINFO");
+
+fn find_on_path(program: &str) -> Option<PathBuf> {
+    env::split_paths(&env::var_os("PATH")?)
+        .map(|dir| dir.join(program))
+        .find(|path| path.is_file())
+}
+
+fn main() {
+    let (source, variable) = MUSL_CLIENT;
+    println!("cargo:rerun-if-changed={source}");
+    println!("cargo:rerun-if-env-changed=PATH");
+    let Some(compiler) = find_on_path("musl-gcc") else {
+        // A path that does not exist makes cargo run this script on every build.
+        println!("cargo:rerun-if-changed=/usr/bin/musl-gcc");
+        println!(
+            "cargo:warning=musl-gcc is missing: the musl client is not built and its tests will \
+             fail; run `cargo xtask setup` (it installs musl-tools)"
+        );
+        println!("cargo:rustc-env={variable}=");
+        return;
+    };
+    println!("cargo:rerun-if-changed={}", compiler.display());
+    let out_dir = PathBuf::from(env::var_os("OUT_DIR").expect("cargo sets OUT_DIR"));
+    let binary = out_dir.join(
+        Path::new(source)
+            .file_stem()
+            .expect("the client's source has a file name"),
+    );
+    let status = Command::new(&compiler)
+        .args(["-static", "-O2", "-Wall", "-Wextra", "-Werror", "-o"])
+        .arg(&binary)
+        .arg(source)
+        .status()
+        .unwrap_or_else(|error| panic!("running {}: {error}", compiler.display()));
+    assert!(
+        status.success(),
+        "{} {source} failed ({status}): see the compiler's messages above",
+        compiler.display()
+    );
+    println!("cargo:rustc-env={variable}={}", binary.display());
+}

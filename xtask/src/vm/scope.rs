@@ -118,7 +118,11 @@ mod tests {
         );
         let failover_named = skip_args(&["failover".to_owned()], false);
         assert!(!failover_named.iter().any(|arg| arg == "_of_dnsmasq_"));
-        assert!(failover_named.iter().any(|arg| arg == "run_without_root_says_so"));
+        assert!(
+            failover_named
+                .iter()
+                .any(|arg| arg == "run_without_root_says_so")
+        );
         assert!(skip_args(&none, true).is_empty());
         assert!(describe(&none, true).is_empty());
         assert_eq!(describe(&none, false).lines().count(), HOST_ONLY.len());

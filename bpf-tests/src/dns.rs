@@ -116,12 +116,18 @@ impl QueryOutcome {
 /// One query of a `dns-stream` run, printed by it as one JSON line.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct StreamRecord {
+    /// The query's number among its socket kind's, from 0.
+    #[serde(default)]
+    pub seq: u64,
     /// When the query began (before its socket was opened or its send called), milliseconds
     /// since the Unix epoch: its destination was chosen after this.
     pub begun_ms: u64,
     /// When its send returned: its destination was chosen before this (at connect, or at the
     /// long-lived socket's sendto).
     pub steered_ms: u64,
+    /// When it was answered or failed.
+    #[serde(default)]
+    pub done_ms: u64,
     /// `fresh` (a new connected socket per query, as glibc does), `long` (one long-lived
     /// unconnected socket) or `connected` (one long-lived connected socket).
     pub kind: String,

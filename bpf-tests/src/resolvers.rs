@@ -69,34 +69,66 @@ pub enum Resolver {
     /// musl's getaddrinfo (a static binary, a process per query): an unconnected socket per
     /// lookup.
     MuslGetaddrinfo,
+    /// A raw connected UDP socket kept across queries, reopened when a send fails and the query
+    /// asked again at once (`dns-stream --kinds connected`).
+    RawConnected,
+    /// A raw unconnected UDP socket kept across queries (`dns-stream --kinds long`).
+    RawUnconnected,
 }
 
 impl Resolver {
-    /// The client's command line after the interpreter.
-    fn args(self) -> anyhow::Result<Vec<String>> {
-        let cares = || client("cares-stream.py").display().to_string();
-        let libc = |name: &str| {
-            vec![
-                client("libc-stream.py").display().to_string(),
-                "--client".to_owned(),
-                name.to_owned(),
-            ]
+    /// The program and the arguments that run the client, asking `server`.
+    fn command_line(
+        self,
+        sandbox: &Sandbox,
+        server: IpAddr,
+    ) -> anyhow::Result<(String, Vec<String>)> {
+        let python = |script: &str, args: &[&str]| {
+            let mut line = vec![client(script).display().to_string()];
+            line.extend(args.iter().map(|arg| (*arg).to_owned()));
+            (PYTHON.to_owned(), line)
         };
+        let raw = |kind: &str| {
+            (
+                sandbox.tools().dns_stream.display().to_string(),
+                [
+                    "--until-eof",
+                    "--kinds",
+                    kind,
+                    "--timeout-ms",
+                    "1000",
+                    "--server",
+                    &std::net::SocketAddr::new(server, 53).to_string(),
+                ]
+                .map(str::to_owned)
+                .to_vec(),
+            )
+        };
+        let server = server.to_string();
         Ok(match self {
-            Self::CaresStayOpen => vec![cares(), "--stayopen".to_owned()],
-            Self::CaresDefault => vec![cares()],
-            Self::GlibcGetaddrinfo => libc("getent"),
-            Self::GlibcResQueryStayOpen => libc("res-query"),
+            Self::CaresStayOpen => python("cares-stream.py", &["--stayopen", "--server", &server]),
+            Self::CaresDefault => python("cares-stream.py", &["--server", &server]),
+            Self::GlibcGetaddrinfo => python("libc-stream.py", &["--client", "getent"]),
+            Self::GlibcResQueryStayOpen => python("libc-stream.py", &["--client", "res-query"]),
             Self::MuslGetaddrinfo => {
-                let mut args = libc("musl");
-                args.extend(["--musl".to_owned(), musl_client()?.display().to_string()]);
-                args
+                let musl = musl_client()?.display().to_string();
+                python("libc-stream.py", &["--client", "musl", "--musl", &musl])
             }
+            Self::RawConnected => raw("connected"),
+            Self::RawUnconnected => raw("long"),
         })
     }
 
     fn is_cares(self) -> bool {
         matches!(self, Self::CaresStayOpen | Self::CaresDefault)
+    }
+
+    /// Whether the client reads the nameserver from `/etc/resolv.conf`.
+    fn reads_resolv_conf(self) -> bool {
+        matches!(
+            self,
+            Self::GlibcGetaddrinfo | Self::GlibcResQueryStayOpen | Self::MuslGetaddrinfo
+        )
     }
 }
 
@@ -154,15 +186,13 @@ impl ResolverStream {
                 deps.display()
             );
         }
-        let mut args = resolver.args()?;
-        if resolver.is_cares() {
-            args.extend(["--server".to_owned(), server.to_string()]);
-        } else {
+        if resolver.reads_resolv_conf() {
             sandbox
                 .netns(ns)
                 .write_resolv_conf(&format!("nameserver {server}\n{LIBC_OPTIONS}\n"))?;
         }
-        let (mut command, _procs) = sandbox.client_command(ns, sandbox.cgroup(), PYTHON)?;
+        let (program, args) = resolver.command_line(sandbox, server)?;
+        let (mut command, _procs) = sandbox.client_command(ns, sandbox.cgroup(), &program)?;
         command
             .args(&args)
             .env("PYTHONPATH", &deps)

@@ -267,8 +267,10 @@ mod tests {
 
     fn record(begun_ms: u64, steered_ms: u64, kind: &str, answer: Option<IpAddr>) -> StreamRecord {
         StreamRecord {
+            seq: 0,
             begun_ms,
             steered_ms,
+            done_ms: steered_ms,
             kind: kind.to_owned(),
             answer,
             error: answer

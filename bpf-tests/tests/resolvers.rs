@@ -4,7 +4,9 @@
 //!   gRPC C-core sets it) and with its default flags;
 //! - glibc: getaddrinfo (`getent ahosts`, a socket per lookup) and `res_query` on one resolver
 //!   state with `RES_STAYOPEN` (one connected socket for every query);
-//! - musl: getaddrinfo from a static binary (an unconnected socket per lookup).
+//! - musl: getaddrinfo from a static binary (an unconnected socket per lookup);
+//! - raw sockets: one connected UDP socket kept and reopened when a send fails, and one
+//!   unconnected UDP socket kept (`dns-stream`).
 //!
 //! Asserted: no query begun after the listener's route changed fails, and within 2 s of each
 //! failback at least 95 % of the queries reach the cache. Before the egress program, the
@@ -165,4 +167,24 @@ fn musl_getaddrinfo_through_a_hung_cache_and_back() -> anyhow::Result<()> {
 #[test]
 fn musl_getaddrinfo_through_a_killed_cache_and_a_restart() -> anyhow::Result<()> {
     through(Resolver::MuslGetaddrinfo, CacheEvent::Kill)
+}
+
+#[test]
+fn a_raw_connected_socket_through_a_hung_cache_and_back() -> anyhow::Result<()> {
+    through(Resolver::RawConnected, CacheEvent::Hang)
+}
+
+#[test]
+fn a_raw_connected_socket_through_a_killed_cache_and_a_restart() -> anyhow::Result<()> {
+    through(Resolver::RawConnected, CacheEvent::Kill)
+}
+
+#[test]
+fn a_raw_unconnected_socket_through_a_hung_cache_and_back() -> anyhow::Result<()> {
+    through(Resolver::RawUnconnected, CacheEvent::Hang)
+}
+
+#[test]
+fn a_raw_unconnected_socket_through_a_killed_cache_and_a_restart() -> anyhow::Result<()> {
+    through(Resolver::RawUnconnected, CacheEvent::Kill)
 }

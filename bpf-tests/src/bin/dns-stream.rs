@@ -3,12 +3,17 @@
 //! Kinds: `fresh` (a new connected UDP socket per query, as glibc does), `long` (one long-lived
 //! unconnected socket), `connected` (one long-lived connected socket, as c-ares does: reopened
 //! when a send fails, and the query asked again from the new socket; with `--mapped`, an
-//! AF_INET6 socket connected to the IPv4-mapped server address).
+//! AF_INET6 socket connected to the IPv4-mapped server address). With `--until-eof` it runs until
+//! its standard input closes instead, and speaks the resolver clients' protocol
+//! (`bpf_tests::resolvers`): a first line `{"streaming":true}`, the records, then the totals.
 
 use std::{
-    io::Write as _,
+    io::{Read as _, Write as _},
     net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, UdpSocket},
-    sync::{Arc, Mutex},
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicBool, AtomicU64, Ordering},
+    },
     thread,
     time::{Duration, Instant},
 };
@@ -41,8 +46,11 @@ struct Args {
     #[arg(long)]
     server: SocketAddr,
     /// How long to run.
-    #[arg(long)]
-    duration_ms: u64,
+    #[arg(long, required_unless_present = "until_eof")]
+    duration_ms: Option<u64>,
+    /// Run until standard input closes, then print the totals (`{"asked":N,"ended":N}`).
+    #[arg(long, conflicts_with = "duration_ms")]
+    until_eof: bool,
     /// Time between queries of each kind.
     #[arg(long, default_value_t = 20)]
     interval_ms: u64,
@@ -64,20 +72,43 @@ struct Settings {
     interval: Duration,
     timeout: Duration,
     mapped: bool,
+    /// Set once standard input closed (`--until-eof`).
+    stop: AtomicBool,
+    /// Records printed.
+    printed: AtomicU64,
     out: Mutex<std::io::Stdout>,
+}
+
+impl Settings {
+    fn running(&self) -> bool {
+        Instant::now() < self.deadline && !self.stop.load(Ordering::Relaxed)
+    }
 }
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    // Without a duration (`--until-eof`), a day: standard input ends it.
+    let duration = Duration::from_millis(args.duration_ms.unwrap_or(86_400_000));
     let settings = Arc::new(Settings {
         server: args.server,
-        deadline: Instant::now() + Duration::from_millis(args.duration_ms),
+        deadline: Instant::now() + duration,
         interval: Duration::from_millis(args.interval_ms),
         timeout: Duration::from_millis(args.timeout_ms),
         mapped: args.mapped,
+        stop: AtomicBool::new(false),
+        printed: AtomicU64::new(0),
         out: Mutex::new(std::io::stdout()),
     });
-    println!("ready");
+    if args.until_eof {
+        println!(r#"{{"streaming":true}}"#);
+        let settings = Arc::clone(&settings);
+        thread::spawn(move || {
+            let _ = std::io::stdin().read_to_end(&mut Vec::new());
+            settings.stop.store(true, Ordering::Relaxed);
+        });
+    } else {
+        println!("ready");
+    }
     let threads: Vec<_> = args
         .kinds
         .iter()
@@ -93,6 +124,11 @@ fn main() -> anyhow::Result<()> {
             .join()
             .map_err(|_| anyhow::anyhow!("a query thread panicked"))??;
     }
+    if args.until_eof {
+        // Every query ends before its thread asks the next: as many ended as were asked.
+        let printed = settings.printed.load(Ordering::Relaxed);
+        println!(r#"{{"asked":{printed},"ended":{printed}}}"#);
+    }
     Ok(())
 }
 
@@ -104,7 +140,8 @@ fn run(settings: &Settings, kind: Kind, first_id: u16) -> anyhow::Result<()> {
         Kind::Connected => Some(open(settings, true)?),
     };
     let mut id = first_id;
-    while Instant::now() < settings.deadline {
+    let mut seq = 0;
+    while settings.running() {
         id = id.wrapping_add(1);
         let begun_ms = now_ms();
         let (mut steered_ms, mut result) = query_once(settings, kind, long_lived.as_ref(), id);
@@ -125,12 +162,19 @@ fn run(settings: &Settings, kind: Kind, first_id: u16) -> anyhow::Result<()> {
         }
         emit(
             settings,
-            begun_ms,
-            steered_ms,
-            kind.name(),
+            StreamRecord {
+                seq,
+                begun_ms,
+                steered_ms,
+                done_ms: now_ms(),
+                kind: kind.name().to_owned(),
+                answer: None,
+                error: None,
+                reopened,
+            },
             result,
-            reopened,
         );
+        seq += 1;
         thread::sleep(settings.interval);
     }
     Ok(())
@@ -203,29 +247,16 @@ fn open(settings: &Settings, connect: bool) -> anyhow::Result<UdpSocket> {
     Ok(socket)
 }
 
-fn emit(
-    settings: &Settings,
-    begun_ms: u64,
-    steered_ms: u64,
-    kind: &str,
-    result: anyhow::Result<IpAddr>,
-    reopened: bool,
-) {
-    let (answer, error) = match result {
-        Ok(answer) => (Some(answer), None),
-        Err(error) => (None, Some(format!("{error:#}"))),
-    };
-    let record = StreamRecord {
-        begun_ms,
-        steered_ms,
-        kind: kind.to_owned(),
-        answer,
-        error,
-        reopened,
-    };
+/// Prints `record` with the query's `result`.
+fn emit(settings: &Settings, mut record: StreamRecord, result: anyhow::Result<IpAddr>) {
+    match result {
+        Ok(answer) => record.answer = Some(answer),
+        Err(error) => record.error = Some(format!("{error:#}")),
+    }
     if let (Ok(mut out), Ok(line)) = (settings.out.lock(), serde_json::to_string(&record)) {
         let _ = writeln!(out, "{line}");
         let _ = out.flush();
+        settings.printed.fetch_add(1, Ordering::Relaxed);
     }
 }
 

@@ -18,6 +18,7 @@ pub mod fake_kube;
 pub mod http;
 pub mod netns;
 pub mod pace;
+pub mod program_cost;
 pub mod resolvers;
 pub mod sandbox;
 pub mod stream;

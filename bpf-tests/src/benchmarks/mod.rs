@@ -117,6 +117,8 @@ pub struct Report {
     pub latency: Vec<steering::Latency>,
     /// Per-syscall cost of the hooks.
     pub hook_cost: Vec<steering::HookCost>,
+    /// Per-run cost of each program during those syscalls, from the kernel's accounting.
+    pub program_cost: Vec<steering::ProgramCost>,
     /// Conntrack entries left by fresh-socket queries.
     pub conntrack: Vec<conntrack::Entries>,
     /// Failover under load.

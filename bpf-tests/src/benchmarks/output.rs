@@ -133,6 +133,23 @@ pub fn markdown(report: &Report) -> String {
     );
     table(
         &mut text,
+        "Per-run cost of each program during those operations (ns per run, from the kernel's accounting, BPF_ENABLE_STATS, in a run apart from the timed ones; a figure includes the accounting's own clock reads, about 20-30 ns; programs that ran fewer than 100 times a trial are in results.json only)",
+        &["operation", "program", "runs per trial", "ns per run"],
+        report
+            .program_cost
+            .iter()
+            .filter(|row| row.runs_per_trial >= 100)
+            .map(|row| {
+                vec![
+                    row.operation.to_owned(),
+                    format!("`{}`", row.program),
+                    row.runs_per_trial.to_string(),
+                    row.ns_per_run.show(0),
+                ]
+            }),
+    );
+    table(
+        &mut text,
         "Conntrack entries left by 1000 fresh-socket queries (conntrack on, as on a node)",
         &["path", "answered", "entries"],
         report.conntrack.iter().map(|row| {

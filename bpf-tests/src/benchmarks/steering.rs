@@ -207,6 +207,32 @@ pub struct HookCost {
     pub with_ns: Spread,
 }
 
+/// What each program costs per run during one of [`HOOK_OPERATIONS`], from the kernel's
+/// accounting.
+#[derive(Clone, Debug, Serialize)]
+pub struct ProgramCost {
+    /// The operation run.
+    pub operation: &'static str,
+    /// The program.
+    pub program: &'static str,
+    /// How often it ran in one trial's run of the operation.
+    pub runs_per_trial: u64,
+    /// Nanoseconds per run, one figure per trial.
+    pub ns_per_run: Spread,
+}
+
+/// Runs `operation` once more with the programs attached and the kernel's accounting on, and
+/// returns the runs of every program meanwhile. Apart from the timed runs: the accounting adds
+/// its clock reads to every run, which would count against the programs in [`hook_cost`].
+pub fn program_runs(rig: &Rig, operation: usize) -> anyhow::Result<Vec<crate::program_cost::Runs>> {
+    let accounting = crate::program_cost::Accounting::enable()?;
+    let pin_dir = rig.sandbox.pin_dir();
+    let before = accounting.snapshot(&pin_dir)?;
+    hook_cost(rig, operation, true)?;
+    let after = accounting.snapshot(&pin_dir)?;
+    Ok(after.since(&before))
+}
+
 /// The timed operations: (name, mode, target, count).
 pub const HOOK_OPERATIONS: [(&str, &str, &str, &str); 3] = [
     (

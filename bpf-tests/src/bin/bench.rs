@@ -1,7 +1,7 @@
 //! `cargo xtask bench`: redirector against the incumbents, side by side in one run (see
 //! `bpf_tests::benchmarks`). Writes results.json, results.md and SVG charts into `--out`.
 
-use std::{path::PathBuf, time::Duration};
+use std::{collections::BTreeMap, path::PathBuf, time::Duration};
 
 use bpf_tests::benchmarks::{
     Machine, Report, Spread, conntrack,
@@ -50,6 +50,8 @@ fn main() -> anyhow::Result<()> {
         runs.iter().map(|(path, _)| (*path, Vec::new())).collect();
     let mut without = vec![Vec::new(); HOOK_OPERATIONS.len()];
     let mut with = vec![Vec::new(); HOOK_OPERATIONS.len()];
+    // (operation, program) → (ns per run of each trial, runs in the last trial).
+    let mut per_run: BTreeMap<(usize, &'static str), (Vec<f64>, u64)> = BTreeMap::new();
     for trial in 0..TRIALS {
         for ((path, runs), (_, samples)) in runs.iter_mut().zip(samples.iter_mut()) {
             let agent = match path {
@@ -75,6 +77,13 @@ fn main() -> anyhow::Result<()> {
                 let stopped = rig.stop_agent(agent)?;
                 for (operation, trials) in with.iter_mut().enumerate() {
                     trials.push(steering::hook_cost(&rig, operation, true)?);
+                }
+                for operation in 0..HOOK_OPERATIONS.len() {
+                    for runs in steering::program_runs(&rig, operation)? {
+                        let entry = per_run.entry((operation, runs.program)).or_default();
+                        entry.0.push(runs.ns_per_run());
+                        entry.1 = runs.count;
+                    }
                 }
                 rig.uninstall(stopped)?;
                 for (operation, trials) in without.iter_mut().enumerate() {
@@ -148,11 +157,23 @@ fn main() -> anyhow::Result<()> {
             with_ns: Spread::of(with),
         })
         .collect();
+    let program_cost = per_run
+        .into_iter()
+        .map(
+            |((operation, program), (trials, runs_per_trial))| steering::ProgramCost {
+                operation: HOOK_OPERATIONS[operation].0,
+                program,
+                runs_per_trial,
+                ns_per_run: Spread::of(trials),
+            },
+        )
+        .collect();
     let report = Report {
         machine,
         throughput,
         latency,
         hook_cost,
+        program_cost,
         conntrack: entries,
         failover: failovers,
         setup: setups,

@@ -101,6 +101,7 @@ fn upstream_mode_steers_every_transport_and_rewrites_replies() -> anyhow::Result
     let mut bench = Bench::standard(tools())?;
     bench.set_mode(NODE_ID, MODE_UPSTREAM)?;
     let mut queries = 0;
+    let mut unconnected = 0;
     for (ns, query) in every_client(NODE_LISTENER) {
         let outcome = bench.sandbox.query(ns, query)?;
         assert!(outcome.ok, "{ns:?} {query:?}: {outcome:?}");
@@ -115,6 +116,7 @@ fn upstream_mode_steers_every_transport_and_rewrites_replies() -> anyhow::Result
             "the client must see the listener: {ns:?} {query:?}: {outcome:?}"
         );
         queries += 1;
+        unconnected += u64::from(query.transport == Transport::Udp);
     }
     let counters = bench.counters(NODE_ID)?;
     // One connect (connected UDP, TCP) or one sendmsg (unconnected UDP) per query.
@@ -123,12 +125,15 @@ fn upstream_mode_steers_every_transport_and_rewrites_replies() -> anyhow::Result
     // One recvmsg (unconnected UDP) or one getpeername (connected UDP, TCP) per query.
     assert_eq!(counters.reverse_translated, queries);
     assert_eq!(counters.reverse_missed, 0);
-    // Every translation recorded points from an upstream back to the listener.
+    // Every translation recorded points from an upstream back to the listener. A connected
+    // socket (UDP or TCP) hears only from its peer, which its socket storage holds: only the
+    // unconnected sockets, which may talk to several targets, have an entry in the LRU map.
     let entries = bench.reverse_entries();
+    assert!(unconnected > 0 && unconnected < queries);
     assert_eq!(
         entries.len() as u64,
-        queries,
-        "one reverse entry per steered socket"
+        unconnected,
+        "one reverse entry per steered unconnected socket"
     );
     for (key, value) in entries {
         let peer = IpAddr::from(key.peer);

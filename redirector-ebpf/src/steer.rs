@@ -114,9 +114,9 @@ pub fn try_steer(ctx: &SockAddrContext, family: Family, hook: Hook) -> Result<()
     }
     context::set_user_addr(ctx, family, &target.addr);
     context::set_user_port_be(ctx, target_port_be);
-    let cookie = cookie.unwrap_or_else(|| context::socket_cookie(ctx));
     remember_translation(
         ctx,
+        hook,
         cookie,
         &listener,
         listener_addr,
@@ -200,11 +200,14 @@ fn empty_pool(
 /// several targets (`SteeredSocket` says which the reply hooks read). An unconnected socket sends
 /// many datagrams to one target: its storage already holds the translation, so the LRU map is
 /// written once per change of (listener, target), not once per datagram; the storage's time is
-/// that of the change.
+/// that of the change. A connected socket hears only from its peer, which its storage holds: it
+/// writes the LRU map only when it has no storage (the kernel could not allocate it), and so
+/// fetches no cookie on the cache route.
 #[inline(always)]
 fn remember_translation(
     ctx: &SockAddrContext,
-    cookie: u64,
+    hook: Hook,
+    cookie: Option<u64>,
     listener: &ListenerConfig,
     listener_addr: NetAddr,
     target: &NetAddr,
@@ -227,14 +230,17 @@ fn remember_translation(
             return;
         }
     }
-    let key = ReverseKey::new(cookie, *target, target_port_be);
-    let value = ReverseValue {
-        listener: listener_addr,
-        listener_id: listener.id,
-    };
-    // A full LRU evicts its oldest entry; an error here leaves only the replies from this
-    // target unrewritten once the socket has moved on to another one.
-    let _ = REVERSE_NAT.insert(key, value, u64::from(BPF_ANY));
+    if hook == Hook::Sendmsg || stored.is_null() {
+        let cookie = cookie.unwrap_or_else(|| context::socket_cookie(ctx));
+        let key = ReverseKey::new(cookie, *target, target_port_be);
+        let value = ReverseValue {
+            listener: listener_addr,
+            listener_id: listener.id,
+        };
+        // A full LRU evicts its oldest entry; an error here leaves only the replies from this
+        // target unrewritten once the socket has moved on to another one.
+        let _ = REVERSE_NAT.insert(key, value, u64::from(BPF_ANY));
+    }
     if !stored.is_null() {
         // SAFETY: plain helper call (4.1+); read only when the translation changes.
         translation.steered_ns = unsafe { bpf_ktime_get_ns() };

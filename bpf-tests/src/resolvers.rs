@@ -292,15 +292,6 @@ impl ResolverReport {
             .filter(move |record| record.begun_ms >= from && record.begun_ms < to)
     }
 
-    /// The first query begun at or after `from` that `by` answered (`cache`, or `upstream`
-    /// for either upstream).
-    #[must_use]
-    pub fn first_answered_by(&self, by: &str, from: u64) -> Option<&ResolverRecord> {
-        self.records
-            .iter()
-            .find(|record| record.begun_ms >= from && record.answered_by().starts_with(by))
-    }
-
     /// One line per kind of outcome, then the failures, for assertion messages.
     #[must_use]
     pub fn summary(&self) -> String {

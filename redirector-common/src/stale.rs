@@ -30,7 +30,8 @@ pub const FAILBACK_GRACE_NS: u64 = 1_000_000_000;
 /// Where a connected socket's peer stands against its listener's route now.
 ///
 /// - `on_cache`: the peer is the listener's cache address and port.
-/// - `in_pool`: the peer is a target of the listener's pool.
+/// - `in_pool`: the peer is a target of the listener's pool (read only when the route is the
+///   upstream pool, as is `pool_len`).
 /// - `pool_len`: the pool's size. With an empty pool nothing is moved towards it: new sockets
 ///   meet the empty-pool policy, and a socket already open keeps what it has rather than being
 ///   refused for nothing better.

@@ -94,7 +94,12 @@ pub fn try_check_egress(ctx: &SkBuffContext) -> Egress {
         return Egress::Pass;
     };
     let on_cache = peer == listener.cache.addr && port_be(DNS_PORT) == listener.cache.udp_port_be;
-    let (in_pool, pool_len) = in_pool(listener.id, &peer);
+    // The pool matters only towards the upstreams: a socket on the cache route is judged by its
+    // peer alone, without the pool's lookup and scan on every send.
+    let (in_pool, pool_len) = match route {
+        Route::Upstream => in_pool(listener.id, &peer),
+        Route::Cache => (false, 0),
+    };
     // The clock is read only for a socket off the cache while the route is the cache.
     let fresh = route == Route::Cache
         && !on_cache

@@ -193,6 +193,9 @@ pub struct Query {
     pub transport: Transport,
     /// Use an AF_INET6 socket and the IPv4-mapped form of an IPv4 server.
     pub mapped: bool,
+    /// Unconnected UDP: also send each query to this server from the same socket, before
+    /// reading either reply (two outcomes per query, in the order the replies arrive).
+    pub also: Option<SocketAddr>,
     /// Ask for AAAA instead of A.
     pub aaaa: bool,
 }
@@ -205,7 +208,17 @@ impl Query {
             server,
             transport,
             mapped: false,
+            also: None,
             aaaa: false,
+        }
+    }
+
+    /// The same query sent to `server` too, from the same socket, before either reply is read.
+    #[must_use]
+    pub fn also(self, server: SocketAddr) -> Self {
+        Self {
+            also: Some(server),
+            ..self
         }
     }
 
@@ -670,6 +683,12 @@ impl Sandbox {
         outcomes.pop().context("dns-query printed no outcome")
     }
 
+    /// Runs one query from `ns` in the sandbox's cgroup and returns every outcome it printed
+    /// (two for a query sent to two servers with `Query::also`).
+    pub fn query_all(&self, ns: Ns, query: Query) -> anyhow::Result<Vec<QueryOutcome>> {
+        self.queries_in(ns, self.cgroup(), query, 1)
+    }
+
     /// Runs `count` queries one after the other from `ns` in `cgroup`, each from a fresh socket.
     pub fn queries_in(
         &self,
@@ -718,6 +737,9 @@ impl Sandbox {
         }
         if query.aaaa {
             command.arg("--aaaa");
+        }
+        if let Some(also) = query.also {
+            command.args(["--also", &also.to_string()]);
         }
         Ok((command, procs))
     }

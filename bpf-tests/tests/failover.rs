@@ -16,7 +16,10 @@ use bpf_tests::{
     topology::{NODE_LISTENER, dns, who},
 };
 use nix::sys::signal::Signal;
-use redirector_common::listener::{HEALTH_UP, Reason, Route};
+use redirector_common::{
+    binds::{MARKED, UNMARKED},
+    listener::{HEALTH_UP, Reason, Route},
+};
 
 fn tools() -> Tools {
     bpf_tests::tools!()
@@ -263,6 +266,46 @@ fn hang_and_resume(kind: CacheKind) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A probe is sent every interval whether or not the earlier ones have answered: with a timeout
+/// ten intervals long, a hang of two timeouts sees about ten probes time out, where probing in
+/// rounds (each waiting for the last) would see two.
+#[test]
+fn probes_keep_their_pace_while_a_hung_cache_leaves_earlier_ones_unanswered() -> anyhow::Result<()>
+{
+    let mut sandbox = Sandbox::new(tools())?;
+    sandbox.start_standard_servers()?;
+    let config = sandbox.config_toml_probing(
+        &standard_listeners(&sandbox),
+        bpf_tests::sandbox::UNMANAGED_INTERFACE,
+        paced(Duration::from_millis(100)),
+        paced(Duration::from_millis(1000)),
+    );
+    let mut bench = Bench::with_config(sandbox, &config)?;
+    let failed = |bench: &Bench| {
+        bench
+            .agent
+            .stats
+            .probe_counts()
+            .iter()
+            .filter(|(listener, alive, _)| listener == "node" && !alive)
+            .map(|(_, _, count)| count)
+            .sum::<u64>()
+    };
+    let before = failed(&bench);
+    bench.sandbox.process("cache")?.signal(Signal::SIGSTOP)?;
+    pause(2000);
+    let during = failed(&bench) - before;
+    bench.sandbox.process("cache")?.signal(Signal::SIGCONT)?;
+    assert!(
+        during >= 5,
+        "only {during} probes timed out in two timeouts' time: probes waited for each other"
+    );
+    bench.wait_until("failback", Duration::from_secs(10), |bench| {
+        Ok(answered_by(&bench.sandbox)? == "cache")
+    })?;
+    Ok(())
+}
+
 #[test]
 fn sigstop_of_the_test_server_fails_over_by_probes_and_sigcont_back() -> anyhow::Result<()> {
     hang_and_resume(CacheKind::TestServer)
@@ -459,7 +502,39 @@ fn an_agent_started_after_the_cache_sees_it_alive_and_one_started_before_waits_f
         "seeded from the socket tables"
     );
     assert_eq!(answered_by(&bench.sandbox)?, "cache");
+    // Seeded sockets carry no mark, so every release in the caches' namespace is looked up by
+    // cookie while they live.
+    assert!(
+        bench
+            .maps
+            .cache_sockets()
+            .iter()
+            .all(|(_, entry)| entry.marked == UNMARKED)
+    );
+    assert_ne!(bench.maps.datapath_config()?.unmarked_cache_sockets, 0);
     // The seeded socket is uncounted by the kernel when it closes.
+    bench.sandbox.stop_server("cache")?;
+    assert_eq!(bench.sockets(NODE_ID)?.udp, 0);
+    assert!(answered_by(&bench.sandbox)?.starts_with("upstream"));
+    // With no unmarked socket left, releases go back to the mark alone.
+    bench.wait_until(
+        "the unmarked sockets forgotten",
+        Duration::from_secs(5),
+        |bench| Ok(bench.maps.datapath_config()?.unmarked_cache_sockets == 0),
+    )?;
+    // A cache started now is marked at bind, and its death is seen through the mark.
+    bench.sandbox.start_cache("cache", &CacheSpec::standard())?;
+    bench.wait_until(
+        "the restarted cache confirmed by probes",
+        Duration::from_secs(5),
+        |bench| Ok(answered_by(&bench.sandbox)? == "cache"),
+    )?;
+    let counted = bench.maps.cache_sockets();
+    assert!(
+        !counted.is_empty() && counted.iter().all(|(_, entry)| entry.marked == MARKED),
+        "{counted:?}"
+    );
+    assert_eq!(bench.maps.datapath_config()?.unmarked_cache_sockets, 0);
     bench.sandbox.stop_server("cache")?;
     assert_eq!(bench.sockets(NODE_ID)?.udp, 0);
     assert!(answered_by(&bench.sandbox)?.starts_with("upstream"));
@@ -577,7 +652,7 @@ fn a_miscount_heals_on_the_next_reconciles() -> anyhow::Result<()> {
     let phantom = redirector_common::binds::CacheSocket {
         listeners: 1,
         protocol: redirector_common::counters::PROTOCOL_UDP,
-        _padding: 0,
+        marked: UNMARKED,
     };
     assert!(bench.maps.count_cache_socket(u64::MAX - 7, phantom)?);
     assert_eq!(bench.sockets(NODE_ID)?.udp, 2);

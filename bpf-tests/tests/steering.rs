@@ -101,7 +101,6 @@ fn upstream_mode_steers_every_transport_and_rewrites_replies() -> anyhow::Result
     let mut bench = Bench::standard(tools())?;
     bench.set_mode(NODE_ID, MODE_UPSTREAM)?;
     let mut queries = 0;
-    let mut unconnected = 0;
     for (ns, query) in every_client(NODE_LISTENER) {
         let outcome = bench.sandbox.query(ns, query)?;
         assert!(outcome.ok, "{ns:?} {query:?}: {outcome:?}");
@@ -116,7 +115,6 @@ fn upstream_mode_steers_every_transport_and_rewrites_replies() -> anyhow::Result
             "the client must see the listener: {ns:?} {query:?}: {outcome:?}"
         );
         queries += 1;
-        unconnected += u64::from(query.transport == Transport::Udp);
     }
     let counters = bench.counters(NODE_ID)?;
     // One connect (connected UDP, TCP) or one sendmsg (unconnected UDP) per query.
@@ -125,24 +123,65 @@ fn upstream_mode_steers_every_transport_and_rewrites_replies() -> anyhow::Result
     // One recvmsg (unconnected UDP) or one getpeername (connected UDP, TCP) per query.
     assert_eq!(counters.reverse_translated, queries);
     assert_eq!(counters.reverse_missed, 0);
-    // Every translation recorded points from an upstream back to the listener. A connected
-    // socket (UDP or TCP) hears only from its peer, which its socket storage holds: only the
-    // unconnected sockets, which may talk to several targets, have an entry in the LRU map.
+    // Every socket here talked to one target, which its own storage holds: the LRU map, for
+    // sockets that move between targets, stays empty.
     let entries = bench.reverse_entries();
-    assert!(unconnected > 0 && unconnected < queries);
-    assert_eq!(
-        entries.len() as u64,
-        unconnected,
-        "one reverse entry per steered unconnected socket"
-    );
-    for (key, value) in entries {
-        let peer = IpAddr::from(key.peer);
-        assert!(
-            peer == IpAddr::V4(UPSTREAM_A_V4) || peer == IpAddr::V4(UPSTREAM_B_V4),
-            "{peer}"
+    assert!(entries.is_empty(), "{entries:?}");
+    Ok(())
+}
+
+/// musl sends a query to every nameserver at once from one unconnected socket. Here the socket
+/// asks both listeners before reading a reply, and each listener's pool puts it on a different
+/// upstream: the second send moves the socket's storage to the second translation and pushes the
+/// first into the LRU map, where the first reply, read after both sends, finds it.
+#[test]
+fn an_unconnected_socket_asking_two_listeners_at_once_sees_each_reply_from_its_listener()
+-> anyhow::Result<()> {
+    let mut bench = Bench::standard(tools())?;
+    let a = dns(UPSTREAM_A_V4);
+    let b = dns(UPSTREAM_B_V4);
+    bench.set_mode(NODE_ID, MODE_UPSTREAM)?;
+    bench.set_mode(CLUSTER_ID, MODE_UPSTREAM)?;
+    // The same index of the two pools is never the same upstream.
+    bench.set_pool(CLUSTER_ID, &[b, a])?;
+    let query = Query::new(dns(NODE_LISTENER), Transport::Udp).also(dns(CLUSTER_LISTENER));
+    let outcomes = bench.sandbox.query_all(Ns::Pod, query)?;
+    assert_eq!(outcomes.len(), 2, "{outcomes:?}");
+
+    // The first translation (the node listener's) went to the LRU map: one entry, pointing from
+    // the upstream the socket's cookie picks in the node's pool back to the node listener.
+    let entries = bench.reverse_entries();
+    assert_eq!(entries.len(), 1, "{entries:?}");
+    let (key, value) = entries[0];
+    assert_eq!(IpAddr::from(value.listener), IpAddr::V4(NODE_LISTENER));
+    assert_eq!(value.listener_id, NODE_ID);
+    let pool = bench.maps.pool(NODE_ID)?;
+    let index = redirector_common::pool::pick_index(key.socket_cookie, pool.len);
+    assert_eq!(pool.targets()[index as usize].addr, key.peer);
+    let node_upstream = IpAddr::from(key.peer);
+    let (node_identity, cluster_identity) = if node_upstream == IpAddr::V4(UPSTREAM_A_V4) {
+        (UPSTREAM_A, UPSTREAM_B)
+    } else {
+        (UPSTREAM_B, UPSTREAM_A)
+    };
+
+    for outcome in &outcomes {
+        assert!(outcome.ok, "{outcome:?}");
+        let expected = if outcome.answer() == Some(IpAddr::V4(node_identity.a)) {
+            dns(NODE_LISTENER)
+        } else {
+            assert_eq!(outcome.answer(), Some(IpAddr::V4(cluster_identity.a)));
+            dns(CLUSTER_LISTENER)
+        };
+        assert_eq!(seen_peer(outcome), Some(expected), "{outcome:?}");
+    }
+    for id in [NODE_ID, CLUSTER_ID] {
+        let counters = bench.counters(id)?;
+        assert_eq!(
+            (counters.reverse_translated, counters.reverse_missed),
+            (1, 0),
+            "listener {id}: {counters:?}"
         );
-        assert_eq!(IpAddr::from(value.listener), IpAddr::V4(NODE_LISTENER));
-        assert_eq!(value.listener_id, NODE_ID);
     }
     Ok(())
 }
@@ -163,18 +202,8 @@ fn each_socket_keeps_one_upstream_and_sockets_spread_over_the_pool() -> anyhow::
         ["upstream A", "upstream B"],
         "16 fresh sockets must reach both upstreams: {seen:?}"
     );
-    // A socket's target is a function of its cookie: the recorded target of each socket is the
-    // one `pick_index` chooses for that cookie.
-    let pool = bench.maps.pool(NODE_ID)?;
-    for (key, _) in bench.reverse_entries() {
-        let index = redirector_common::pool::pick_index(key.socket_cookie, pool.len);
-        assert_eq!(
-            pool.targets()[index as usize].addr,
-            key.peer,
-            "cookie {}",
-            key.socket_cookie
-        );
-    }
+    // That each socket's target is the one `pick_index` gives its cookie is checked where a
+    // translation reaches the LRU map (the socket asks two listeners at once).
     Ok(())
 }
 
@@ -247,6 +276,39 @@ fn dig_and_glibc_resolve_through_the_listener() -> anyhow::Result<()> {
             );
         }
     }
+    Ok(())
+}
+
+/// The reply hooks pass over datagrams from ports no target uses, without touching the socket:
+/// a target on another port must have its port let through before any socket reaches it.
+#[test]
+fn replies_from_a_target_on_another_port_are_translated() -> anyhow::Result<()> {
+    let mut bench = Bench::standard(tools())?;
+    let elsewhere = SocketAddr::new(IpAddr::V4(UPSTREAM_A_V4), 5353);
+    bench
+        .sandbox
+        .start_server("A on 5353", Ns::Upstream, &[elsewhere], UPSTREAM_A)?;
+    let port_be = |port: u16| port.to_be();
+    assert!(bench.maps.replies_allowed_from(port_be(53))?);
+    assert!(!bench.maps.replies_allowed_from(port_be(5353))?);
+    bench.set_pool(NODE_ID, &[elsewhere])?;
+    assert!(bench.maps.replies_allowed_from(port_be(5353))?);
+    assert!(!bench.maps.replies_allowed_from(port_be(5354))?);
+    bench.set_mode(NODE_ID, MODE_UPSTREAM)?;
+    for (ns, query) in every_client(NODE_LISTENER) {
+        let outcome = bench.sandbox.query(ns, query)?;
+        assert_eq!(
+            who(outcome.answer()),
+            "upstream A",
+            "{query:?}: {outcome:?}"
+        );
+        assert_eq!(
+            seen_peer(&outcome),
+            Some(listener_as_seen_by(&query, NODE_LISTENER)),
+            "{ns:?} {query:?}: {outcome:?}"
+        );
+    }
+    assert_eq!(bench.counters(NODE_ID)?.reverse_missed, 0);
     Ok(())
 }
 
@@ -523,24 +585,32 @@ fn long_lived_sockets_keep_their_translation_when_the_lru_churns() -> anyhow::Re
         held.push((transport, client));
     }
 
-    // Three times the map's size in fresh sockets, each with an entry of its own.
+    // Three times the map's size in fresh sockets, each with an entry of its own: each asks both
+    // listeners at once, and the cluster listener's pool puts it on the other upstream, so its
+    // second send pushes its first translation into the map.
+    bench.set_mode(CLUSTER_ID, MODE_UPSTREAM)?;
+    bench.set_pool(CLUSTER_ID, &[dns(UPSTREAM_B_V4), dns(UPSTREAM_A_V4)])?;
+    let cluster = dns(CLUSTER_LISTENER);
     let churn = 3 * ENTRIES;
     let mut answered = 0;
     for _ in 0..3 {
         let outcomes = bench.sandbox.queries_in(
             Ns::Pod,
             bench.sandbox.cgroup(),
-            Query::new(listener, Transport::Udp),
+            Query::new(listener, Transport::Udp).also(cluster),
             u16::try_from(ENTRIES)?,
         )?;
         answered += outcomes
             .iter()
-            .filter(|outcome| outcome.ok && seen_peer(outcome) == Some(listener))
+            .filter(|outcome| {
+                outcome.ok && [Some(listener), Some(cluster)].contains(&seen_peer(outcome))
+            })
             .count();
     }
     assert_eq!(
-        answered, churn,
-        "every churning query was answered as the listener"
+        answered,
+        2 * churn,
+        "every churning query was answered as the listener it asked"
     );
     let entries = bench.reverse_entries().len();
     assert!(

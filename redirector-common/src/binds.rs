@@ -59,10 +59,38 @@ pub struct CacheSocket {
     pub listeners: u64,
     /// `PROTOCOL_UDP` or `PROTOCOL_TCP`.
     pub protocol: u32,
-    /// Zero.
-    pub _padding: u32,
+    /// `MARKED` when the socket carries a `CACHE_MARKS` mark (`post_bind` set one), else
+    /// `UNMARKED` (the agent counted it, or the kernel could not allocate the mark): while any
+    /// entry is unmarked, `sock_release` looks up every closing socket's cookie.
+    pub marked: u32,
 }
 const _: () = assert!(size_of::<CacheSocket>() == 16);
+
+/// `CacheSocket::marked`: the socket carries a `CACHE_MARKS` mark.
+pub const MARKED: u32 = 1;
+/// `CacheSocket::marked`: the socket carries no mark.
+pub const UNMARKED: u32 = 0;
+
+impl CacheSocket {
+    /// Whether the entry counts the same socket for the same listeners as `other` (whoever
+    /// marked it).
+    #[inline(always)]
+    #[must_use]
+    pub const fn counts_like(&self, other: &Self) -> bool {
+        self.listeners == other.listeners && self.protocol == other.protocol
+    }
+}
+
+/// Value of `CACHE_MARKS`, the socket-local storage that marks a socket `post_bind` counted, so
+/// that `sock_release` tells a cache socket from the node's other sockets with one storage lookup
+/// (no cookie fetched, no hash looked up for every close).
+#[repr(C)]
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
+pub struct CacheMark {
+    /// `MARKED`.
+    pub marked: u32,
+}
+const _: () = assert!(size_of::<CacheMark>() == 4);
 
 /// `0.0.0.0` in the shared representation (IPv4-mapped).
 pub const IPV4_UNSPECIFIED: NetAddr = NetAddr::from_ipv4_be(0);

@@ -17,8 +17,15 @@ pub struct DatapathConfig {
     /// Cookie of the network namespace the caches run in (the node's): only sockets bound there
     /// count as a cache's, so a pod's own DNS server on :53 never keeps a listener "alive".
     pub cache_netns_cookie: u64,
+    /// Non-zero while some counted cache socket is `binds::UNMARKED` (the agent counted sockets
+    /// that existed before the programs): `sock_release` then looks up every closing socket by
+    /// cookie, as it must to uncount those. The agent sets it before it inserts such an entry and
+    /// clears it once none is left.
+    pub unmarked_cache_sockets: u32,
+    /// Zero.
+    pub _padding: u32,
 }
-const _: () = assert!(size_of::<DatapathConfig>() == 16);
+const _: () = assert!(size_of::<DatapathConfig>() == 24);
 
 /// Value of `SKIP_CGROUPS`, keyed by cgroup id (the inode number of its cgroup2 directory).
 #[repr(C)]

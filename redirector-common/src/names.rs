@@ -16,12 +16,16 @@ pub const MAP_SOCKET_COUNTS: &str = "SOCKET_COUNTS";
 pub const MAP_CACHE_BINDS: &str = "CACHE_BINDS";
 /// Socket cookie → `CacheSocket`: the counted cache sockets.
 pub const MAP_CACHE_SOCKETS: &str = "CACHE_SOCKETS";
+/// Socket-local storage: marks the cache sockets `post_bind` counted (`CacheMark`).
+pub const MAP_CACHE_MARKS: &str = "CACHE_MARKS";
 /// Listener id → `Pool` of upstream targets, replaced whole on every change.
 pub const MAP_POOLS: &str = "POOLS";
 /// `ReverseKey` → `ReverseValue`: what a reply's source must be rewritten to.
 pub const MAP_REVERSE_NAT: &str = "REVERSE_NAT";
 /// Socket-local storage: marks sockets that were steered at least once.
 pub const MAP_STEERED_SOCKS: &str = "STEERED_SOCKS";
+/// `reply_port_bit` word → bits of the ports some target uses (replies come from them).
+pub const MAP_REPLY_PORTS: &str = "REPLY_PORTS";
 /// `counter_index(listener, protocol)` → per-CPU `ListenerCounters`.
 pub const MAP_COUNTERS: &str = "COUNTERS";
 /// cgroup id → `SkipCgroup`: sockets of these cgroups (and their descendants) are never steered.
@@ -30,17 +34,19 @@ pub const MAP_SKIP_CGROUPS: &str = "SKIP_CGROUPS";
 pub const MAP_DATAPATH_CONFIG: &str = "DATAPATH_CONFIG";
 
 /// Every map in the object.
-pub const ALL_MAPS: [&str; 13] = [
+pub const ALL_MAPS: [&str; 15] = [
     MAP_LISTENERS,
     MAP_LISTENER_MODE,
     MAP_CACHE_HEALTH,
     MAP_SOCKET_COUNTS,
     MAP_CACHE_BINDS,
     MAP_CACHE_SOCKETS,
+    MAP_CACHE_MARKS,
     MAP_LISTENER_INFO,
     MAP_POOLS,
     MAP_REVERSE_NAT,
     MAP_STEERED_SOCKS,
+    MAP_REPLY_PORTS,
     MAP_COUNTERS,
     MAP_SKIP_CGROUPS,
     MAP_DATAPATH_CONFIG,

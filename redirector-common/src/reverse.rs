@@ -47,15 +47,28 @@ pub struct ReverseValue {
 }
 const _: () = assert!(size_of::<ReverseValue>() == 20);
 
+/// Words of the `REPLY_PORTS` array: one bit per port.
+pub const REPLY_PORT_WORDS: usize = 1024;
+
+/// The word of `REPLY_PORTS` and the bit in it for a port in network byte order (the map is
+/// indexed by the network-order value, as the programs read it, so neither side converts).
+#[inline(always)]
+#[must_use]
+pub const fn reply_port_bit(port_be: u16) -> (u32, u64) {
+    ((port_be >> 6) as u32, 1 << (port_be & 63))
+}
+
 /// Value of the `STEERED_SOCKS` socket storage: present once a socket was steered to a target
 /// other than the address it named, and the translation of its replies. `recvmsg` and
-/// `getpeername` of sockets without it return at once, so unrelated UDP pays one storage lookup
-/// and nothing else. Replies from the target it holds are rewritten from it alone: it lives as
-/// long as the socket, so a long-lived socket keeps its translation however many other sockets
-/// churn through `REVERSE_NAT` (an LRU that evicts). `REVERSE_NAT` serves the other targets of a
-/// socket that sent to several (an unconnected socket asking two listeners in turn), and is
-/// written only when this translation changes, so a socket sending many datagrams to one target
-/// writes it once.
+/// `getpeername` first check the peer's port against `REPLY_PORTS` (the ports of every target the
+/// agent ever installed), so unrelated UDP returns after one inlined array lookup; sockets
+/// without storage return after one storage lookup more. Replies from the target it holds are
+/// rewritten from it alone: it lives as long as the socket, so a long-lived socket keeps its
+/// translation however many other sockets churn through `REVERSE_NAT` (an LRU that evicts).
+/// `REVERSE_NAT` serves the other targets of a socket that sent to several (an unconnected
+/// socket asking two listeners at once, as musl does): it is written only when a socket that
+/// holds one translation moves to another, with the translation it held, so a socket that only
+/// ever talks to one target (nearly all of them) never writes it.
 #[repr(C)]
 #[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
 pub struct SteeredSocket {
@@ -85,6 +98,14 @@ impl SteeredSocket {
             && self.peer == other.peer
             && self.listener == other.listener
     }
+
+    /// Whether it holds a translation yet (a storage just created holds zeros, and no target
+    /// has port 0).
+    #[inline(always)]
+    #[must_use]
+    pub const fn holds_translation(&self) -> bool {
+        self.peer_port_be != 0
+    }
 }
 
 #[cfg(test)]
@@ -103,6 +124,31 @@ mod tests {
             ReverseKey::new(7, a, 5353u16.to_be())
         );
         assert_eq!(ReverseKey::new(7, a, port)._padding, [0; 6]);
+    }
+
+    #[test]
+    fn every_port_has_its_own_bit_in_the_reply_ports() {
+        let mut seen = [0u64; REPLY_PORT_WORDS];
+        for port in 0..=u16::MAX {
+            let (word, bit) = reply_port_bit(port);
+            assert_eq!(bit.count_ones(), 1);
+            let word = &mut seen[word as usize];
+            assert_eq!(*word & bit, 0, "{port}");
+            *word |= bit;
+        }
+        assert!(seen.iter().all(|word| *word == u64::MAX));
+    }
+
+    #[test]
+    fn fresh_storage_holds_no_translation() {
+        assert!(!SteeredSocket::default().holds_translation());
+        assert!(
+            SteeredSocket {
+                peer_port_be: 53u16.to_be(),
+                ..SteeredSocket::default()
+            }
+            .holds_translation()
+        );
     }
 
     #[test]

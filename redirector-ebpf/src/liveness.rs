@@ -3,20 +3,21 @@
 //! no userspace in the path.
 //!
 //! cgroup `sock` hooks: `post_bind4`/`post_bind6` since 4.17, `sock_release` since 5.9;
-//! `bpf_get_netns_cookie` and `bpf_get_socket_cookie` for them since 5.7 and 5.10.
+//! `bpf_get_netns_cookie` and `bpf_get_socket_cookie` for them since 5.7 and 5.10,
+//! `bpf_sk_storage_get` since 5.9 (f7c6cb1d9728).
 
-use core::ptr::{addr_of, addr_of_mut, read_volatile};
+use core::ptr::{self, addr_of, addr_of_mut, read_volatile};
 
 use aya_ebpf::{
     EbpfContext as _,
-    bindings::BPF_NOEXIST,
-    helpers::{bpf_get_netns_cookie, bpf_get_socket_cookie},
+    bindings::{BPF_NOEXIST, BPF_SK_STORAGE_GET_F_CREATE},
+    helpers::{bpf_get_netns_cookie, bpf_get_socket_cookie, bpf_sk_storage_get},
     programs::SockContext,
 };
 use aya_log_ebpf::info;
 use redirector_common::{
     addr::NetAddr,
-    binds::{BindKey, CacheSocket},
+    binds::{BindKey, CacheMark, CacheSocket, MARKED, UNMARKED},
     counters::{PROTOCOL_UDP, protocol_row},
     datapath::listener_bit,
     listener::MAX_LISTENERS,
@@ -24,7 +25,7 @@ use redirector_common::{
 
 use crate::{
     atomic::{add_u64, fetch_add_i64},
-    maps::{CACHE_BINDS, CACHE_SOCKETS, DATAPATH_CONFIG, SOCKET_COUNTS},
+    maps::{CACHE_BINDS, CACHE_MARKS, CACHE_SOCKETS, DATAPATH_CONFIG, SOCKET_COUNTS},
 };
 
 /// The address family of the `post_bind` hook (the verifier lets each read only its own family's
@@ -84,10 +85,15 @@ pub fn try_count_bind(ctx: &SockContext, family: BindFamily) -> Option<()> {
     if netns != config.cache_netns_cookie {
         return None;
     }
+    // The mark comes first: once the entry exists, a close must find one or the other. A socket
+    // the kernel could not mark is counted unmarked, and the agent's next pass makes releases
+    // look it up by cookie.
+    let mut mark = CacheMark { marked: MARKED };
+    let marked = !cache_mark(ctx, &mut mark, u64::from(BPF_SK_STORAGE_GET_F_CREATE)).is_null();
     let entry = CacheSocket {
         listeners,
         protocol,
-        _padding: 0,
+        marked: if marked { MARKED } else { UNMARKED },
     };
     // Whoever inserts the entry counts the socket (the agent may have seen it first).
     CACHE_SOCKETS
@@ -99,10 +105,22 @@ pub fn try_count_bind(ctx: &SockContext, family: BindFamily) -> Option<()> {
 
 /// `sock_release`: uncounts a counted cache socket; when it was a listener's last UDP socket, the
 /// listener is in failover from the next syscall on. Runs for every socket closed on the node:
-/// one field read, one helper call and one lookup for the others.
+/// the others cost one field read, one storage lookup and one array lookup. While the agent has
+/// counted unmarked sockets (the cache predates the programs), sockets of the caches' network
+/// namespace are also looked up by cookie, until that cache's sockets are gone.
 #[inline(always)]
 pub fn try_uncount_release(ctx: &SockContext) -> Option<()> {
     protocol(ctx)?;
+    if cache_mark(ctx, ptr::null_mut(), 0).is_null() {
+        let config = DATAPATH_CONFIG.get(0)?;
+        if config.unmarked_cache_sockets == 0 {
+            return None;
+        }
+        // SAFETY: plain helper call on the program's context.
+        if unsafe { bpf_get_netns_cookie(ctx.as_ptr()) } != config.cache_netns_cookie {
+            return None;
+        }
+    }
     // SAFETY: plain helper call on the program's context.
     let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
     let entry = CACHE_SOCKETS.get_ptr(cookie)?;
@@ -112,6 +130,24 @@ pub fn try_uncount_release(ctx: &SockContext) -> Option<()> {
     CACHE_SOCKETS.remove(cookie).ok()?;
     add_to_counts(ctx, &entry, -1);
     Some(())
+}
+
+/// The socket's `CACHE_MARKS` mark; with `BPF_SK_STORAGE_GET_F_CREATE` in `flags`, created from
+/// `init` if missing. Null when there is none (or it could not be allocated).
+#[inline(always)]
+fn cache_mark(ctx: &SockContext, init: *mut CacheMark, flags: u64) -> *mut CacheMark {
+    // SAFETY: in cgroup sock programs the helper takes the context itself as the socket
+    // (`bpf_sk_storage_get_cg_sock_proto`); the map pointer is the BTF map's address, as aya
+    // passes it.
+    unsafe {
+        bpf_sk_storage_get(
+            ptr::from_ref(&CACHE_MARKS).cast_mut().cast(),
+            ctx.as_ptr(),
+            init.cast(),
+            flags,
+        )
+    }
+    .cast::<CacheMark>()
 }
 
 /// Adds `delta` to the counts of every listener of `entry`, and records the cache going away for

@@ -7,14 +7,16 @@ use aya_ebpf::{
 };
 use redirector_common::{
     addr::NetAddr,
-    binds::{BindKey, BindListeners, CacheSocket, MAX_CACHE_BINDS, MAX_CACHE_SOCKETS},
+    binds::{BindKey, BindListeners, CacheMark, CacheSocket, MAX_CACHE_BINDS, MAX_CACHE_SOCKETS},
     counters::{COUNTER_ENTRIES, ListenerCounters},
     datapath::{DatapathConfig, MAX_SKIP_CGROUPS, SkipCgroup},
     listener::{
         CacheHealth, ListenerConfig, ListenerInfo, ListenerMode, MAX_LISTENERS, SocketCounts,
     },
     pool::Pool,
-    reverse::{REVERSE_NAT_DEFAULT_ENTRIES, ReverseKey, ReverseValue, SteeredSocket},
+    reverse::{
+        REPLY_PORT_WORDS, REVERSE_NAT_DEFAULT_ENTRIES, ReverseKey, ReverseValue, SteeredSocket,
+    },
 };
 
 /// Listener address → its configuration. A miss means "not DNS for us": the common case, so it
@@ -45,6 +47,12 @@ pub static CACHE_BINDS: HashMap<BindKey, BindListeners, MAX_CACHE_BINDS> = HashM
 #[btf_map]
 pub static CACHE_SOCKETS: HashMap<u64, CacheSocket, MAX_CACHE_SOCKETS> = HashMap::new();
 
+/// Marks the sockets `post_bind` counted (socket-local storage, 5.2+; from cgroup sock programs
+/// since 5.9), so that `sock_release` passes over the node's other sockets after one storage
+/// lookup instead of a cookie and a hash lookup.
+#[btf_map]
+pub static CACHE_MARKS: SkStorage<CacheMark> = SkStorage::new();
+
 /// Listener id → name and address, for the CLI. Never read here; defined here so that it is
 /// created and pinned with the others.
 #[btf_map]
@@ -66,6 +74,12 @@ pub static REVERSE_NAT: LruHashMap<ReverseKey, ReverseValue, REVERSE_NAT_DEFAULT
 /// Marks steered sockets (socket-local storage, 5.2+; usable from sock_addr programs since 5.3).
 #[btf_map]
 pub static STEERED_SOCKS: SkStorage<SteeredSocket> = SkStorage::new();
+
+/// `reply_port_bit` word → the ports targets use, set by the agent before it installs a target
+/// and never cleared: the reply hooks pass over datagrams from any other port without touching
+/// the socket. An array, so the verifier inlines the lookup.
+#[btf_map]
+pub static REPLY_PORTS: Array<u64, REPLY_PORT_WORDS> = Array::new();
 
 /// Per-CPU counters per (listener, protocol).
 #[btf_map]

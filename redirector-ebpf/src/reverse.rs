@@ -6,12 +6,12 @@ use redirector_common::{
     DNS_PORT,
     addr::port_be,
     counters::{PROTOCOL_UDP, counter_index},
-    reverse::ReverseKey,
+    reverse::{ReverseKey, reply_port_bit},
 };
 
 use crate::{
     context::{self, Family},
-    maps::{LISTENERS, REVERSE_NAT, STEERED_SOCKS},
+    maps::{LISTENERS, REPLY_PORTS, REVERSE_NAT, STEERED_SOCKS},
     steer::count,
 };
 
@@ -31,6 +31,10 @@ pub enum Outcome {
 /// LRU map.
 #[inline(always)]
 pub fn try_translate_peer(ctx: &SockAddrContext, family: Family) -> Outcome {
+    let peer_port_be = context::user_port_be(ctx);
+    if !is_reply_port(peer_port_be) {
+        return Outcome::NotSteered;
+    }
     // SAFETY: the storage belongs to the context's socket, which this program holds.
     let steered = unsafe { STEERED_SOCKS.get_ptr_mut(ctx) };
     if steered.is_null() {
@@ -41,7 +45,6 @@ pub fn try_translate_peer(ctx: &SockAddrContext, family: Family) -> Outcome {
     let steered = unsafe { context::snapshot(steered) };
     let protocol = context::protocol(ctx).unwrap_or(PROTOCOL_UDP);
     let peer = context::user_addr(ctx, family);
-    let peer_port_be = context::user_port_be(ctx);
     let (listener, listener_id) = if steered.peer == peer && steered.peer_port_be == peer_port_be {
         (steered.listener, steered.listener_id)
     } else {
@@ -70,4 +73,12 @@ pub fn try_translate_peer(ctx: &SockAddrContext, family: Family) -> Outcome {
         c.reverse_translated += 1;
     });
     Outcome::Translated
+}
+
+/// Whether some target the agent installed uses this port (network byte order): replies from
+/// any other port were never steered.
+#[inline(always)]
+fn is_reply_port(port_be: u16) -> bool {
+    let (word, bit) = reply_port_bit(port_be);
+    REPLY_PORTS.get(word).is_some_and(|ports| *ports & bit != 0)
 }

@@ -8,7 +8,7 @@ use aya_ebpf::{
 use aya_log_ebpf::info;
 use redirector_common::{
     DNS_PORT,
-    addr::{NetAddr, port_be},
+    addr::port_be,
     counters::{ListenerCounters, counter_index},
     datapath::{MAX_CGROUP_LEVEL, listener_bit},
     listener::{EMPTY_POOL_FAIL, ListenerConfig, Route, route},
@@ -66,6 +66,19 @@ pub fn try_steer(ctx: &SockAddrContext, family: Family, hook: Hook) -> Result<()
     // stale copy is still a complete configuration.
     let listener = unsafe { context::snapshot(listener) };
     let counters = counter_index(listener.id, protocol);
+    let Some(route) = current_route(&listener) else {
+        return Ok(());
+    };
+    if route == Route::Cache
+        && listener.cache.addr == listener_addr
+        && listener.cache.port_be(protocol) == port_be(DNS_PORT)
+    {
+        // The cache listens on the listener address itself and serves: nothing is rewritten,
+        // whoever asks (a skipped cgroup's socket reaches it untouched all the same), so the
+        // cgroup check is spared on the path every query takes in this layout.
+        count(counters, |c| c.to_cache += 1);
+        return Ok(());
+    }
 
     // SAFETY: plain helper call; `bpf_get_current_ancestor_cgroup_id` is available to sock_addr
     // programs since 5.7 and returns 0 above the task's own depth.
@@ -75,10 +88,6 @@ pub fn try_steer(ctx: &SockAddrContext, family: Family, hook: Hook) -> Result<()
         count(counters, |c| c.skipped_cgroup += 1);
         return Ok(());
     }
-
-    let Some(route) = current_route(&listener) else {
-        return Ok(());
-    };
     // The cookie is a helper call: fetched once, and only when a target choice or a reverse
     // entry needs it.
     let (target, cookie) = match route {
@@ -109,20 +118,20 @@ pub fn try_steer(ctx: &SockAddrContext, family: Family, hook: Hook) -> Result<()
 
     let target_port_be = target.port_be(protocol);
     if target.addr == listener_addr && target_port_be == port_be(DNS_PORT) {
-        // The cache listens on the listener address itself: nothing to rewrite.
+        // An upstream on the listener address itself: nothing to rewrite.
         return Ok(());
     }
     context::set_user_addr(ctx, family, &target.addr);
     context::set_user_port_be(ctx, target_port_be);
-    remember_translation(
-        ctx,
-        hook,
-        cookie,
-        &listener,
-        listener_addr,
-        &target.addr,
-        target_port_be,
-    );
+    let translation = SteeredSocket {
+        listener_id: listener.id,
+        peer_port_be: target_port_be,
+        _padding: 0,
+        peer: target.addr,
+        listener: listener_addr,
+        steered_ns: 0,
+    };
+    remember_translation(ctx, hook, cookie, translation, route);
     Ok(())
 }
 
@@ -195,59 +204,65 @@ fn empty_pool(
     }
 }
 
-/// Records what replies from `target` on this socket must look like: in the socket's own
-/// storage, which lives as long as the socket, and in the LRU map for a socket that talks to
-/// several targets (`SteeredSocket` says which the reply hooks read). An unconnected socket sends
-/// many datagrams to one target: its storage already holds the translation, so the LRU map is
-/// written once per change of (listener, target), not once per datagram; the storage's time is
-/// that of the change. A connected socket hears only from its peer, which its storage holds: it
-/// writes the LRU map only when it has no storage (the kernel could not allocate it), and so
-/// fetches no cookie on the cache route.
+/// Records `translation`, what replies from its target on this socket must look like: in the
+/// socket's own storage, which lives as long as the socket and which the reply hooks read first.
+/// A socket
+/// moving from the translation its storage holds to another one (an unconnected socket asking
+/// two listeners at once) pushes the one it held into the LRU map, where replies still on their
+/// way find it; a socket that only ever talks to one target, nearly every socket, never writes
+/// the LRU map and fetches no cookie for it. A socket without storage (the kernel could not
+/// allocate it) writes its translation into the LRU map instead. The storage's time is that of
+/// the last change, and taken only for an upstream target: only a socket off the cache is ever
+/// judged by it (`stale::standing`).
+///
+/// Two threads sending a fresh socket's first datagrams to two different targets at the same
+/// instant can both find the storage empty: the translation written first is lost, its reply is
+/// shown from the target's own address (counted as `reverse_missed`) and the resolver asks again.
 #[inline(always)]
 fn remember_translation(
     ctx: &SockAddrContext,
     hook: Hook,
     cookie: Option<u64>,
-    listener: &ListenerConfig,
-    listener_addr: NetAddr,
-    target: &NetAddr,
-    target_port_be: u16,
+    mut translation: SteeredSocket,
+    route: Route,
 ) {
-    let mut mark = SteeredSocket::default();
+    let mut fresh = SteeredSocket::default();
     // SAFETY: the storage belongs to the context's socket, which this program holds.
-    let stored = unsafe { STEERED_SOCKS.get_or_insert_ptr_mut(ctx, Some(&mut mark)) };
-    let mut translation = SteeredSocket {
-        listener_id: listener.id,
-        peer_port_be: target_port_be,
-        _padding: 0,
-        peer: *target,
-        listener: listener_addr,
-        steered_ns: 0,
-    };
-    if !stored.is_null() {
-        // SAFETY: non-null storage of this socket.
-        if unsafe { context::snapshot(stored) }.translates_like(&translation) {
-            return;
-        }
+    let stored = unsafe { STEERED_SOCKS.get_or_insert_ptr_mut(ctx, Some(&mut fresh)) };
+    if stored.is_null() {
+        remember_in_lru(ctx, cookie, &translation);
+        return;
     }
-    if hook == Hook::Sendmsg || stored.is_null() {
-        let cookie = cookie.unwrap_or_else(|| context::socket_cookie(ctx));
-        let key = ReverseKey::new(cookie, *target, target_port_be);
-        let value = ReverseValue {
-            listener: listener_addr,
-            listener_id: listener.id,
-        };
-        // A full LRU evicts its oldest entry; an error here leaves only the replies from this
-        // target unrewritten once the socket has moved on to another one.
-        let _ = REVERSE_NAT.insert(key, value, u64::from(BPF_ANY));
+    // SAFETY: non-null storage of this socket.
+    let held = unsafe { context::snapshot(stored) };
+    if held.translates_like(&translation) {
+        return;
     }
-    if !stored.is_null() {
+    // A connected socket hears only from its new peer; an unconnected one may still hear from
+    // the target it held.
+    if hook == Hook::Sendmsg && held.holds_translation() {
+        remember_in_lru(ctx, cookie, &held);
+    }
+    if route == Route::Upstream {
         // SAFETY: plain helper call (4.1+); read only when the translation changes.
         translation.steered_ns = unsafe { bpf_ktime_get_ns() };
-        // SAFETY: non-null storage of this socket; a concurrent send of another thread on the
-        // same socket writes a translation just as valid.
-        unsafe { *stored = translation };
     }
+    // SAFETY: non-null storage of this socket; a concurrent send of another thread on the same
+    // socket writes a translation just as valid.
+    unsafe { *stored = translation };
+}
+
+/// Writes `translation` of this socket into the LRU map. A full LRU evicts its oldest entry; an
+/// error here leaves only the replies from that target unrewritten once the socket has moved on.
+#[inline(always)]
+fn remember_in_lru(ctx: &SockAddrContext, cookie: Option<u64>, translation: &SteeredSocket) {
+    let cookie = cookie.unwrap_or_else(|| context::socket_cookie(ctx));
+    let key = ReverseKey::new(cookie, translation.peer, translation.peer_port_be);
+    let value = ReverseValue {
+        listener: translation.listener,
+        listener_id: translation.listener_id,
+    };
+    let _ = REVERSE_NAT.insert(key, value, u64::from(BPF_ANY));
 }
 
 /// True when the socket's cgroup is skipped for this listener, or is one of its descendants (the

@@ -183,6 +183,12 @@ pub const FEATURES: &[KernelFeature] = &[
         need: Need::Required,
     },
     KernelFeature {
+        name: "`bpf_sk_storage_get` in cgroup sock programs",
+        used_for: "marking the caches' sockets, so other closes skip the cookie lookup",
+        since: KernelVersion::new(5, 9),
+        need: Need::Required,
+    },
+    KernelFeature {
         name: "`SO_NETNS_COOKIE` (agent)",
         used_for: "the caches' namespace cookie",
         since: KernelVersion::new(5, 14),

@@ -7,7 +7,9 @@
 //! standard input, so a test can change the world between them (with `--idle-first`, also between
 //! the connect and the first query). With `--hold --reopen`, a send
 //! that fails closes the held socket and the query is asked again at once from a new one, as
-//! c-ares and glibc do on a socket error.
+//! c-ares and glibc do on a socket error. With `--also ADDR` (unconnected UDP), each query goes
+//! from one socket to the server and then to ADDR before either reply is read, as musl asks
+//! every nameserver at once; one line per reply, in the order they arrive.
 
 use std::{
     io::{Read as _, Write as _},
@@ -51,6 +53,10 @@ struct Args {
     /// a line on standard input before each query after the first.
     #[arg(long)]
     hold: bool,
+    /// Unconnected UDP: send each query to this server too, from the same socket, before
+    /// reading the replies (one line each).
+    #[arg(long, conflicts_with = "hold")]
+    also: Option<SocketAddr>,
     /// With `--hold`: when a send fails, open a new socket and ask again at once (once).
     #[arg(long, requires = "hold")]
     reopen: bool,
@@ -68,7 +74,15 @@ fn main() {
         return;
     }
     for sequence in 0..args.count {
-        report(ask(&args, first_id.wrapping_add(sequence)));
+        let id = first_id.wrapping_add(sequence);
+        if let Some(also) = args.also {
+            match ask_both(&args, also, id) {
+                Ok(outcomes) => outcomes.into_iter().for_each(|outcome| report(Ok(outcome))),
+                Err(error) => report(Err(error)),
+            }
+            continue;
+        }
+        report(ask(&args, id));
     }
 }
 
@@ -223,6 +237,30 @@ fn answered(mut outcome: QueryOutcome, id: u16, response: &[u8]) -> anyhow::Resu
     outcome.rcode = Some(rcode.to_string());
     outcome.answers = answers;
     Ok(outcome)
+}
+
+/// `--also`: the query to the server and to `also` from one unconnected socket, both sent before
+/// either reply is read.
+fn ask_both(args: &Args, also: SocketAddr, id: u16) -> anyhow::Result<Vec<QueryOutcome>> {
+    if !matches!(args.transport, Transport::Udp) {
+        bail!("--also needs --transport udp");
+    }
+    let socket = open_udp(args)?;
+    let request = request(args, id)?;
+    for server in [destination(args)?, also] {
+        socket.send_to(&request, server).context("sendto")?;
+    }
+    let mut buffer = [0u8; 4096];
+    let mut outcomes = Vec::new();
+    for _ in 0..2 {
+        let (len, from) = socket.recv_from(&mut buffer).context("recvfrom")?;
+        let outcome = QueryOutcome {
+            reply_from: Some(from.to_string()),
+            ..QueryOutcome::default()
+        };
+        outcomes.push(answered(outcome, id, &buffer[..len])?);
+    }
+    Ok(outcomes)
 }
 
 fn ask(args: &Args, id: u16) -> anyhow::Result<QueryOutcome> {

@@ -12,7 +12,7 @@ use aya::{
 };
 use redirector_common::{
     addr::{NetAddr, port_be},
-    binds::{BindKey, BindListeners, CacheSocket},
+    binds::{BindKey, BindListeners, CacheSocket, UNMARKED},
     counters::{ListenerCounters, PROTOCOL_TCP, PROTOCOL_UDP, counter_index},
     datapath::listener_bit,
     datapath::{DatapathConfig, SkipCgroup, level_mask},
@@ -23,7 +23,7 @@ use redirector_common::{
     },
     names,
     pool::{Pool, Target},
-    reverse::{ReverseKey, ReverseValue},
+    reverse::{ReverseKey, ReverseValue, reply_port_bit},
 };
 
 use super::{
@@ -52,6 +52,7 @@ pub struct Maps {
     listener_info: Array<MapData, ListenerInfo>,
     pools: HashMap<MapData, u32, Pool>,
     reverse_nat: HashMap<MapData, ReverseKey, ReverseValue>,
+    reply_ports: Array<MapData, u64>,
     counters: PerCpuArray<MapData, ListenerCounters>,
     skip_cgroups: HashMap<MapData, u64, SkipCgroup>,
     datapath_config: Array<MapData, DatapathConfig>,
@@ -198,6 +199,7 @@ impl Maps {
             listener_info: typed(open, names::MAP_LISTENER_INFO)?,
             pools: typed(open, names::MAP_POOLS)?,
             reverse_nat: typed(open, names::MAP_REVERSE_NAT)?,
+            reply_ports: typed(open, names::MAP_REPLY_PORTS)?,
             counters: typed(open, names::MAP_COUNTERS)?,
             skip_cgroups: typed(open, names::MAP_SKIP_CGROUPS)?,
             datapath_config: typed(open, names::MAP_DATAPATH_CONFIG)?,
@@ -245,13 +247,15 @@ impl Maps {
         } else if let Some(pool) = pool {
             self.set_pool(id, pool)?;
         }
+        let cache = target_of(listener.cache);
+        self.allow_replies_from(&[cache])?;
         let config = ListenerConfig {
             id,
             empty_pool_policy: match listener.empty_pool {
                 EmptyPoolPolicy::Pass => EMPTY_POOL_PASS,
                 EmptyPoolPolicy::Fail => EMPTY_POOL_FAIL,
             },
-            cache: target_of(listener.cache),
+            cache,
             liveness: match listener.liveness {
                 Liveness::SocketsAndProbes => LIVENESS_SOCKETS_AND_PROBES,
                 Liveness::Probes => LIVENESS_PROBES,
@@ -327,10 +331,42 @@ impl Maps {
         if self.pool(id)? == pool && self.pools.get(&id, 0).is_ok() {
             return Ok(false);
         }
+        self.allow_replies_from(&targets)?;
         self.pools
             .insert(id, pool, 0)
             .map_err(write(names::MAP_POOLS))?;
         Ok(true)
+    }
+
+    /// Lets the reply hooks translate datagrams from the ports of `targets`, before any socket
+    /// can be steered to them. Bits are never cleared: a socket steered long ago may still hear
+    /// from its target, and a stale bit costs only a storage lookup.
+    fn allow_replies_from(&mut self, targets: &[Target]) -> Result<(), DatapathError> {
+        for port_be in targets
+            .iter()
+            .flat_map(|target| [target.udp_port_be, target.tcp_port_be])
+        {
+            let (word, bit) = reply_port_bit(port_be);
+            let ports = self.reply_ports_word(word)?;
+            if ports & bit == 0 {
+                self.reply_ports
+                    .set(word, ports | bit, 0)
+                    .map_err(write(names::MAP_REPLY_PORTS))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether the reply hooks translate datagrams from this port (network byte order).
+    pub fn replies_allowed_from(&self, port_be: u16) -> Result<bool, DatapathError> {
+        let (word, bit) = reply_port_bit(port_be);
+        Ok(self.reply_ports_word(word)? & bit != 0)
+    }
+
+    fn reply_ports_word(&self, word: u32) -> Result<u64, DatapathError> {
+        self.reply_ports
+            .get(&word, 0)
+            .map_err(read(names::MAP_REPLY_PORTS))
     }
 
     /// A listener's upstream pool.
@@ -396,6 +432,10 @@ impl Maps {
         cookie: u64,
         entry: CacheSocket,
     ) -> Result<bool, DatapathError> {
+        // The socket carries no mark: releases must look it up by cookie before it is counted.
+        if entry.marked == UNMARKED {
+            self.set_unmarked_cache_sockets(true)?;
+        }
         self.add_to_counts(&entry, 1, false);
         match self.cache_sockets.insert(cookie, entry, BPF_NOEXIST) {
             Ok(()) => Ok(true),
@@ -446,6 +486,11 @@ impl Maps {
         old: CacheSocket,
         new: CacheSocket,
     ) -> Result<bool, DatapathError> {
+        // The socket keeps whatever mark it carries.
+        let new = CacheSocket {
+            marked: old.marked,
+            ..new
+        };
         match self.cache_sockets.insert(cookie, new, BPF_EXIST) {
             Ok(()) => {
                 self.add_to_counts(&new, 1, false);
@@ -459,6 +504,37 @@ impl Maps {
             }
             Err(source) => Err(write(names::MAP_CACHE_SOCKETS)(source)),
         }
+    }
+
+    /// Keeps `DatapathConfig::unmarked_cache_sockets` true to the counted sockets: set while any
+    /// is unmarked, cleared once none is (only the agent inserts unmarked entries, apart from a
+    /// kernel that could not allocate a mark, so nothing adds one behind this check).
+    pub fn settle_unmarked_cache_sockets(&mut self) -> Result<(), DatapathError> {
+        let unmarked = self
+            .cache_sockets()
+            .iter()
+            .any(|(_, entry)| entry.marked == UNMARKED);
+        self.set_unmarked_cache_sockets(unmarked)
+    }
+
+    /// Sets `DatapathConfig::unmarked_cache_sockets`, leaving the other settings as they are.
+    fn set_unmarked_cache_sockets(&mut self, unmarked: bool) -> Result<(), DatapathError> {
+        let mut config = self.datapath_config()?;
+        let value = u32::from(unmarked);
+        if config.unmarked_cache_sockets == value {
+            return Ok(());
+        }
+        config.unmarked_cache_sockets = value;
+        self.datapath_config
+            .set(0, config, 0)
+            .map_err(write(names::MAP_DATAPATH_CONFIG))
+    }
+
+    /// The datapath-wide settings as the programs see them.
+    pub fn datapath_config(&self) -> Result<DatapathConfig, DatapathError> {
+        self.datapath_config
+            .get(&0, 0)
+            .map_err(read(names::MAP_DATAPATH_CONFIG))
     }
 
     /// Adds `delta` to the counts of `entry`'s listeners; with `record_death`, a listener left
@@ -563,6 +639,9 @@ impl Maps {
             skip_cgroup_levels: level_mask(skips.iter().map(|entry| entry.level)),
             layout_version: redirector_common::LAYOUT_VERSION,
             cache_netns_cookie,
+            // Owned by the reconciler (`settle_unmarked_cache_sockets`): kept as it is.
+            unmarked_cache_sockets: self.datapath_config()?.unmarked_cache_sockets,
+            _padding: 0,
         };
         self.datapath_config
             .set(0, config, 0)

@@ -100,6 +100,16 @@ pub struct Datapath {
     pin_dir: PathBuf,
     attached_to: Option<PathBuf>,
     adopted: bool,
+    load_times: LoadTimes,
+}
+
+/// Where `Datapath::load` spent its time.
+#[derive(Clone, Copy, Debug)]
+pub struct LoadTimes {
+    /// Parsing the object, its BTF, and creating (or opening) and pinning the maps.
+    pub object: std::time::Duration,
+    /// Loading the programs: the kernel's verifier.
+    pub verify: std::time::Duration,
 }
 
 impl Datapath {
@@ -138,9 +148,11 @@ impl Datapath {
             // Opens the pinned map when there is one, else creates and pins it.
             loader.map_pin_path(name, path.as_path());
         }
+        let started = std::time::Instant::now();
         let mut ebpf = loader
             .load(OBJECT)
             .map_err(|source| DatapathError::Load { source })?;
+        let object = started.elapsed();
         for name in ALL_PROGRAMS {
             match program(&mut ebpf, name)? {
                 Program::CgroupSockAddr(program) => program.load(),
@@ -150,6 +162,10 @@ impl Datapath {
             }
             .map_err(|source| DatapathError::Verify { name, source })?;
         }
+        let load_times = LoadTimes {
+            object,
+            verify: started.elapsed() - object,
+        };
         let maps = Maps::take(&mut ebpf)?;
         Ok((
             Self {
@@ -157,9 +173,16 @@ impl Datapath {
                 pin_dir: pin_dir.to_owned(),
                 attached_to: None,
                 adopted,
+                load_times,
             },
             maps,
         ))
+    }
+
+    /// How long loading took, by step.
+    #[must_use]
+    pub fn load_times(&self) -> LoadTimes {
+        self.load_times
     }
 
     /// Starts forwarding the programs' log records (aya-log) to the agent's log; only useful

@@ -8,7 +8,7 @@ use std::collections::{HashMap, HashSet};
 
 use redirector_common::{
     addr::port_be,
-    binds::{BindKey, CacheSocket},
+    binds::{BindKey, CacheSocket, UNMARKED},
 };
 use tracing::{info, warn};
 
@@ -81,7 +81,7 @@ impl Reconciler {
                     }
                 }
                 // Counted for other listeners than the configuration now says (it changed).
-                Some(old) if old != entry => {
+                Some(old) if !old.counts_like(entry) => {
                     if maps.reassign_cache_socket(*cookie, *old, *entry)? {
                         report.reassigned += 1;
                     }
@@ -113,6 +113,7 @@ impl Reconciler {
             }
         }
         self.missing_once = still_missing;
+        maps.settle_unmarked_cache_sockets()?;
 
         if report.reassigned > 0 {
             info!(
@@ -162,7 +163,8 @@ impl Reconciler {
             CacheSocket {
                 listeners,
                 protocol: socket.protocol,
-                _padding: 0,
+                // Counted here, the socket carries no mark (see `DatapathConfig`).
+                marked: UNMARKED,
             },
         ))
     }

@@ -3,8 +3,9 @@
 
 use crate::addr::NetAddr;
 
-/// Entries of the `REVERSE_NAT` LRU map unless configured otherwise. Each steered socket (a
-/// fresh one per query for glibc) takes one entry until evicted.
+/// Entries of the `REVERSE_NAT` LRU map unless configured otherwise. Each socket that moves from
+/// one target to another (an unconnected socket asking two listeners at once) takes an entry for
+/// the target it left, until evicted.
 pub const REVERSE_NAT_DEFAULT_ENTRIES: usize = 65_536;
 
 /// Key of `REVERSE_NAT`: this socket talked to this target.

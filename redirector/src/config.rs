@@ -84,9 +84,9 @@ pub struct Config {
 pub struct ProbeSettings {
     /// The name asked for (A); any answer or NXDOMAIN means alive.
     pub name: String,
-    /// Time between probes of one cache.
+    /// Time between probes of one cache (sent whether or not the earlier ones answered).
     pub interval: Duration,
-    /// How long a probe waits for its answer.
+    /// How long a probe waits for its answer (may exceed the interval).
     pub timeout: Duration,
     /// Consecutive failures that fail a listener over.
     pub failures_to_fail_over: u32,
@@ -98,8 +98,10 @@ impl Default for ProbeSettings {
     fn default() -> Self {
         Self {
             name: DEFAULT_PROBE_NAME.to_owned(),
-            interval: Duration::from_millis(500),
-            timeout: Duration::from_millis(300),
+            // A probe every 100 ms, each given 250 ms, two failures in a row: a hung cache is
+            // failed over 350 to 450 ms after it stopped answering.
+            interval: Duration::from_millis(100),
+            timeout: Duration::from_millis(250),
             failures_to_fail_over: 2,
             successes_to_fail_back: 3,
         }
@@ -543,6 +545,9 @@ struct RawListener {
 
 /// Smallest accepted `reverse_nat_entries`.
 const REVERSE_NAT_MIN_ENTRIES: u32 = 1024;
+/// A probe is sent every `probe.interval_ms` whether or not the earlier ones answered: at most
+/// this many of one cache may wait for their answer at once.
+const MAX_PROBES_IN_FLIGHT: u32 = 10;
 
 impl Config {
     /// Reads and validates a configuration file.
@@ -754,14 +759,20 @@ fn validate_probe(raw: RawProbe) -> Result<ProbeSettings, ConfigError> {
             problem: "0 would fail every probe; give milliseconds, e.g. 300".to_owned(),
         });
     }
-    if interval <= timeout {
+    if interval.is_zero() {
         return Err(ConfigError::BadTiming {
             key: "probe.interval_ms",
+            problem: "0 would probe without pause; give milliseconds, e.g. 100".to_owned(),
+        });
+    }
+    if timeout > interval * MAX_PROBES_IN_FLIGHT {
+        return Err(ConfigError::BadTiming {
+            key: "probe.timeout_ms",
             problem: format!(
-                "{} ms is not longer than timeout_ms ({} ms): a probe must finish before the next \
-                 starts",
-                interval.as_millis(),
-                timeout.as_millis()
+                "{} ms would keep more than {MAX_PROBES_IN_FLIGHT} probes of a cache in flight \
+                 (one is sent every interval_ms, {} ms): shorten it or lengthen interval_ms",
+                timeout.as_millis(),
+                interval.as_millis()
             ),
         });
     }
@@ -1300,8 +1311,8 @@ mod tests {
     fn probe_settings_default_and_override() {
         let config = Config::parse("[[listener]]\nname = \"n\"\naddress = \"10.0.0.1\"\n").unwrap();
         assert_eq!(config.probe, ProbeSettings::default());
-        assert_eq!(config.probe.interval, Duration::from_millis(500));
-        assert_eq!(config.probe.timeout, Duration::from_millis(300));
+        assert_eq!(config.probe.interval, Duration::from_millis(100));
+        assert_eq!(config.probe.timeout, Duration::from_millis(250));
         assert_eq!(config.probe.failures_to_fail_over, 2);
         assert_eq!(config.probe.successes_to_fail_back, 3);
         assert_eq!(config.listeners[0].probe_name, "localhost.");
@@ -1341,8 +1352,12 @@ mod tests {
         let listener = "[[listener]]\nname = \"n\"\naddress = \"10.0.0.1\"\n";
         for (probe, expected) in [
             (
-                "interval_ms = 300\ntimeout_ms = 300",
-                "probe.interval_ms: 300 ms is not longer than timeout_ms",
+                "interval_ms = 20\ntimeout_ms = 300",
+                "probe.timeout_ms: 300 ms would keep more than 10 probes of a cache in flight",
+            ),
+            (
+                "interval_ms = 0",
+                "probe.interval_ms: 0 would probe without pause",
             ),
             (
                 "timeout_ms = 0",

@@ -184,8 +184,11 @@ fn init_logging(filter: &str, format: LogFormat) -> anyhow::Result<()> {
     let filter = EnvFilter::try_new(filter).with_context(|| {
         format!("the log level {filter:?} is not a valid filter (try info or debug)")
     })?;
+    // Colours only for a terminal: journald, kubectl logs and log shippers would keep the
+    // escape sequences.
     let logger = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr);
     match format {
         LogFormat::Human => logger.init(),

@@ -45,12 +45,16 @@ enum Task {
         #[arg(long, default_value = "embedded")]
         cache: String,
     },
-    /// Benchmarks against the incumbents (dnsperf, conntrack, failover, setup, sync, memory),
-    /// with optimized builds; writes results.json, results.md and SVG charts (needs root).
+    /// Benchmarks against the incumbents (dnsperf, conntrack, failover, setup, sync, memory,
+    /// a soak), with optimized builds; writes results.json, results.md and SVG charts (needs root).
     Bench {
         /// Where the results go (relative paths are from the workspace root).
         #[arg(long, default_value = "docs/bench")]
         out: std::path::PathBuf,
+        /// How long the soak (dnsperf at 80 % of the cache's capacity, looking for false
+        /// failovers) runs, seconds.
+        #[arg(long, default_value_t = 600)]
+        soak_seconds: u64,
     },
     /// Remove sandboxes left by test runs that died (only those whose owner process is gone).
     Sweep,
@@ -106,9 +110,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             setup::ensure()?;
             tasks::demo(&cache)
         }
-        Task::Bench { out } => {
+        Task::Bench { out, soak_seconds } => {
             setup::ensure()?;
-            tasks::bench(&out)
+            tasks::bench(&out, soak_seconds)
         }
         Task::Sweep => sweep::run(),
         Task::VmTest(args) => {

@@ -1,8 +1,11 @@
-//! Failover under load: a steady query stream from the pod (fresh sockets and one long-lived
-//! socket, every 20 ms each) while the cache is killed (-9), stopped (SIGTERM) or hung (SIGSTOP),
-//! then brought back. redirector, and the incumbent: a NAT fallback driven by a probe loop with
+//! Failover under load: a steady query stream from the pod while the cache is killed (-9),
+//! stopped (SIGTERM) or hung (SIGSTOP), then brought back. redirector: a query every 1 ms from
+//! fresh sockets, from a long-lived unconnected socket and from a long-lived connected one each,
+//! sent whether or not the earlier ones were answered (`dns-stream --open-loop`), so the gap is
+//! seen at 1 ms resolution and a lost query holds no later one back. The incumbent, a NAT fallback driven by a probe loop with
 //! the seed's parameters (a probe every 5 s, DNAT to an upstream after 3 failures in a row, removed
-//! after the first success).
+//! after the first success), over 30 s: a query every 20 ms from fresh sockets and a long-lived
+//! unconnected socket.
 
 use std::{
     net::{IpAddr, Ipv4Addr, SocketAddr},
@@ -58,8 +61,11 @@ pub struct Failover {
     pub gap_ms: Option<u64>,
     /// Queries without an answer.
     pub lost: usize,
-    /// Of those, queries from the long-lived socket.
+    /// Of those, queries from the long-lived sockets.
     pub lost_long: usize,
+    /// Of those, queries begun after the first upstream answer: every other lost query went to
+    /// the cache before the listener flipped (taken into a socket that then died or hung).
+    pub lost_after_flip: usize,
     /// Queries sent.
     pub total: usize,
     /// From the cache's return until every query is answered by the cache again, ms: the send
@@ -83,8 +89,10 @@ pub struct FailoverTrials {
     pub never_failed_over: usize,
     /// Queries without an answer, per trial.
     pub lost: Spread,
-    /// Of those, from the long-lived socket, per trial.
+    /// Of those, from the long-lived sockets, per trial.
     pub lost_long: Spread,
+    /// Of those, begun after the flip, per trial.
+    pub lost_after_flip: Spread,
     /// Queries sent, per trial.
     pub total: Spread,
     /// From the cache's return until every socket is answered by the cache again, ms, over the
@@ -122,6 +130,9 @@ impl FailoverTrials {
             failback_ms: Spread::of(failbacks),
             lost: Spread::of(runs.iter().map(|run| run.lost as f64).collect()),
             lost_long: Spread::of(runs.iter().map(|run| run.lost_long as f64).collect()),
+            lost_after_flip: Spread::of(
+                runs.iter().map(|run| run.lost_after_flip as f64).collect(),
+            ),
             total: Spread::of(runs.iter().map(|run| run.total as f64).collect()),
             runs,
         }
@@ -194,8 +205,9 @@ fn summarize(
         lost_long: report
             .records
             .iter()
-            .filter(|record| record.kind == "long" && record.error.is_some())
+            .filter(|record| record.kind != "fresh" && record.error.is_some())
             .count(),
+        lost_after_flip: first_upstream.map_or(0, |flip| report.failures_between(flip, u64::MAX)),
         total: report.records.len(),
         failback_ms: failback.map(|answer| answer.saturating_sub(back)),
         timeline,
@@ -234,10 +246,22 @@ fn revive(rig: &mut Rig, event: Event) -> anyhow::Result<()> {
     }
 }
 
-/// redirector (agent running): a 6 s stream to the listener, the event at 1.5 s, the cache back
-/// at 3.5 s.
+/// redirector (agent running): a 6 s stream to the listener, a query every 1 ms from each socket
+/// kind, the event at 1.5 s, the cache back at 3.5 s.
 pub fn redirector(rig: &mut Rig, event: Event) -> anyhow::Result<Failover> {
-    let stream = Stream::start(&rig.sandbox, Ns::Pod, dns(LISTENER), Duration::from_secs(6))?;
+    let stream = Stream::start_with(
+        &rig.sandbox,
+        Ns::Pod,
+        dns(LISTENER),
+        Duration::from_secs(6),
+        &[
+            "--interval-ms",
+            "1",
+            "--kinds",
+            "fresh,long,connected",
+            "--open-loop",
+        ],
+    )?;
     std::thread::sleep(Duration::from_millis(1500));
     let struck = now_ms();
     strike(rig, event)?;

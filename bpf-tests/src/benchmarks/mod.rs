@@ -5,9 +5,11 @@
 
 pub mod conntrack;
 pub mod failover;
+pub mod layouts;
 pub mod output;
 pub mod rig;
 pub mod setup;
+pub mod soak;
 pub mod steering;
 pub mod sync;
 
@@ -113,6 +115,10 @@ pub struct Report {
     pub machine: Machine,
     /// dnsperf through each path.
     pub throughput: Vec<steering::Throughput>,
+    /// The programs against none, by layout and socket kind.
+    pub layouts: Vec<layouts::LayoutThroughput>,
+    /// Per-run cost of each program under load, by layout.
+    pub layout_program_cost: Vec<layouts::LayoutProgramCost>,
     /// Per-query latency at a fixed rate through each path.
     pub latency: Vec<steering::Latency>,
     /// Per-syscall cost of the hooks.
@@ -125,6 +131,10 @@ pub struct Report {
     pub failover: Vec<failover::FailoverTrials>,
     /// Setting up.
     pub setup: Vec<setup::SetupTime>,
+    /// No false failovers under load.
+    pub soak: soak::Soak,
+    /// Where the agent's start went, phase by phase.
+    pub start_phases: Vec<setup::StartPhase>,
     /// EndpointSlice event to kernel map.
     pub sync: sync::SyncLatency,
     /// The agent's and the maps' memory.

@@ -150,6 +150,46 @@ pub fn markdown(report: &Report) -> String {
     );
     table(
         &mut text,
+        "The programs against none, by layout and socket kind (the same dnsmasq, 4 sockets, 64 queries in flight each, 3 s × 5 trials, interleaved)",
+        &[
+            "cache",
+            "pod's sockets",
+            "without programs, queries/s",
+            "with",
+            "with / without",
+            "lost with",
+        ],
+        report.layouts.iter().map(|row| {
+            vec![
+                row.layout.name().to_owned(),
+                row.sockets.name().to_owned(),
+                row.without_qps.show(0),
+                row.with_qps.show(0),
+                format!("{:.2}×", row.ratio),
+                row.lost_with.to_string(),
+            ]
+        }),
+    );
+    table(
+        &mut text,
+        "Per-run cost of each program under those loads, by layout (ns per run, kernel accounting, one run apart from the timed ones; programs that ran fewer than 100 times are in results.json only)",
+        &["cache", "load", "program", "runs", "ns per run"],
+        report
+            .layout_program_cost
+            .iter()
+            .filter(|row| row.runs >= 100)
+            .map(|row| {
+                vec![
+                    row.layout.name().to_owned(),
+                    row.load.to_owned(),
+                    format!("`{}`", row.program),
+                    row.runs.to_string(),
+                    format!("{:.0}", row.ns_per_run),
+                ]
+            }),
+    );
+    table(
+        &mut text,
         "Conntrack entries left by 1000 fresh-socket queries (conntrack on, as on a node)",
         &["path", "answered", "entries"],
         report.conntrack.iter().map(|row| {
@@ -162,14 +202,15 @@ pub fn markdown(report: &Report) -> String {
     );
     table(
         &mut text,
-        "Failover under load (a query every 20 ms from fresh sockets and from a long-lived socket; per trial)",
+        "Failover under load (redirector: a query every 1 ms from fresh sockets, a long-lived unconnected and a long-lived connected socket; the incumbent: every 20 ms, fresh and long-lived unconnected; per trial)",
         &[
             "who",
             "event",
             "trials",
             "gap (last cache → first upstream answer), ms",
             "queries lost",
-            "of them from the long-lived socket",
+            "of them from long-lived sockets",
+            "of them begun after the flip",
             "every socket back on the cache after its return, ms",
         ],
         report.failover.iter().map(|row| {
@@ -180,6 +221,7 @@ pub fn markdown(report: &Report) -> String {
                 with_misses(&row.gap_ms, row.never_failed_over, "never failed over"),
                 format!("{} of {}", row.lost.show(0), row.total.median),
                 row.lost_long.show(0),
+                row.lost_after_flip.show(0),
                 with_misses(&row.failback_ms, row.never_failed_back, "never failed back"),
             ]
         }),
@@ -192,6 +234,29 @@ pub fn markdown(report: &Report) -> String {
             .setup
             .iter()
             .map(|row| vec![row.what.to_owned(), row.ms.show(1)]),
+    );
+    let soak = &report.soak;
+    let _ = writeln!(
+        text,
+        "**Soak**: dnsperf through the listener at {:.0} % of the cache's capacity ({} of {:.0} queries/s asked, {:.0} achieved, {} lost) for {} s with the agent's default probes, nothing done to the cache: {} probes answered, {} failed, {} verdicts turned down (false failovers).\n",
+        soak.rate_qps as f64 / soak.capacity_qps.max(1.0) * 100.0,
+        soak.rate_qps,
+        soak.capacity_qps,
+        soak.achieved_qps,
+        soak.lost,
+        soak.seconds,
+        soak.probes_answered,
+        soak.probes_failed,
+        soak.verdicts_down
+    );
+    table(
+        &mut text,
+        "Where the agent's start goes (its own account, phase by phase, in order; `object` and `verify` ran on another thread alongside `conntrack_bypass`, and `load` is what the start then still waited for; the rest of the total above is the process's own start and the log line's way out)",
+        &["phase", "ms"],
+        report
+            .start_phases
+            .iter()
+            .map(|row| vec![format!("`{}`", row.phase), row.ms.show(1)]),
     );
     let sync = &report.sync;
     let _ = writeln!(

@@ -32,6 +32,14 @@ pub fn listeners() -> String {
     )
 }
 
+/// The bench's listener with the cache on the listener address itself (nothing is rewritten
+/// while it serves), upstreams A and B.
+pub fn listeners_cache_on_listener() -> String {
+    format!(
+        "[[listener]]\nname = \"node\"\naddress = \"{LISTENER}\"\nupstreams = [\"198.18.2.2\", \"198.18.2.3\"]\n"
+    )
+}
+
 /// An agent stopped with its programs still attached.
 #[derive(Debug)]
 pub struct Stopped(());
@@ -43,8 +51,12 @@ pub struct Rig {
     pub sandbox: Sandbox,
     /// The `hook-cost` helper.
     pub hook_cost: PathBuf,
-    /// The agent's configuration file.
+    /// The `dns-load` helper (connected UDP load).
+    pub dns_load: PathBuf,
+    /// The agent's configuration file (the cache on an address of its own).
     pub config: PathBuf,
+    /// The same with the cache on the listener address.
+    pub config_cache_on_listener: PathBuf,
 }
 
 impl Rig {
@@ -52,6 +64,7 @@ impl Rig {
     pub fn new() -> anyhow::Result<Self> {
         let tools = Tools::beside_current_exe()?;
         let hook_cost = tools.dns_query.with_file_name("hook-cost");
+        let dns_load = tools.dns_query.with_file_name("dns-load");
         let mut sandbox = Sandbox::new(tools)?;
         sandbox.netns(Ns::Node).ip(&[
             "addr",
@@ -70,17 +83,24 @@ impl Rig {
         conntrack::activate(sandbox.netns(Ns::Node))?;
         // The agent's default probes, not the tests' faster ones.
         let probe = redirector::config::ProbeSettings::default();
-        let text = sandbox.config_toml_probing(
-            &listeners(),
-            UNMANAGED_INTERFACE,
-            probe.interval,
-            probe.timeout,
-        );
-        let config = sandbox.write_file("config.toml", &text)?;
+        let write_config = |file: &str, listeners: &str| {
+            let text = sandbox.config_toml_probing(
+                listeners,
+                UNMANAGED_INTERFACE,
+                probe.interval,
+                probe.timeout,
+            );
+            sandbox.write_file(file, &text)
+        };
+        let config = write_config("config.toml", &listeners())?;
+        let config_cache_on_listener =
+            write_config("config-on-listener.toml", &listeners_cache_on_listener())?;
         Ok(Self {
             sandbox,
             hook_cost,
+            dns_load,
             config,
+            config_cache_on_listener,
         })
     }
 
@@ -146,6 +166,11 @@ impl Rig {
     /// Starts the agent (`redirector run`).
     pub fn start_agent(&self) -> anyhow::Result<TestProcess> {
         start_agent(&self.config)
+    }
+
+    /// Starts the agent with the cache on the listener address.
+    pub fn start_agent_cache_on_listener(&self) -> anyhow::Result<TestProcess> {
+        start_agent(&self.config_cache_on_listener)
     }
 
     /// Stops `agent` (SIGTERM) and uninstalls: no program, pin or table left.

@@ -16,20 +16,76 @@ pub struct SetupTime {
     pub ms: Spread,
 }
 
+/// One phase of the agent's start, as it logs them with "redirector is steering".
+#[derive(Clone, Debug, Serialize)]
+pub struct StartPhase {
+    /// The phase's name (`checks`, `load`, `attach`, ...).
+    pub phase: String,
+    /// Milliseconds, one figure per trial.
+    pub ms: Spread,
+}
+
 /// `redirector run` from process start to "steering" (programs verified, loaded, attached, maps
-/// filled, caches counted and probed), `trials` times, uninstalling in between.
-pub fn agent_start(rig: &Rig, trials: usize) -> anyhow::Result<SetupTime> {
+/// filled, caches counted and probed), `trials` times, uninstalling in between; and the phases
+/// the agent says that time went to (the rest is the process's own start and the log's way
+/// out).
+pub fn agent_start(rig: &Rig, trials: usize) -> anyhow::Result<(SetupTime, Vec<StartPhase>)> {
     let mut ms = Vec::new();
+    let mut phases: Vec<(String, Vec<f64>)> = Vec::new();
     for _ in 0..trials {
         let started = Instant::now();
-        let agent = rig.start_agent()?;
+        let mut agent = rig.start_agent()?;
         ms.push(started.elapsed().as_secs_f64() * 1000.0);
+        let logged = agent.printed();
+        let line = logged
+            .iter()
+            .find(|line| line.contains("redirector is steering"))
+            .ok_or_else(|| anyhow::anyhow!("the agent did not log that it steers"))?;
+        for (phase, took) in start_phases(line) {
+            match phases.iter_mut().find(|(name, _)| *name == phase) {
+                Some((_, trials)) => trials.push(took),
+                None => phases.push((phase, vec![took])),
+            }
+        }
         rig.stop_and_uninstall(agent)?;
     }
-    Ok(SetupTime {
-        what: "redirector run: process start to steering (load, verify, attach, probe)",
-        ms: Spread::of(ms),
-    })
+    anyhow::ensure!(
+        !phases.is_empty(),
+        "the agent logged no start phases (startup_ms=name=ms,...) with \"redirector is steering\""
+    );
+    Ok((
+        SetupTime {
+            what: "redirector run: process start to steering (load, verify, attach, probe)",
+            ms: Spread::of(ms),
+        },
+        phases
+            .into_iter()
+            .map(|(phase, trials)| StartPhase {
+                phase,
+                ms: Spread::of(trials),
+            })
+            .collect(),
+    ))
+}
+
+/// The `startup_ms` phases (`name=ms` pairs) of the agent's "redirector is steering" line, in
+/// either log format.
+fn start_phases(line: &str) -> Vec<(String, f64)> {
+    let Some((_, rest)) = line.split_once("startup_ms") else {
+        return Vec::new();
+    };
+    let value = rest
+        .trim_start_matches(['=', ':', '"'])
+        .split(|c: char| c == '"' || c.is_whitespace())
+        .next()
+        .unwrap_or_default();
+    value
+        .split(',')
+        .map_while(|pair| {
+            let (name, ms) = pair.split_once('=')?;
+            Some((name.to_owned(), ms.parse().ok()?))
+        })
+        .collect()
 }
 
 /// The incumbent's rules for two listeners (NodeLocal DNSCache's set: raw NOTRACK both ways and
@@ -139,3 +195,27 @@ pub fn memory(rig: &Rig, agent: &TestProcess, since: (f64, Instant)) -> anyhow::
 
 /// A pause that lets the agent settle (probes, first reconcile) before measuring.
 pub const SETTLE: Duration = Duration::from_millis(1500);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn start_phases_are_read_from_either_log_format() {
+        let text = "2026-12-01T13:00:00Z  INFO redirector::agent: redirector is steering cgroup=/x \
+                    startup_ms=checks=0.4,load=41.2,attach=3.0 listeners=1";
+        let json = r#"{"fields":{"message":"redirector is steering","startup_ms":"checks=0.4,load=41.2,attach=3.0","listeners":1}}"#;
+        for line in [text, json] {
+            assert_eq!(
+                start_phases(line),
+                [
+                    ("checks".to_owned(), 0.4),
+                    ("load".to_owned(), 41.2),
+                    ("attach".to_owned(), 3.0)
+                ],
+                "{line}"
+            );
+        }
+        assert!(start_phases("redirector is steering").is_empty());
+    }
+}

@@ -120,10 +120,15 @@ pub fn throughput(path: Path, runs: &[Run]) -> Throughput {
 /// dnsperf from the pod along `path`, asking for `probe.redirector.test A` over and over, with
 /// `load` (its duration and rate arguments); returns what it printed.
 fn run_dnsperf(rig: &Rig, path: Path, load: &[&str]) -> anyhow::Result<String> {
+    run_dnsperf_to(rig, path.server(), load)
+}
+
+/// dnsperf from the pod to `server`, as [`run_dnsperf`].
+fn run_dnsperf_to(rig: &Rig, server: Ipv4Addr, load: &[&str]) -> anyhow::Result<String> {
     let data = rig
         .sandbox
         .write_file("dnsperf.txt", "probe.redirector.test A\n")?;
-    let (server, data) = (path.server().to_string(), data.display().to_string());
+    let (server, data) = (server.to_string(), data.display().to_string());
     let mut args = vec!["-s", server.as_str(), "-d", data.as_str()];
     args.extend_from_slice(load);
     rig.in_pod("dnsperf", &args, Duration::from_secs(30))
@@ -131,9 +136,15 @@ fn run_dnsperf(rig: &Rig, path: Path, load: &[&str]) -> anyhow::Result<String> {
 
 /// dnsperf at full speed along `path`.
 pub fn dnsperf(rig: &Rig, path: Path) -> anyhow::Result<Run> {
-    let output = run_dnsperf(
+    dnsperf_to(rig, path.server())
+}
+
+/// dnsperf at full speed to `server` (unconnected UDP sockets: `sendto`, and `recvfrom` without
+/// an address, so no recvmsg hook runs).
+pub fn dnsperf_to(rig: &Rig, server: Ipv4Addr) -> anyhow::Result<Run> {
+    let output = run_dnsperf_to(
         rig,
-        path,
+        server,
         &[
             "-l",
             DNSPERF_SECONDS,
@@ -147,6 +158,11 @@ pub fn dnsperf(rig: &Rig, path: Path) -> anyhow::Result<Run> {
             "2",
         ],
     )?;
+    parse_run(&output)
+}
+
+/// The figures of one dnsperf run from what it printed.
+pub(super) fn parse_run(output: &str) -> anyhow::Result<Run> {
     let field = |label: &str| -> anyhow::Result<f64> {
         output
             .lines()
@@ -234,7 +250,7 @@ pub fn program_runs(rig: &Rig, operation: usize) -> anyhow::Result<Vec<crate::pr
 }
 
 /// The timed operations: (name, mode, target, count).
-pub const HOOK_OPERATIONS: [(&str, &str, &str, &str); 3] = [
+pub const HOOK_OPERATIONS: [(&str, &str, &str, &str); 5] = [
     (
         "connect() of a UDP socket to a listener (steered to the cache)",
         "connect",
@@ -251,6 +267,18 @@ pub const HOOK_OPERATIONS: [(&str, &str, &str, &str); 3] = [
         "sendto() + recvfrom() of a DNS query to the cache (unsteered) / the listener (steered)",
         "roundtrip",
         "",
+        "5000",
+    ),
+    (
+        "the same from a fresh socket per query (each send the socket's first)",
+        "fresh-roundtrip",
+        "",
+        "5000",
+    ),
+    (
+        "UDP back and forth between two sockets on loopback (no DNS: every early return)",
+        "loopback",
+        "127.0.0.1:0",
         "5000",
     ),
 ];

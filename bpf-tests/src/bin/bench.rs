@@ -6,9 +6,9 @@ use std::{collections::BTreeMap, path::PathBuf, time::Duration};
 use bpf_tests::benchmarks::{
     Machine, Report, Spread, conntrack,
     failover::{self, Event, FailoverTrials},
-    output,
+    layouts, output,
     rig::Rig,
-    setup, steering,
+    setup, soak, steering,
     steering::{HOOK_OPERATIONS, Path, TRIALS},
     sync,
 };
@@ -27,6 +27,9 @@ struct Args {
     /// EndpointSlice events to time.
     #[arg(long, default_value_t = 1000)]
     sync_events: usize,
+    /// How long the soak runs dnsperf at 80 % of the cache's capacity, seconds.
+    #[arg(long, default_value_t = 600)]
+    soak_seconds: u64,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -92,10 +95,19 @@ fn main() -> anyhow::Result<()> {
             }
         }
     }
+    // The cache's capacity: dnsperf at full speed straight to it, no rules.
+    let capacity_qps = runs
+        .iter()
+        .find(|(path, _)| *path == Path::Direct)
+        .map(|(_, runs)| Spread::of(runs.iter().map(|run| run.qps).collect()).median)
+        .unwrap_or_default();
     let latency: Vec<steering::Latency> = samples
         .into_iter()
         .map(|(path, samples)| steering::latency(path, samples))
         .collect();
+
+    eprintln!("bench: throughput by layout and socket kind, {TRIALS} interleaved trials");
+    let (layouts, layout_program_cost) = layouts::measure(&mut rig)?;
 
     eprintln!("bench: conntrack, setup");
     let mut entries = vec![conntrack::measure(&rig, Path::Direct)?];
@@ -103,10 +115,8 @@ fn main() -> anyhow::Result<()> {
     let dnat_entries = conntrack::measure(&rig, Path::Dnat);
     Path::Dnat.rules(&rig, "-D")?;
     entries.push(dnat_entries?);
-    let setups = vec![
-        setup::iptables_restore(&rig, 5)?,
-        setup::agent_start(&rig, 5)?,
-    ];
+    let (agent_start, start_phases) = setup::agent_start(&rig, 5)?;
+    let setups = vec![setup::iptables_restore(&rig, 5)?, agent_start];
 
     eprintln!("bench: redirector with its agent: conntrack, memory, failover");
     let agent = rig.start_agent()?;
@@ -128,6 +138,13 @@ fn main() -> anyhow::Result<()> {
     }
     let memory = setup::memory(&rig, &agent, agent_cpu_since)?;
     rig.stop_and_uninstall(agent)?;
+
+    eprintln!(
+        "bench: soak, {} s at {:.0} % of the cache's capacity ({capacity_qps:.0} queries/s)",
+        args.soak_seconds,
+        soak::LOAD_SHARE * 100.0
+    );
+    let soak = soak::measure(&rig, capacity_qps, args.soak_seconds)?;
 
     let mut trials = Vec::new();
     for trial in 1..=NAT_FALLBACK_TRIALS {
@@ -171,12 +188,16 @@ fn main() -> anyhow::Result<()> {
     let report = Report {
         machine,
         throughput,
+        layouts,
+        layout_program_cost,
         latency,
         hook_cost,
         program_cost,
         conntrack: entries,
         failover: failovers,
         setup: setups,
+        soak,
+        start_phases,
         sync,
         memory,
     };

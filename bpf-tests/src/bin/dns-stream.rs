@@ -6,6 +6,10 @@
 //! AF_INET6 socket connected to the IPv4-mapped server address). With `--until-eof` it runs until
 //! its standard input closes instead, and speaks the resolver clients' protocol
 //! (`bpf_tests::resolvers`): a first line `{"streaming":true}`, the records, then the totals.
+//! With `--open-loop`, each kind sends a query every interval whether or not the earlier ones
+//! were answered (the long-lived sockets match answers by id), so a query lost to a dying cache
+//! does not hold the next one back for its timeout: the stream sees a failover at the interval's
+//! resolution.
 
 use std::{
     io::{Read as _, Write as _},
@@ -63,6 +67,9 @@ struct Args {
     /// For `connected`: an AF_INET6 socket connected to the IPv4-mapped server address.
     #[arg(long)]
     mapped: bool,
+    /// Send every interval without waiting for the earlier queries' answers.
+    #[arg(long, conflicts_with = "until_eof")]
+    open_loop: bool,
 }
 
 /// What every query thread shares.
@@ -116,7 +123,14 @@ fn main() -> anyhow::Result<()> {
         .map(|(index, kind)| {
             let settings = Arc::clone(&settings);
             let kind = *kind;
-            thread::spawn(move || run(&settings, kind, (index as u16) << 13))
+            let open_loop = args.open_loop;
+            thread::spawn(move || {
+                if open_loop {
+                    run_open_loop(&settings, kind, (index as u16) << 13)
+                } else {
+                    run(&settings, kind, (index as u16) << 13)
+                }
+            })
         })
         .collect();
     for thread in threads {
@@ -178,6 +192,202 @@ fn run(settings: &Settings, kind: Kind, first_id: u16) -> anyhow::Result<()> {
         thread::sleep(settings.interval);
     }
     Ok(())
+}
+
+/// A query of `--open-loop` waiting for its answer.
+struct Pending {
+    id: u16,
+    seq: u64,
+    begun_ms: u64,
+    steered_ms: u64,
+    reopened: bool,
+    deadline: Instant,
+    /// Its own socket (`fresh`), else the kind's long-lived one.
+    socket: Option<UdpSocket>,
+}
+
+/// `--open-loop`: a query from `kind` every interval until the deadline, answers matched by id as
+/// they come, each query failed once its timeout passes unanswered.
+fn run_open_loop(settings: &Settings, kind: Kind, first_id: u16) -> anyhow::Result<()> {
+    let mut long_lived = match kind {
+        Kind::Fresh => None,
+        Kind::Long => Some(nonblocking(open(settings, false)?)?),
+        Kind::Connected => Some(nonblocking(open(settings, true)?)?),
+    };
+    let mut pending: Vec<Pending> = Vec::new();
+    let (mut id, mut seq) = (first_id, 0);
+    let mut next_send = Instant::now();
+    let mut buffer = [0u8; 4096];
+    while settings.running() || !pending.is_empty() {
+        if settings.running() && Instant::now() >= next_send {
+            next_send += settings.interval;
+            id = id.wrapping_add(1);
+            let begun_ms = now_ms();
+            let mut reopened = false;
+            let mut sent = send_open_loop(settings, kind, long_lived.as_ref(), id);
+            if kind == Kind::Connected
+                && sent
+                    .as_ref()
+                    .is_err_and(|error| error.to_string() == SEND_FAILED)
+            {
+                // As c-ares does: a new socket, and the query asked again at once.
+                reopened = true;
+                long_lived = Some(nonblocking(open(settings, true)?)?);
+                sent = send_open_loop(settings, kind, long_lived.as_ref(), id);
+            }
+            let record = |error: Option<String>| StreamRecord {
+                seq,
+                begun_ms,
+                steered_ms: now_ms(),
+                done_ms: now_ms(),
+                kind: kind.name().to_owned(),
+                answer: None,
+                error,
+                reopened,
+            };
+            match sent {
+                Ok(socket) => pending.push(Pending {
+                    id,
+                    seq,
+                    begun_ms,
+                    steered_ms: now_ms(),
+                    reopened,
+                    deadline: Instant::now() + settings.timeout,
+                    socket,
+                }),
+                Err(error) => emit(settings, record(None), Err(error)),
+            }
+            seq += 1;
+        }
+        // Wait for an answer, at most until the next send is due, then read the sockets that
+        // have one (the long-lived socket, or each query's own).
+        let wait = next_send
+            .saturating_duration_since(Instant::now())
+            .min(Duration::from_millis(1));
+        let sockets: Vec<&UdpSocket> = match &long_lived {
+            Some(socket) => vec![socket],
+            None => pending
+                .iter()
+                .filter_map(|query| query.socket.as_ref())
+                .collect(),
+        };
+        let mut answers: Vec<(u16, SocketAddr, anyhow::Result<IpAddr>)> = Vec::new();
+        for socket in readable(&sockets, wait) {
+            while let Ok((len, from)) = socket.recv_from(&mut buffer) {
+                if let Some(answered) = answer_id(&buffer[..len]) {
+                    answers.push((answered, from, first_answer(answered, &buffer[..len])));
+                }
+            }
+        }
+        for (answered, from, result) in answers {
+            let Some(position) = pending.iter().position(|query| query.id == answered) else {
+                continue;
+            };
+            let query = pending.swap_remove(position);
+            // An unconnected socket's reply must come from the server asked.
+            let result = match kind {
+                Kind::Long if from != settings.server => Err(anyhow::anyhow!(
+                    "reply from {from}, not {}",
+                    settings.server
+                )),
+                _ => result,
+            };
+            emit(settings, open_loop_record(kind, &query), result);
+        }
+        let now = Instant::now();
+        let mut index = 0;
+        while index < pending.len() {
+            if pending[index].deadline <= now {
+                let query = pending.swap_remove(index);
+                let error = anyhow::anyhow!("no answer to query {} within the timeout", query.id);
+                emit(settings, open_loop_record(kind, &query), Err(error));
+            } else {
+                index += 1;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Sends query `id` of `--open-loop`: from `long_lived`, or from a fresh connected socket, which
+/// is returned to wait on.
+fn send_open_loop(
+    settings: &Settings,
+    kind: Kind,
+    long_lived: Option<&UdpSocket>,
+    id: u16,
+) -> anyhow::Result<Option<UdpSocket>> {
+    let message = query(id, PROBE_NAME, RecordType::A)?;
+    match long_lived {
+        Some(socket) if kind == Kind::Long => {
+            socket
+                .send_to(&message, settings.server)
+                .context("sendto")?;
+            Ok(None)
+        }
+        Some(socket) => {
+            socket.send(&message).context(SEND_FAILED)?;
+            Ok(None)
+        }
+        None => {
+            let socket = nonblocking(open(settings, true)?)?;
+            socket.send(&message).context(SEND_FAILED)?;
+            Ok(Some(socket))
+        }
+    }
+}
+
+/// The record of an `--open-loop` query that ended now.
+fn open_loop_record(kind: Kind, query: &Pending) -> StreamRecord {
+    StreamRecord {
+        seq: query.seq,
+        begun_ms: query.begun_ms,
+        steered_ms: query.steered_ms,
+        done_ms: now_ms(),
+        kind: kind.name().to_owned(),
+        answer: None,
+        error: None,
+        reopened: query.reopened,
+    }
+}
+
+fn nonblocking(socket: UdpSocket) -> anyhow::Result<UdpSocket> {
+    socket.set_nonblocking(true).context("nonblocking")?;
+    Ok(socket)
+}
+
+/// The sockets of `sockets` with a datagram waiting, after waiting at most `wait` for one.
+fn readable<'a>(sockets: &[&'a UdpSocket], wait: Duration) -> Vec<&'a UdpSocket> {
+    use std::os::fd::AsRawFd as _;
+    if sockets.is_empty() {
+        thread::sleep(wait);
+        return Vec::new();
+    }
+    let mut fds: Vec<libc::pollfd> = sockets
+        .iter()
+        .map(|socket| libc::pollfd {
+            fd: socket.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        })
+        .collect();
+    let millis = libc::c_int::try_from(wait.as_millis()).unwrap_or(libc::c_int::MAX);
+    // SAFETY: `fds` is a valid array of `fds.len()` pollfd structures for the call's duration.
+    let ready = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, millis) };
+    if ready <= 0 {
+        return Vec::new();
+    }
+    sockets
+        .iter()
+        .zip(&fds)
+        .filter(|(_, fd)| fd.revents != 0)
+        .map(|(socket, _)| *socket)
+        .collect()
+}
+
+/// The id of a DNS response.
+fn answer_id(message: &[u8]) -> Option<u16> {
+    (message.len() >= 12).then(|| u16::from_be_bytes([message[0], message[1]]))
 }
 
 /// The context of a failed send on a connected socket.

@@ -5,6 +5,10 @@
 //!   listener address, its early return for anything else.
 //! - `roundtrip`: sendto and recvfrom on one unconnected UDP socket: a DNS query and its reply,
 //!   through the sendmsg and recvmsg hooks.
+//! - `fresh-roundtrip`: the same from a fresh socket per query (socket, sendto, recvfrom, close),
+//!   so every send is the socket's first, as for a resolver that opens a socket per lookup.
+//! - `loopback`: a datagram back and forth between two UDP sockets on the target address (port
+//!   ignored): traffic that is no DNS, through every hook's early return.
 
 use std::{
     net::{SocketAddr, UdpSocket},
@@ -20,6 +24,8 @@ use hickory_proto::rr::RecordType;
 enum Mode {
     Connect,
     Roundtrip,
+    FreshRoundtrip,
+    Loopback,
 }
 
 #[derive(Parser, Debug)]
@@ -60,6 +66,36 @@ fn main() -> anyhow::Result<()> {
             for _ in 0..args.count {
                 socket.send_to(&request, args.target).context("sendto")?;
                 socket.recv_from(&mut reply).context("recvfrom")?;
+            }
+        }
+        Mode::FreshRoundtrip => {
+            let request = query(0x4242, PROBE_NAME, RecordType::A)?;
+            let mut reply = [0u8; 512];
+            started = Instant::now();
+            for _ in 0..args.count {
+                let socket = UdpSocket::bind(local).context("bind")?;
+                socket.set_read_timeout(Some(Duration::from_secs(2)))?;
+                socket.send_to(&request, args.target).context("sendto")?;
+                socket.recv_from(&mut reply).context("recvfrom")?;
+            }
+        }
+        Mode::Loopback => {
+            let here = SocketAddr::new(args.target.ip(), 0);
+            let (one, other) = (
+                UdpSocket::bind(here).context("bind")?,
+                UdpSocket::bind(here).context("bind")?,
+            );
+            let (one_addr, other_addr) = (one.local_addr()?, other.local_addr()?);
+            for socket in [&one, &other] {
+                socket.set_read_timeout(Some(Duration::from_secs(2)))?;
+            }
+            let mut buffer = [0u8; 64];
+            started = Instant::now();
+            for _ in 0..args.count {
+                one.send_to(b"ping", other_addr).context("sendto")?;
+                other.recv_from(&mut buffer).context("recvfrom")?;
+                other.send_to(b"pong", one_addr).context("sendto")?;
+                one.recv_from(&mut buffer).context("recvfrom")?;
             }
         }
     }

@@ -1,7 +1,8 @@
 //! The agent's control loop: one task, driven by upstream-source events (coalesced over a few
-//! milliseconds), a probe timer, a socket-reconcile timer and a pool-resync timer. It writes only
-//! the agent's own state (`CACHE_HEALTH`, pools) and corrections to the socket counts; the kernel
-//! decides every route by itself, so a stalled or dead loop never stops DNS.
+//! milliseconds), a probe timer and the probes' outcomes, a socket-reconcile timer and a
+//! pool-resync timer. It writes only the agent's own state (`CACHE_HEALTH`, pools) and
+//! corrections to the socket counts; the kernel decides every route by itself, so a stalled or
+//! dead loop never stops DNS.
 
 use std::{
     collections::HashSet,
@@ -42,6 +43,11 @@ impl Agent {
         // Counts were just seeded and pools just written.
         reconcile_tick.tick().await;
         resync_tick.tick().await;
+        // Probes in flight: one is sent to every cache on each tick, whether or not the earlier
+        // ones have answered, so a hang is seen `timeout` after the first unanswered probe (and
+        // decided `failures_to_fail_over - 1` intervals later), not after whole rounds of
+        // timeouts. Outcomes are folded in as they complete.
+        let mut probes: JoinSet<(usize, ProbeOutcome)> = JoinSet::new();
         let mut dirty: HashSet<u32> = HashSet::new();
         let mut write_at: Option<Instant> = None;
         let mut retry = FIRST_RETRY;
@@ -78,7 +84,12 @@ impl Agent {
                     dirty.extend(self.listeners.iter().filter(|listener| listener.desired.is_some()).map(|listener| listener.id));
                     write_at.get_or_insert_with(Instant::now);
                 }
-                _ = probe_tick.tick() => self.probe_round().await,
+                _ = probe_tick.tick() => self.send_probes(&mut probes),
+                Some(done) = probes.join_next(), if !probes.is_empty() => {
+                    if let Ok((index, outcome)) = done {
+                        self.record_probe(index, &outcome);
+                    }
+                }
                 _ = reconcile_tick.tick() => self.reconcile_round().await,
             }
             self.observe_routes();
@@ -175,48 +186,46 @@ impl Agent {
         written
     }
 
-    /// Probes every cache at once and folds the results into the verdicts.
-    async fn probe_round(&mut self) {
-        let mut probes = JoinSet::new();
+    /// Sends one probe to every cache (each gives up after the probe timeout).
+    fn send_probes(&self, probes: &mut JoinSet<(usize, ProbeOutcome)>) {
         for (index, listener) in self.listeners.iter().enumerate() {
             let prober = listener.prober.clone();
             probes.spawn(async move { (index, prober.probe().await) });
         }
-        while let Some(result) = probes.join_next().await {
-            let Ok((index, outcome)) = result else {
-                continue;
-            };
-            let Some(listener) = self.listeners.get_mut(index) else {
-                continue;
-            };
-            let latency = match &outcome {
-                ProbeOutcome::Alive { latency } => *latency,
-                ProbeOutcome::Failed { .. } => Duration::ZERO,
-            };
-            self.stats
-                .record_probe(&listener.name, outcome.is_alive(), latency);
-            let epoch = match self.maps.socket_counts(listener.id) {
-                Ok(counts) => counts.down_epoch,
-                Err(error) => {
-                    warn!(listener = %listener.name, error = %error, "cannot read the socket counts");
-                    continue;
-                }
-            };
-            if let ProbeOutcome::Failed { reason } = &outcome {
-                debug!(listener = %listener.name, cache = %listener.prober.target(), reason, "probe failed");
+    }
+
+    /// Folds one probe's outcome into its listener's verdict.
+    fn record_probe(&mut self, index: usize, outcome: &ProbeOutcome) {
+        let Some(listener) = self.listeners.get_mut(index) else {
+            return;
+        };
+        let latency = match outcome {
+            ProbeOutcome::Alive { latency } => *latency,
+            ProbeOutcome::Failed { .. } => Duration::ZERO,
+        };
+        self.stats
+            .record_probe(&listener.name, outcome.is_alive(), latency);
+        let epoch = match self.maps.socket_counts(listener.id) {
+            Ok(counts) => counts.down_epoch,
+            Err(error) => {
+                warn!(listener = %listener.name, error = %error, "cannot read the socket counts");
+                return;
             }
-            if let Some(health) = listener.tracker.record(outcome.is_alive(), epoch) {
-                info!(
-                    listener = %listener.name,
-                    cache = %listener.prober.target(),
-                    verdict = if health.verdict == redirector_common::listener::HEALTH_UP { "up" } else { "down" },
-                    confirmed_epoch = health.confirmed_epoch,
-                    probe = ?outcome,
-                    "cache verdict changed"
-                );
-                if let Err(error) = self.maps.set_health(listener.id, health) {
-                    warn!(listener = %listener.name, error = %error, "cannot write the cache verdict");
-                }
+        };
+        if let ProbeOutcome::Failed { reason } = outcome {
+            debug!(listener = %listener.name, cache = %listener.prober.target(), reason, "probe failed");
+        }
+        if let Some(health) = listener.tracker.record(outcome.is_alive(), epoch) {
+            info!(
+                listener = %listener.name,
+                cache = %listener.prober.target(),
+                verdict = if health.verdict == redirector_common::listener::HEALTH_UP { "up" } else { "down" },
+                confirmed_epoch = health.confirmed_epoch,
+                probe = ?outcome,
+                "cache verdict changed"
+            );
+            if let Err(error) = self.maps.set_health(listener.id, health) {
+                warn!(listener = %listener.name, error = %error, "cannot write the cache verdict");
             }
         }
     }

@@ -115,6 +115,9 @@ pub enum AgentError {
     /// The socket tables cannot be opened.
     #[error("opening the caches' socket tables failed")]
     SocketTable(#[source] SockDiagError),
+    /// The thread loading the datapath died.
+    #[error("loading the datapath failed: its thread died")]
+    LoadTask(#[source] tokio::task::JoinError),
     /// Seeding the socket counts failed.
     #[error("seeding the caches' socket counts failed")]
     Seed(#[source] ReconcileError),
@@ -213,12 +216,53 @@ pub struct Agent {
     lock: InstanceLock,
 }
 
+/// Where an agent's start spends its time, phase by phase: logged with "redirector is steering"
+/// as comma-separated `name=ms` pairs, in order (the bench reads them).
+struct StartPhases {
+    last: std::time::Instant,
+    ended: Vec<(&'static str, std::time::Duration)>,
+}
+
+impl StartPhases {
+    fn new() -> Self {
+        Self {
+            last: std::time::Instant::now(),
+            ended: Vec::new(),
+        }
+    }
+
+    /// Ends the phase `name`, begun where the previous one ended.
+    fn end(&mut self, name: &'static str) {
+        let now = std::time::Instant::now();
+        self.ended.push((name, now - self.last));
+        self.last = now;
+    }
+
+    /// Ends a phase that ran alongside the previous one: its `parts` as they were timed where
+    /// they ran, and `name` for what it took beyond the previous phase's end.
+    fn end_parts(&mut self, name: &'static str, parts: &[(&'static str, std::time::Duration)]) {
+        self.ended.extend_from_slice(parts);
+        self.end(name);
+    }
+}
+
+impl std::fmt::Display for StartPhases {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for (position, (name, took)) in self.ended.iter().enumerate() {
+            let separator = if position == 0 { "" } else { "," };
+            write!(f, "{separator}{name}={:.1}", took.as_secs_f64() * 1000.0)?;
+        }
+        Ok(())
+    }
+}
+
 impl Agent {
     /// Checks the environment against `config`, loads the datapath (adopting compatible pins),
     /// fills its maps, owns the listener addresses, seeds the caches' socket counts, probes
     /// every cache once, attaches, and starts the upstream sources. Nothing is attached unless
     /// every check passed.
     pub async fn start(config: &Config, options: StartOptions) -> Result<Self, AgentError> {
+        let mut phases = StartPhases::new();
         let kernel = KernelCheck::running();
         kernel_support::require(&kernel)?;
         for feature in kernel.missing() {
@@ -249,17 +293,37 @@ impl Agent {
                 });
             }
         }
+        phases.end("checks");
         let netns = config.cache_netns.as_deref();
         let netns_cookie = netns::cookie(netns).map_err(AgentError::CacheNetns)?;
         let worker = NetnsWorker::start(netns).map_err(AgentError::CacheNetns)?;
         let socket_table = SocketTable::open(netns).map_err(AgentError::SocketTable)?;
+        phases.end("namespace");
         let kube_client = kube_client(config).await?;
+        phases.end("kube_client");
 
-        let (mut datapath, mut maps) = Datapath::load(
-            config.reverse_nat_entries,
-            &config.pin_dir,
-            config.kernel_log,
-        )?;
+        // The kernel verifies the programs on a blocking thread while `nft` installs the
+        // conntrack bypass (most of the start, and the largest part of the rest, were spent one
+        // after the other before); both end before anything is attached, so steered DNS is
+        // untracked from the first query. A bypass failure is not fatal.
+        let load = {
+            let (entries, pin_dir, kernel_log) = (
+                config.reverse_nat_entries,
+                config.pin_dir.clone(),
+                config.kernel_log,
+            );
+            tokio::task::spawn_blocking(move || Datapath::load(entries, &pin_dir, kernel_log))
+        };
+        let stats = Arc::new(AgentStats::default());
+        let bypass = start_conntrack_bypass(config, netns, &stats).await;
+        phases.end("conntrack_bypass");
+        let (mut datapath, mut maps) = load.await.map_err(AgentError::LoadTask)??;
+        let bypass = bypass?;
+        let load_times = datapath.load_times();
+        phases.end_parts(
+            "load",
+            &[("object", load_times.object), ("verify", load_times.verify)],
+        );
         if config.kernel_log {
             forward_kernel_log(datapath.kernel_logger()?)?;
         }
@@ -287,10 +351,7 @@ impl Agent {
                 .collect();
             interface::ensure(&config.interface, &addresses, &worker).await?;
         }
-        // Before the programs steer anything, so that steered DNS is untracked from the first
-        // query; never fatal.
-        let stats = Arc::new(AgentStats::default());
-        let bypass = start_conntrack_bypass(config, netns, &stats).await?;
+        phases.end("interface");
 
         let skips = environment::skip_entries(&skip_cgroups, &ids, &attach);
         maps.configure(&skips, netns_cookie)?;
@@ -319,6 +380,7 @@ impl Agent {
             maps.install_listener(&entry, pool.as_deref())?;
         }
 
+        phases.end("maps");
         // Count the sockets that existed before the programs (or that moved between listeners)
         // before the programs see any traffic, so a running cache is alive from the first
         // steered syscall.
@@ -327,7 +389,9 @@ impl Agent {
             .reconcile(&mut maps, true)
             .await
             .map_err(AgentError::Seed)?;
+        phases.end("seed");
         let listeners = first_verdicts(config, &ids, &worker, &mut maps).await?;
+        phases.end("first_probes");
 
         // Bound before attaching, so a port in use stops the start with nothing attached.
         let telemetry = if config.metrics.enabled {
@@ -346,11 +410,14 @@ impl Agent {
             None
         };
 
+        phases.end("telemetry");
         datapath.attach(&attach.path)?;
+        phases.end("attach");
         // Binds and releases that raced the attach are caught here, or by the next pass.
         if let Err(error) = reconciler.reconcile(&mut maps, true).await {
             warn!(error = %error, "re-counting the caches' sockets after attaching failed; the next pass retries");
         }
+        phases.end("recount");
 
         let (events, sources) = start_sources(config, &ids, kube_client);
         let mut agent = Self {
@@ -372,6 +439,7 @@ impl Agent {
             pin_dir = %config.pin_dir.display(),
             adopted = agent.datapath.adopted(),
             listeners = config.listeners.len(),
+            startup_ms = %phases,
             "redirector is steering"
         );
         Ok(agent)

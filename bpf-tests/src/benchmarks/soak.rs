@@ -1,0 +1,95 @@
+//! No false failovers under load: dnsperf through the listener at a fixed share of the cache's
+//! capacity for minutes, with the agent probing at its default settings, while nothing happens to
+//! the cache. Every probe that failed and every verdict the agent turned down is a false alarm.
+
+use std::time::Duration;
+
+use anyhow::Context as _;
+use serde::Serialize;
+
+use super::{
+    rig::Rig,
+    setup::SETTLE,
+    steering::{Path, parse_run},
+};
+use crate::{cli::logged_metrics_address, http};
+
+/// What one soak saw.
+#[derive(Clone, Debug, Serialize)]
+pub struct Soak {
+    /// How long dnsperf ran, seconds.
+    pub seconds: u64,
+    /// The cache's capacity the rate is a share of: dnsperf's median at full speed straight to
+    /// the cache, queries per second.
+    pub capacity_qps: f64,
+    /// The rate asked of dnsperf (`-Q`).
+    pub rate_qps: u64,
+    /// What dnsperf achieved.
+    pub achieved_qps: f64,
+    /// Queries dnsperf lost.
+    pub lost: u64,
+    /// Probes that the cache answered.
+    pub probes_answered: u64,
+    /// Probes that failed (timed out, refused, SERVFAIL, ...).
+    pub probes_failed: u64,
+    /// Times the agent turned a verdict down: false failovers, as the cache never failed.
+    pub verdicts_down: usize,
+}
+
+/// The share of the capacity the soak asks for.
+pub const LOAD_SHARE: f64 = 0.8;
+
+/// dnsperf along the redirector path at `LOAD_SHARE` of `capacity_qps` for `seconds`, the agent
+/// running with its default probes.
+pub fn measure(rig: &Rig, capacity_qps: f64, seconds: u64) -> anyhow::Result<Soak> {
+    let mut agent = rig.start_agent()?;
+    std::thread::sleep(SETTLE);
+    let metrics = logged_metrics_address(&mut agent)?;
+    let rate_qps = (capacity_qps * LOAD_SHARE).round() as u64;
+    let data = rig
+        .sandbox
+        .write_file("soak.txt", "probe.redirector.test A\n")?;
+    let (server, data, duration, rate) = (
+        Path::Redirector.server().to_string(),
+        data.display().to_string(),
+        seconds.to_string(),
+        rate_qps.to_string(),
+    );
+    let output = rig.in_pod(
+        "dnsperf",
+        &[
+            "-s", &server, "-d", &data, "-l", &duration, "-Q", &rate, "-c", "4", "-q", "64", "-T",
+            "1", "-t", "2",
+        ],
+        Duration::from_secs(seconds + 60),
+    )?;
+    let run = parse_run(&output)?;
+    let body = http::get(metrics, "/metrics")?.body;
+    let probes = |result: &str| {
+        http::sample(
+            &body,
+            &format!("redirector_probes_total{{listener=\"node\",result=\"{result}\"}}"),
+        )
+        .map(|count| count as u64)
+    };
+    let probes_answered =
+        probes("success").with_context(|| format!("no probe count in /metrics:\n{body}"))?;
+    // The series appears with the first failure.
+    let probes_failed = probes("failure").unwrap_or(0);
+    let verdicts_down = agent
+        .printed()
+        .iter()
+        .filter(|line| line.contains("cache verdict changed") && line.contains("down"))
+        .count();
+    rig.stop_and_uninstall(agent)?;
+    Ok(Soak {
+        seconds,
+        capacity_qps,
+        rate_qps,
+        achieved_qps: run.qps,
+        lost: run.lost,
+        probes_answered,
+        probes_failed,
+        verdicts_down,
+    })
+}

@@ -79,7 +79,12 @@ pub fn measure(rig: &Rig, capacity_qps: f64, seconds: u64) -> anyhow::Result<Soa
     let verdicts_down = agent
         .printed()
         .iter()
-        .filter(|line| line.contains("cache verdict changed") && line.contains("down"))
+        .filter(|line| {
+            line.contains("cache verdict changed")
+                && ["verdict=\"down\"", "verdict=down", "\"verdict\":\"down\""]
+                    .iter()
+                    .any(|down| line.contains(down))
+        })
         .count();
     rig.stop_and_uninstall(agent)?;
     Ok(Soak {

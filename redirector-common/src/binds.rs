@@ -61,7 +61,8 @@ pub struct CacheSocket {
     pub protocol: u32,
     /// `MARKED` when the socket carries a `CACHE_MARKS` mark (`post_bind` set one), else
     /// `UNMARKED` (the agent counted it, or the kernel could not allocate the mark): while any
-    /// entry is unmarked, `sock_release` looks up every closing socket's cookie.
+    /// entry is unmarked, `sock_release` looks up the cookie of every socket closing in the
+    /// caches' network namespace.
     pub marked: u32,
 }
 const _: () = assert!(size_of::<CacheSocket>() == 16);

@@ -18,8 +18,8 @@ pub struct DatapathConfig {
     /// count as a cache's, so a pod's own DNS server on :53 never keeps a listener "alive".
     pub cache_netns_cookie: u64,
     /// Non-zero while some counted cache socket is `binds::UNMARKED` (the agent counted sockets
-    /// that existed before the programs): `sock_release` then looks up every closing socket by
-    /// cookie, as it must to uncount those. The agent sets it before it inserts such an entry and
+    /// that existed before the programs): `sock_release` then looks up every socket closing in
+    /// the caches' network namespace by cookie, as it must to uncount those. The agent sets it before it inserts such an entry and
     /// clears it once none is left.
     pub unmarked_cache_sockets: u32,
     /// Zero.

@@ -206,14 +206,13 @@ fn empty_pool(
 
 /// Records `translation`, what replies from its target on this socket must look like: in the
 /// socket's own storage, which lives as long as the socket and which the reply hooks read first.
-/// A socket
-/// moving from the translation its storage holds to another one (an unconnected socket asking
-/// two listeners at once) pushes the one it held into the LRU map, where replies still on their
-/// way find it; a socket that only ever talks to one target, nearly every socket, never writes
-/// the LRU map and fetches no cookie for it. A socket without storage (the kernel could not
-/// allocate it) writes its translation into the LRU map instead. The storage's time is that of
-/// the last change, and taken only for an upstream target: only a socket off the cache is ever
-/// judged by it (`stale::standing`).
+/// A socket moving from the translation its storage holds to another one (an unconnected socket
+/// asking two listeners at once) pushes the one it held into the LRU map, where replies still on
+/// their way find it; a socket that only ever talks to one target, nearly every socket, never
+/// writes the LRU map and fetches no cookie for it. A socket without storage (the kernel could
+/// not allocate it) writes its translation into the LRU map instead. The storage's time is that
+/// of the last change, and taken only for an upstream target: only a socket off the cache is
+/// ever judged by it (`stale::standing`).
 ///
 /// Two threads sending a fresh socket's first datagrams to two different targets at the same
 /// instant can both find the storage empty: the translation written first is lost, its reply is

@@ -2,6 +2,10 @@
 //! each with one long-lived UDP socket connected to the server (as glibc's resolver and c-ares
 //! keep theirs), keep `--outstanding` queries in flight each for `--seconds`, and print one JSON
 //! line: queries per second answered, and queries lost (no answer within the timeout).
+//!
+//! A lost query is not replaced until its socket hears nothing for the timeout, so each loss
+//! narrows that socket's window for the rest of the run: under a load that makes the server drop
+//! datagrams, both sides of a comparison run with slightly fewer queries in flight than asked.
 
 use std::{
     net::{SocketAddr, UdpSocket},

@@ -182,7 +182,10 @@ fn run(rig: &Rig, server: Ipv4Addr, sockets: Sockets) -> anyhow::Result<(f64, u6
             let qps = value["qps"]
                 .as_f64()
                 .with_context(|| format!("dns-load printed {output}"))?;
-            Ok((qps, value["lost"].as_u64().unwrap_or(u64::MAX)))
+            let lost = value["lost"]
+                .as_u64()
+                .with_context(|| format!("dns-load printed {output}"))?;
+            Ok((qps, lost))
         }
     }
 }

@@ -10,7 +10,7 @@ use serde::Serialize;
 use super::{
     rig::Rig,
     setup::SETTLE,
-    steering::{Path, parse_run},
+    steering::{Path, parse_run, run_dnsperf_to},
 };
 use crate::{cli::logged_metrics_address, http};
 
@@ -32,8 +32,8 @@ pub struct Soak {
     pub probes_answered: u64,
     /// Probes that failed (timed out, refused, SERVFAIL, ...).
     pub probes_failed: u64,
-    /// Times the agent turned a verdict down: false failovers, as the cache never failed.
-    pub verdicts_down: usize,
+    /// Times the probes failed the listener over: false failovers, as the cache never failed.
+    pub verdicts_down: u64,
 }
 
 /// The share of the capacity the soak asks for.
@@ -46,46 +46,26 @@ pub fn measure(rig: &Rig, capacity_qps: f64, seconds: u64) -> anyhow::Result<Soa
     std::thread::sleep(SETTLE);
     let metrics = logged_metrics_address(&mut agent)?;
     let rate_qps = (capacity_qps * LOAD_SHARE).round() as u64;
-    let data = rig
-        .sandbox
-        .write_file("soak.txt", "probe.redirector.test A\n")?;
-    let (server, data, duration, rate) = (
-        Path::Redirector.server().to_string(),
-        data.display().to_string(),
-        seconds.to_string(),
-        rate_qps.to_string(),
-    );
-    let output = rig.in_pod(
-        "dnsperf",
+    let (duration, rate) = (seconds.to_string(), rate_qps.to_string());
+    let output = run_dnsperf_to(
+        rig,
+        Path::Redirector.server(),
         &[
-            "-s", &server, "-d", &data, "-l", &duration, "-Q", &rate, "-c", "4", "-q", "64", "-T",
-            "1", "-t", "2",
+            "-l", &duration, "-Q", &rate, "-c", "4", "-q", "64", "-T", "1", "-t", "2",
         ],
         Duration::from_secs(seconds + 60),
     )?;
     let run = parse_run(&output)?;
     let body = http::get(metrics, "/metrics")?.body;
-    let probes = |result: &str| {
-        http::sample(
-            &body,
-            &format!("redirector_probes_total{{listener=\"node\",result=\"{result}\"}}"),
-        )
-        .map(|count| count as u64)
-    };
-    let probes_answered =
-        probes("success").with_context(|| format!("no probe count in /metrics:\n{body}"))?;
-    // The series appears with the first failure.
-    let probes_failed = probes("failure").unwrap_or(0);
-    let verdicts_down = agent
-        .printed()
-        .iter()
-        .filter(|line| {
-            line.contains("cache verdict changed")
-                && ["verdict=\"down\"", "verdict=down", "\"verdict\":\"down\""]
-                    .iter()
-                    .any(|down| line.contains(down))
-        })
-        .count();
+    // A series appears with its first count.
+    let sample = |series: &str| http::sample(&body, series).map(|count| count as u64);
+    let probes_answered = sample("redirector_probes_total{listener=\"node\",result=\"success\"}")
+        .with_context(|| format!("no probe count in /metrics:\n{body}"))?;
+    let probes_failed =
+        sample("redirector_probes_total{listener=\"node\",result=\"failure\"}").unwrap_or(0);
+    let verdicts_down =
+        sample("redirector_route_transitions_total{listener=\"node\",cause=\"probes_failing\"}")
+            .unwrap_or(0);
     rig.stop_and_uninstall(agent)?;
     Ok(Soak {
         seconds,

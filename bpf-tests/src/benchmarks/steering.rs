@@ -120,18 +120,23 @@ pub fn throughput(path: Path, runs: &[Run]) -> Throughput {
 /// dnsperf from the pod along `path`, asking for `probe.redirector.test A` over and over, with
 /// `load` (its duration and rate arguments); returns what it printed.
 fn run_dnsperf(rig: &Rig, path: Path, load: &[&str]) -> anyhow::Result<String> {
-    run_dnsperf_to(rig, path.server(), load)
+    run_dnsperf_to(rig, path.server(), load, Duration::from_secs(30))
 }
 
-/// dnsperf from the pod to `server`, as [`run_dnsperf`].
-fn run_dnsperf_to(rig: &Rig, server: Ipv4Addr, load: &[&str]) -> anyhow::Result<String> {
+/// dnsperf from the pod to `server`, as [`run_dnsperf`], given `limit` to finish.
+pub(super) fn run_dnsperf_to(
+    rig: &Rig,
+    server: Ipv4Addr,
+    load: &[&str],
+    limit: Duration,
+) -> anyhow::Result<String> {
     let data = rig
         .sandbox
         .write_file("dnsperf.txt", "probe.redirector.test A\n")?;
     let (server, data) = (server.to_string(), data.display().to_string());
     let mut args = vec!["-s", server.as_str(), "-d", data.as_str()];
     args.extend_from_slice(load);
-    rig.in_pod("dnsperf", &args, Duration::from_secs(30))
+    rig.in_pod("dnsperf", &args, limit)
 }
 
 /// dnsperf at full speed along `path`.
@@ -157,6 +162,7 @@ pub fn dnsperf_to(rig: &Rig, server: Ipv4Addr) -> anyhow::Result<Run> {
             "-t",
             "2",
         ],
+        Duration::from_secs(30),
     )?;
     parse_run(&output)
 }

@@ -138,12 +138,15 @@ impl AgentThread {
                         }
                     };
                     let _ = started.send(Ok((agent.stats(), agent.metrics_address())));
-                    agent
+                    let ran = agent
                         .run(async {
                             let _ = stop.await;
                         })
                         .await;
                     agent.shutdown();
+                    if let Err(error) = ran {
+                        eprintln!("the agent stopped: {:#}", anyhow::Error::new(error));
+                    }
                     if let Err(error) = uninstall(&config).await {
                         eprintln!("uninstalling the agent: {error:#}");
                     }

@@ -67,6 +67,20 @@ pub fn start_agent_with(
     )
 }
 
+/// Stops an agent with SIGTERM (it leaves its pins) and waits until it has exited.
+pub fn stop_agent(agent: &mut TestProcess) -> anyhow::Result<()> {
+    agent.signal(nix::sys::signal::Signal::SIGTERM)?;
+    agent.wait_exit(Duration::from_secs(10))?;
+    Ok(())
+}
+
+/// `redirector uninstall --config CONFIG`, which must succeed.
+pub fn uninstall(config: &std::path::Path) -> anyhow::Result<CliOutput> {
+    let output = redirector(&["uninstall", "--config", &config.display().to_string()])?;
+    anyhow::ensure!(output.code == 0, "uninstall failed: {output:?}");
+    Ok(output)
+}
+
 /// The metrics address a `redirector run` logged (`serving /metrics ... address=...`), from
 /// either log format.
 pub fn logged_metrics_address(agent: &mut TestProcess) -> anyhow::Result<std::net::SocketAddr> {

@@ -40,6 +40,16 @@ pub fn query(id: u16, name: &str, record_type: RecordType) -> anyhow::Result<Vec
 /// The answer of a server with `identity` to `request`: A and AAAA questions get the identity's
 /// address (TTL 0, so nothing caches it), anything else an empty NOERROR.
 pub fn answer(request: &[u8], identity: &Identity) -> anyhow::Result<Vec<u8>> {
+    answer_with(request, identity, ResponseCode::NoError)
+}
+
+/// The response to `request` with `code`: `identity`'s addresses for NOERROR, no records for any
+/// other code (a SERVFAIL or REFUSED as a cache sends it).
+pub fn answer_with(
+    request: &[u8],
+    identity: &Identity,
+    code: ResponseCode,
+) -> anyhow::Result<Vec<u8>> {
     let request = Message::from_vec(request).context("decoding the query")?;
     let mut response = Message::new();
     response
@@ -49,9 +59,12 @@ pub fn answer(request: &[u8], identity: &Identity) -> anyhow::Result<Vec<u8>> {
         .set_authoritative(true)
         .set_recursion_desired(request.recursion_desired())
         .set_recursion_available(true)
-        .set_response_code(ResponseCode::NoError);
+        .set_response_code(code);
     for question in request.queries() {
         response.add_query(question.clone());
+        if code != ResponseCode::NoError {
+            continue;
+        }
         let rdata = match question.query_type() {
             RecordType::A => Some(RData::A(A(identity.a))),
             RecordType::AAAA => Some(RData::AAAA(AAAA(identity.aaaa))),

@@ -138,6 +138,8 @@ pub struct CacheSpec {
     pub udp_sockets: u32,
     /// Milliseconds it stays silent after binding.
     pub mute_ms: u64,
+    /// More `dns-server` flags (`--rcode servfail`, `--answer-delay-ms 700`, ...).
+    pub extra_args: Vec<String>,
 }
 
 impl CacheSpec {
@@ -148,6 +150,7 @@ impl CacheSpec {
             listen: vec![dns(NODE_LISTENER), dns(CLUSTER_LISTENER), dns(V6_LISTENER)],
             udp_sockets: 1,
             mute_ms: 0,
+            extra_args: Vec::new(),
         }
     }
 }
@@ -534,15 +537,27 @@ impl Sandbox {
         interval: Duration,
         timeout: Duration,
     ) -> String {
+        self.config_toml_with_probe(
+            listeners,
+            tables,
+            &format!(
+                "interval_ms = {}\ntimeout_ms = {}\n",
+                interval.as_millis(),
+                timeout.as_millis()
+            ),
+        )
+    }
+
+    /// The same, with `probe` as the body of the `[probe]` table (hysteresis included).
+    #[must_use]
+    pub fn config_toml_with_probe(&self, listeners: &str, tables: &str, probe: &str) -> String {
         format!(
-            "cgroup = {:?}\npin_dir = {:?}\nlock_file = {:?}\ncache_netns = {:?}\nsocket_reconcile_interval_ms = {}\n\n[probe]\ninterval_ms = {}\ntimeout_ms = {}\n\n[metrics]\naddress = \"127.0.0.1:0\"\n\n{tables}\n{listeners}",
+            "cgroup = {:?}\npin_dir = {:?}\nlock_file = {:?}\ncache_netns = {:?}\nsocket_reconcile_interval_ms = {}\n\n[probe]\n{probe}\n[metrics]\naddress = \"127.0.0.1:0\"\n\n{tables}\n{listeners}",
             self.cgroup.path().display().to_string(),
             self.pin_dir().display().to_string(),
             self.lock_file().display().to_string(),
             self.node_netns_path().display().to_string(),
             paced_ms(500),
-            interval.as_millis(),
-            timeout.as_millis(),
         )
     }
 
@@ -604,6 +619,7 @@ impl Sandbox {
             "--mute-ms".to_owned(),
             cache.mute_ms.to_string(),
         ]);
+        args.extend(cache.extra_args.iter().cloned());
         let program = self.tools.dns_server.display().to_string();
         let cgroup = self.skipped.path().to_owned();
         self.start_process(

@@ -178,3 +178,113 @@ fn run_without_root_says_so() -> anyhow::Result<()> {
     assert_eq!(sandbox.attached_programs()?, "");
     Ok(())
 }
+
+#[test]
+fn a_load_refused_for_a_missing_capability_names_it() -> anyhow::Result<()> {
+    let mut sandbox = Sandbox::new(tools())?;
+    sandbox.start_standard_servers()?;
+    // The agent runs in the node's namespace itself (nsenter changes nothing else), so it needs
+    // no setns and so no CAP_SYS_ADMIN; it runs without CAP_SYS_ADMIN and CAP_PERFMON.
+    let node = sandbox.node_netns_path().display().to_string();
+    let text = sandbox
+        .config_toml(&bpf_tests::bench::standard_listeners(&sandbox))
+        .replace(&format!("cache_netns = {node:?}\n"), "");
+    assert!(!text.contains("cache_netns"), "{text}");
+    let config = sandbox.write_file("config.toml", &text)?;
+    let mut command = Command::new("nsenter");
+    command
+        .arg(format!("--net={node}"))
+        .args(["setpriv", "--bounding-set=-sys_admin,-perfmon"])
+        .arg(redirector_bin())
+        .args(["run", "--config", &config.display().to_string()]);
+    let output = output_within(&mut command, Duration::from_secs(30))?;
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("the kernel refused the eBPF program"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("this process lacks CAP_PERFMON"),
+        "the refusal names the missing capability: {stderr}"
+    );
+    assert!(!stderr.contains("CAP_BPF and"), "CAP_BPF is held: {stderr}");
+    assert_eq!(sandbox.attached_programs()?, "");
+    assert!(
+        !sandbox.pin_dir().join("maps").exists(),
+        "the refused start left its maps pinned"
+    );
+    Ok(())
+}
+
+#[test]
+fn the_capabilities_the_unit_grants_steer_and_fail_over() -> anyhow::Result<()> {
+    // What deploy/systemd/redirector.service grants (the DaemonSet adds the same, which
+    // redirector/tests/deploy.rs checks), and nothing else in the bounding set.
+    let unit = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../deploy/systemd/redirector.service"),
+    )?;
+    let granted: Vec<String> = unit
+        .lines()
+        .find_map(|line| line.strip_prefix("CapabilityBoundingSet="))
+        .ok_or_else(|| anyhow::anyhow!("the unit has no CapabilityBoundingSet"))?
+        .split_whitespace()
+        .map(|name| name.trim_start_matches("CAP_").to_lowercase())
+        .collect();
+    assert!(!granted.is_empty());
+    let bounding = format!("--bounding-set=-all,+{}", granted.join(",+"));
+
+    let mut sandbox = Sandbox::new(tools())?;
+    sandbox.start_standard_servers()?;
+    let config = write_standard_config(&sandbox)?;
+    let mut command = Command::new("setpriv");
+    command.arg(&bounding).arg(redirector_bin()).args([
+        "run",
+        "--config",
+        &config.display().to_string(),
+    ]);
+    let mut agent = bpf_tests::command::TestProcess::start(
+        "redirector run (the unit's capabilities)",
+        command,
+        "redirector is steering",
+        Duration::from_secs(30),
+    )?;
+    let status = std::fs::read_to_string(format!("/proc/{}/status", agent.pid()))?;
+    let effective = status
+        .lines()
+        .find_map(|line| line.strip_prefix("CapEff:"))
+        .map(str::trim)
+        .ok_or_else(|| anyhow::anyhow!("no CapEff"))?;
+    let effective = u64::from_str_radix(effective, 16)?;
+    let bits = [
+        ("net_admin", 12),
+        ("sys_admin", 21),
+        ("perfmon", 38),
+        ("bpf", 39),
+    ];
+    let mut expected = 0u64;
+    for name in &granted {
+        let (_, bit) = bits
+            .iter()
+            .find(|(known, _)| known == name)
+            .ok_or_else(|| {
+                anyhow::anyhow!("the unit grants {name}, which this test does not know")
+            })?;
+        expected |= 1 << bit;
+    }
+    assert_eq!(
+        effective, expected,
+        "the agent runs with exactly {granted:?}"
+    );
+    assert_eq!(answered_by(&sandbox)?, "cache");
+    sandbox.stop_server("cache")?;
+    assert_eq!(
+        answered_by(&sandbox)?,
+        "upstream",
+        "failed over in the kernel"
+    );
+    bpf_tests::cli::stop_agent(&mut agent)?;
+    bpf_tests::cli::uninstall(&config)?;
+    Ok(())
+}

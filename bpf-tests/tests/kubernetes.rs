@@ -18,9 +18,12 @@ fn tools() -> Tools {
 
 /// The kernel pool of a listener as (address, udp port, tcp port), sorted.
 fn kernel_pool(bench: &Bench, id: u32) -> anyhow::Result<Vec<(IpAddr, u16, u16)>> {
-    let mut pool: Vec<_> = bench
-        .maps
-        .pool(id)?
+    Ok(pool_rows(&bench.maps.pool(id)?))
+}
+
+/// A pool as (address, udp port, tcp port), sorted.
+fn pool_rows(pool: &redirector_common::pool::Pool) -> Vec<(IpAddr, u16, u16)> {
+    let mut pool: Vec<_> = pool
         .targets()
         .iter()
         .map(|target| {
@@ -32,7 +35,7 @@ fn kernel_pool(bench: &Bench, id: u32) -> anyhow::Result<Vec<(IpAddr, u16, u16)>
         })
         .collect();
     pool.sort_unstable();
-    Ok(pool)
+    pool
 }
 
 fn expect(addresses: &[&str], port: u16) -> Vec<(IpAddr, u16, u16)> {
@@ -351,5 +354,90 @@ fn a_burst_of_a_thousand_updates_is_coalesced() -> anyhow::Result<()> {
     let writes = bench.agent.stats.pool_writes("cluster") - writes_before;
     println!("1000 EndpointSlice updates became {writes} pool writes");
     assert!(writes < 200, "the burst was not coalesced: {writes} writes");
+    Ok(())
+}
+
+#[test]
+fn a_pool_larger_than_the_kernels_is_cut_per_node_and_counted() -> anyhow::Result<()> {
+    use bpf_tests::{
+        cli::{logged_metrics_address, start_agent_with, stop_agent, uninstall},
+        http::{get, sample},
+    };
+    use redirector::sources::{Upstream, subset};
+    use redirector_common::pool::MAX_POOL_TARGETS;
+
+    let kube = FakeKube::start()?;
+    let addresses: Vec<String> = (1..=40).map(|last| format!("10.244.0.{last}")).collect();
+    let endpoints: Vec<(&str, bool, bool)> = addresses
+        .iter()
+        .map(|address| (address.as_str(), true, false))
+        .collect();
+    kube.apply(endpoint_slice(
+        "kube-dns-v4",
+        "kube-dns",
+        "IPv4",
+        53,
+        &endpoints,
+    ));
+    let mut sandbox = Sandbox::new(tools())?;
+    sandbox.start_standard_servers()?;
+    let kubeconfig = sandbox.write_file("kubeconfig", &kube.kubeconfig())?;
+    let listeners = "[[listener]]\nname = \"cluster\"\naddress = \"169.254.10.11\"\nkube_dns = \"kube-system/kube-dns\"\n";
+    let tables = format!(
+        "[interface]\nmanage = false\n\n[kubernetes]\nkubeconfig = {:?}\n",
+        kubeconfig.display().to_string()
+    );
+    let config = sandbox.write_file("agent.toml", &sandbox.config_toml_with(listeners, &tables))?;
+    let mut offered: Vec<Upstream> = addresses
+        .iter()
+        .map(|address| Upstream::dns(address.parse().expect("an address")))
+        .collect();
+    offered.sort_unstable();
+
+    let mut subsets = Vec::new();
+    for node in ["aks-nodepool1-0", "aks-nodepool1-1"] {
+        let mut agent = start_agent_with(&config, &[], &[("NODE_NAME", node.as_ref())])?;
+        let address = logged_metrics_address(&mut agent)?;
+        let (expected, left_out) = subset::for_node(&offered, node, MAX_POOL_TARGETS);
+        assert_eq!((expected.len(), left_out), (32, 8));
+        let expected: Vec<(IpAddr, u16, u16)> = expected
+            .iter()
+            .map(|upstream| (upstream.ip, upstream.udp_port, upstream.tcp_port))
+            .collect();
+        let pool = || -> anyhow::Result<Vec<(IpAddr, u16, u16)>> {
+            Ok(pool_rows(
+                &redirector::datapath::Maps::open_pinned(&sandbox.pin_dir())?.pool(0)?,
+            ))
+        };
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while pool()? != expected {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{node}: kernel pool {:?}, expected this node's subset {expected:?}",
+                pool()?
+            );
+            pause(100);
+        }
+        let metrics = get(address, "/metrics")?.body;
+        assert_eq!(
+            sample(
+                &metrics,
+                "redirector_pool_upstreams_left_out{listener=\"cluster\"}"
+            ),
+            Some(8.0),
+            "{metrics}"
+        );
+        assert!(
+            agent
+                .printed()
+                .iter()
+                .any(|line| line.contains("this node keeps its own subset")),
+            "the cut is logged"
+        );
+        stop_agent(&mut agent)?;
+        subsets.push(expected);
+    }
+    assert_ne!(subsets[0], subsets[1], "two nodes keep different subsets");
+    uninstall(&config)?;
     Ok(())
 }

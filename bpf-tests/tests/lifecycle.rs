@@ -5,8 +5,8 @@
 use std::{net::IpAddr, time::Duration};
 
 use bpf_tests::{
-    bench::{Bench, NODE_ID, write_standard_config},
-    cli::{redirector, set_state, start_agent},
+    bench::{Bench, NODE_ID, standard_listeners, write_standard_config},
+    cli::{redirector, set_state, start_agent, start_agent_with, stop_agent, uninstall},
     command::run,
     dns::now_ms,
     pace::{paced_ms, pause, wait_until},
@@ -454,5 +454,218 @@ fn an_agent_in_a_cgroup_namespace_of_its_own_finds_its_cgroup_and_probes_unsteer
         redirector(&["uninstall", "--config", &config.display().to_string()])?.code,
         0
     );
+    Ok(())
+}
+
+#[test]
+fn a_failed_start_leaves_nothing_that_locks_the_next_one_out() -> anyhow::Result<()> {
+    let mut sandbox = Sandbox::new(tools())?;
+    sandbox.start_standard_servers()?;
+    let listeners = standard_listeners(&sandbox);
+    // A listener interface that cannot be set up fails the start after the maps were created.
+    let broken = sandbox.write_file(
+        "broken.toml",
+        &sandbox.config_toml_with(
+            &listeners,
+            "[interface]\nkind = \"existing\"\nname = \"nosuchlink0\"\n",
+        ),
+    )?;
+    let refused = redirector(&["run", "--config", &broken.display().to_string()])?;
+    assert_eq!(refused.code, 1, "{refused:?}");
+    assert!(
+        refused.stderr.contains("there is no link nosuchlink0"),
+        "{refused:?}"
+    );
+    assert!(
+        refused
+            .stderr
+            .contains("removed the pins of this failed start"),
+        "{refused:?}"
+    );
+    assert!(
+        !sandbox.pin_dir().join("maps").exists(),
+        "the failed start left maps pinned"
+    );
+    assert_eq!(sandbox.attached_programs()?, "");
+
+    // The cause fixed, the next start steers.
+    let config = write_standard_config(&sandbox)?;
+    let mut agent = start_agent(&config)?;
+    assert_eq!(answered_by(&sandbox)?, "cache");
+    stop_agent(&mut agent)?;
+    uninstall(&config)?;
+
+    // A start killed before it attached (here: of a build whose config map has another shape)
+    // left maps that no program uses: the next start removes them, with no --replace.
+    let maps = sandbox.pin_dir().join("maps");
+    std::fs::create_dir_all(&maps)?;
+    run(
+        "bpftool",
+        [
+            "map",
+            "create",
+            &maps.join("DATAPATH_CONFIG").display().to_string(),
+            "type",
+            "array",
+            "key",
+            "4",
+            "value",
+            "4",
+            "entries",
+            "1",
+            "name",
+            "DATAPATH_CONFIG",
+        ],
+    )?;
+    let mut agent = start_agent(&config)?;
+    assert!(
+        agent
+            .printed()
+            .iter()
+            .any(|line| line.contains("removing maps no program uses")),
+        "{:?}",
+        agent.printed()
+    );
+    assert_eq!(answered_by(&sandbox)?, "cache");
+    stop_agent(&mut agent)?;
+    uninstall(&config)?;
+    Ok(())
+}
+
+#[test]
+fn pinned_maps_of_another_shape_are_refused_with_what_differs() -> anyhow::Result<()> {
+    let mut sandbox = Sandbox::new(tools())?;
+    sandbox.start_standard_servers()?;
+    let config = write_standard_config(&sandbox)?;
+    let mut agent = start_agent(&config)?;
+    stop_agent(&mut agent)?;
+
+    // The same layout, but the translation map sized otherwise.
+    let text = format!(
+        "reverse_nat_entries = 4096\n{}",
+        sandbox.config_toml(&standard_listeners(&sandbox))
+    );
+    let resized = sandbox.write_file("resized.toml", &text)?;
+    let resized_arg = resized.display().to_string();
+    let refused = redirector(&["run", "--config", &resized_arg])?;
+    assert_eq!(refused.code, 1, "{refused:?}");
+    assert!(
+        refused.stderr.contains(&format!(
+            "REVERSE_NAT has max entries {} where 4096 is needed",
+            redirector_common::reverse::REVERSE_NAT_DEFAULT_ENTRIES
+        )),
+        "{refused:?}"
+    );
+    assert!(refused.stderr.contains("--replace"), "{refused:?}");
+    assert_eq!(
+        answered_by(&sandbox)?,
+        "cache",
+        "the old programs still steer"
+    );
+
+    let replaced = start_agent_with(&resized, &["--replace"], &[])?;
+    assert_eq!(answered_by(&sandbox)?, "cache");
+    let maps = run(
+        "bpftool",
+        [
+            "map",
+            "show",
+            "pinned",
+            &sandbox
+                .pin_dir()
+                .join("maps/REVERSE_NAT")
+                .display()
+                .to_string(),
+        ],
+    )?;
+    assert!(maps.contains("max_entries 4096"), "{maps}");
+    drop(replaced);
+    assert_eq!(
+        redirector(&["uninstall", "--config", &resized_arg])?.code,
+        0
+    );
+    Ok(())
+}
+
+#[test]
+fn uninstall_removes_only_what_the_agent_added_to_a_link_it_adopted() -> anyhow::Result<()> {
+    let sandbox = Sandbox::new(tools())?;
+    let link = sandbox.add_listener_link()?;
+    let node = sandbox.netns(Ns::Node).name().to_owned();
+    // There before the agent: one listener's address (as NodeLocal DNSCache leaves its link) and
+    // one of someone else's.
+    for address in ["169.254.20.10/32", "192.0.2.200/32"] {
+        run("ip", ["-n", &node, "addr", "add", address, "dev", &link])?;
+    }
+    let listeners = "[[listener]]\nname = \"kept\"\naddress = \"169.254.20.10\"\nupstreams = [\"198.18.2.2\"]\n\n[[listener]]\nname = \"added\"\naddress = \"169.254.20.11\"\nupstreams = [\"198.18.2.2\"]\n";
+    // kind "dummy" names a link the agent would create, but one of that name is there.
+    let tables = format!("[interface]\nname = {link:?}\nkind = \"dummy\"\n");
+    let config =
+        sandbox.write_file("config.toml", &sandbox.config_toml_with(listeners, &tables))?;
+    for _ in 0..2 {
+        // The second start adopts what the first recorded.
+        let mut agent = start_agent(&config)?;
+        let addresses = run("ip", ["-n", &node, "addr", "show", "dev", &link])?;
+        assert!(addresses.contains("169.254.20.11/32"), "{addresses}");
+        stop_agent(&mut agent)?;
+    }
+    let record = sandbox.lock_file().with_file_name("interface.json");
+    let owned: redirector::interface::Ownership =
+        serde_json::from_str(&std::fs::read_to_string(&record)?)?;
+    assert_eq!(owned.created, None, "the link was there before");
+    assert_eq!(owned.added, ["169.254.20.11".parse::<IpAddr>()?]);
+
+    uninstall(&config)?;
+    let addresses = run("ip", ["-n", &node, "addr", "show", "dev", &link])
+        .map_err(|error| error.context("uninstall deleted a link it did not create"))?;
+    assert!(
+        addresses.contains("169.254.20.10/32") && addresses.contains("192.0.2.200/32"),
+        "the addresses that were there stay: {addresses}"
+    );
+    assert!(
+        !addresses.contains("169.254.20.11"),
+        "the address the agent added is gone: {addresses}"
+    );
+    assert!(!record.exists(), "the record is gone with what it recorded");
+    Ok(())
+}
+
+#[test]
+fn an_agent_whose_cache_namespace_is_replaced_exits_to_follow_it() -> anyhow::Result<()> {
+    let sandbox = Sandbox::new(tools())?;
+    // The caches' namespace of its own, which a cache's pod would bring (and a new pod replace).
+    let name = format!("{}{}-caches", bpf_tests::sandbox::PREFIX, sandbox.tag());
+    let caches = bpf_tests::netns::NetNs::create(&name)?;
+    let path = format!("/run/netns/{name}");
+    let text = sandbox
+        .config_toml("[[listener]]\nname = \"node\"\naddress = \"169.254.10.10\"\nupstreams = [\"198.18.2.2\"]\n")
+        .replace(
+            &format!("cache_netns = {:?}", sandbox.node_netns_path().display().to_string()),
+            &format!("cache_netns = {path:?}"),
+        );
+    assert!(text.contains(&path), "{text}");
+    let config = sandbox.write_file("config.toml", &text)?;
+    let mut agent = start_agent(&config)?;
+
+    // Deleted and created again: the same path, another namespace.
+    drop(caches);
+    let caches = bpf_tests::netns::NetNs::create(&name)?;
+    let status = agent
+        .wait_exit(Duration::from_secs(10))
+        .map_err(|error| error.context("the agent went on in the namespace that is gone"))?;
+    assert_eq!(status.code(), Some(1), "{:?}", agent.printed());
+    assert!(
+        agent
+            .printed()
+            .iter()
+            .any(|line| line.contains("is now another network namespace")),
+        "{:?}",
+        agent.printed()
+    );
+    // Started again, it follows: it steers from the new namespace.
+    let agent = start_agent(&config)?;
+    drop(agent);
+    uninstall(&config)?;
+    drop(caches);
     Ok(())
 }

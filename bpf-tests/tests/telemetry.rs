@@ -251,6 +251,48 @@ fn readyz_waits_for_every_pool_and_healthz_does_not() -> anyhow::Result<()> {
 }
 
 #[test]
+fn healthz_answers_through_a_flood_of_idle_and_slow_connections() -> anyhow::Result<()> {
+    use std::io::{Read, Write};
+    let bench = Bench::standard(tools())?;
+    let address = bench.agent.metrics.expect("metrics are served");
+    // Twice the agent's connection limit: half that never send a byte, half that send a
+    // request head slowly (slowloris), all held open.
+    let mut flood = Vec::new();
+    for index in 0..256 {
+        let mut stream = std::net::TcpStream::connect(address)?;
+        if index % 2 == 1 {
+            stream.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")?;
+        }
+        flood.push(stream);
+    }
+    for attempt in 0..5 {
+        let healthz = get(address, "/healthz")?;
+        assert_eq!(healthz.status, 200, "attempt {attempt}: {healthz:?}");
+    }
+    // The oldest gave way to the newcomers.
+    let oldest = &mut flood[0];
+    oldest.set_read_timeout(Some(Duration::from_secs(5)))?;
+    let mut byte = [0u8; 1];
+    let read = oldest.read(&mut byte);
+    assert!(
+        matches!(read, Ok(0))
+            || read
+                .as_ref()
+                .is_err_and(|error| error.kind() == std::io::ErrorKind::ConnectionReset),
+        "the oldest idle connection is closed by the agent: {read:?}"
+    );
+    let newest = flood.last_mut().expect("connections were opened");
+    newest.set_nonblocking(true)?;
+    assert!(
+        newest
+            .read(&mut byte)
+            .is_err_and(|error| error.kind() == std::io::ErrorKind::WouldBlock),
+        "the newest connection is still open"
+    );
+    Ok(())
+}
+
+#[test]
 fn systemd_hears_ready_once_the_programs_steer_and_logs_can_be_json() -> anyhow::Result<()> {
     let (sandbox, config) = standard_sandbox()?;
     let socket_path = sandbox.lock_file().with_file_name("notify.sock");

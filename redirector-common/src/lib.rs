@@ -28,4 +28,4 @@ pub const DNS_PORT: u16 = 53;
 
 /// Version of the map layout defined in this crate. Bump it whenever a key or value changes
 /// shape or meaning; the agent refuses to adopt pinned maps of another version.
-pub const LAYOUT_VERSION: u32 = 4;
+pub const LAYOUT_VERSION: u32 = 5;

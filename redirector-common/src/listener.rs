@@ -58,17 +58,20 @@ pub struct ListenerMode {
 }
 const _: () = assert!(size_of::<ListenerMode>() == 4);
 
+/// `CacheHealth::verdict`: nobody has judged the cache yet. A zeroed entry reads as this, so a
+/// listener whose verdict was never written (or was reset) gets no DNS sent to its cache.
+pub const HEALTH_UNKNOWN: u32 = 0;
 /// `CacheHealth::verdict`: the cache is serving.
-pub const HEALTH_UP: u32 = 0;
+pub const HEALTH_UP: u32 = 1;
 /// `CacheHealth::verdict`: the cache is not serving.
-pub const HEALTH_DOWN: u32 = 1;
+pub const HEALTH_DOWN: u32 = 2;
 
 /// Value of `CACHE_HEALTH`, indexed by listener id: the agent's judgement of the cache, from its
 /// probes. Written by the agent only.
 #[repr(C)]
 #[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
 pub struct CacheHealth {
-    /// `HEALTH_UP` or `HEALTH_DOWN`.
+    /// `HEALTH_UNKNOWN`, `HEALTH_UP` or `HEALTH_DOWN`.
     pub verdict: u32,
     /// Zero.
     pub _padding: u32,
@@ -118,6 +121,8 @@ pub enum Reason {
     ProbesFailing,
     /// The cache's sockets came back after it went away; the probes have not confirmed it yet.
     AwaitingConfirmation,
+    /// No verdict on the cache has been written yet (or it was reset).
+    Unprobed,
     /// The cache serves.
     Healthy,
 }
@@ -132,10 +137,12 @@ pub enum Reason {
 /// | `upstream` | any          | any           | any                | upstream | override               |
 /// | `auto`     | none         | any           | any                | upstream | no sockets             |
 /// | `auto`     | some         | down          | any                | upstream | probes failing         |
+/// | `auto`     | some         | unknown²      | any                | upstream | unprobed               |
 /// | `auto`     | some         | up            | ≠ `down_epoch`     | upstream | awaiting confirmation  |
 /// | `auto`     | some         | up            | = `down_epoch`     | cache    | healthy                |
 ///
 /// ¹ Only with `LIVENESS_SOCKETS_AND_PROBES`; with `LIVENESS_PROBES` these columns are ignored.
+/// ² `HEALTH_UNKNOWN`, or a value this build does not know.
 #[inline(always)]
 #[must_use]
 pub const fn explain(
@@ -155,6 +162,9 @@ pub const fn explain(
     }
     if health.verdict == HEALTH_DOWN {
         return (Route::Upstream, Reason::ProbesFailing);
+    }
+    if health.verdict != HEALTH_UP {
+        return (Route::Upstream, Reason::Unprobed);
     }
     if tracks_sockets && health.confirmed_epoch != sockets.down_epoch {
         return (Route::Upstream, Reason::AwaitingConfirmation);
@@ -330,6 +340,25 @@ mod tests {
             route(SOCKETS, &mode(77), &health(HEALTH_UP, 1), &sockets(0, 2)),
             Route::Upstream
         );
+    }
+
+    #[test]
+    fn a_zeroed_or_unknown_verdict_sends_no_dns_to_the_cache() {
+        for verdict in [HEALTH_UNKNOWN, 77] {
+            for liveness in [SOCKETS, LIVENESS_PROBES] {
+                assert_eq!(
+                    explain(
+                        liveness,
+                        &mode(MODE_AUTO),
+                        &health(verdict, 5),
+                        &sockets(2, 5)
+                    ),
+                    (Route::Upstream, Reason::Unprobed),
+                    "verdict {verdict}, liveness {liveness}"
+                );
+            }
+        }
+        assert_eq!(CacheHealth::default().verdict, HEALTH_UNKNOWN);
     }
 
     #[test]

@@ -102,9 +102,21 @@ mod tests {
     }
 
     #[test]
-    fn pick_is_stable_per_socket() {
-        for cookie in [1u64, 4096, 123_456_789, u64::MAX] {
-            assert_eq!(pick_index(cookie, 3), pick_index(cookie, 3));
+    fn pick_is_pinned_to_known_targets() {
+        // A socket's target must not change while its pool does not, also across an agent
+        // upgrade that replaces the programs: these values pin the hash. Changing them moves
+        // every long-lived socket on every node at the upgrade.
+        for (cookie, expected) in [
+            (1u64, [1, 4, 19]),
+            (4096, [1, 3, 14]),
+            (123_456_789, [2, 5, 23]),
+            (u64::MAX, [1, 2, 12]),
+        ] {
+            assert_eq!(
+                [3, 7, 32].map(|len| pick_index(cookie, len)),
+                expected,
+                "cookie {cookie}"
+            );
         }
     }
 

@@ -95,11 +95,17 @@ pub fn try_count_bind(ctx: &SockContext, family: BindFamily) -> Option<()> {
         protocol,
         marked: if marked { MARKED } else { UNMARKED },
     };
-    // Whoever inserts the entry counts the socket (the agent may have seen it first).
-    CACHE_SOCKETS
-        .insert(cookie, entry, u64::from(BPF_NOEXIST))
-        .ok()?;
+    // Count, then insert; the loser of the insert (the agent may have seen the socket first)
+    // takes its count back. Both sides do it in this order, so an entry never exists for a socket
+    // left uncounted, a count reaching zero always means no cache socket is left, and every
+    // decrement that reaches it records the death (see `datapath::count_protocol` in the agent).
     add_to_counts(ctx, &entry, 1);
+    if CACHE_SOCKETS
+        .insert(cookie, entry, u64::from(BPF_NOEXIST))
+        .is_err()
+    {
+        add_to_counts(ctx, &entry, -1);
+    }
     Some(())
 }
 

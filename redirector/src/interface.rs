@@ -4,6 +4,10 @@
 //! added with `IFA_F_NODAD`, and duplicate address detection is off on the link before it comes
 //! up, so they are usable at once. Idempotent: an existing link and addresses are adopted.
 //!
+//! What the agent owns is recorded in a file next to its lock ([`Ownership`]): whether it created
+//! the link, and which addresses it added to a link it adopted. Uninstall removes only that, so
+//! a link that was there before (NodeLocal DNSCache's, say), and the addresses it had, stay.
+//!
 //! Everything happens in the caches' network namespace (rtnetlink through a socket created
 //! there).
 
@@ -11,13 +15,14 @@ use std::{
     collections::HashSet,
     net::IpAddr,
     os::fd::{FromRawFd as _, IntoRawFd as _},
+    path::{Path, PathBuf},
 };
 
 use futures::TryStreamExt as _;
 use netlink_packet_route::address::{AddressAttribute, AddressFlags, AddressHeaderFlags};
 use netlink_sys::{Socket, TokioSocket, protocols::NETLINK_ROUTE};
 use rtnetlink::{Handle, LinkDummy, LinkUnspec};
-use tracing::info;
+use tracing::{info, warn};
 
 use crate::{
     config::{InterfaceKind, InterfaceSettings},
@@ -63,6 +68,15 @@ pub enum InterfaceError {
         #[source]
         source: rtnetlink::Error,
     },
+    /// The ownership record could not be written or removed.
+    #[error("cannot write the record of what the agent owns of the listener link, {path}")]
+    Record {
+        /// The record.
+        path: PathBuf,
+        /// What the OS said.
+        #[source]
+        source: std::io::Error,
+    },
     /// Turning duplicate address detection off failed.
     #[error("cannot turn duplicate address detection off on {name}")]
     AcceptDad {
@@ -72,6 +86,61 @@ pub enum InterfaceError {
         #[source]
         source: NetnsError,
     },
+}
+
+/// What the agent owns of the listener link, kept in `record` (JSON) from the moment it
+/// changes anything: a crash after an address was added but before it was recorded leaves that
+/// address unowned, so uninstall leaves it (never the other way round).
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Ownership {
+    /// The link's name.
+    pub link: String,
+    /// The link's index when the agent created it (`None`: the link was there before). A link
+    /// of that name with another index is someone else's.
+    pub created: Option<u32>,
+    /// Addresses the agent added to a link it did not create.
+    pub added: Vec<IpAddr>,
+}
+
+impl Ownership {
+    /// The record at `path` for the link `name`; none when there is no record, it is of another
+    /// link, or it cannot be read (then nothing counts as owned).
+    #[must_use]
+    pub fn read(path: &Path, name: &str) -> Option<Self> {
+        let text = match std::fs::read_to_string(path) {
+            Ok(text) => text,
+            Err(error) if error.kind() == std::io::ErrorKind::NotFound => return None,
+            Err(error) => {
+                warn!(path = %path.display(), error = %error, "cannot read the listener link's ownership record; treating nothing on it as the agent's");
+                return None;
+            }
+        };
+        match serde_json::from_str::<Self>(&text) {
+            Ok(record) => (record.link == name).then_some(record),
+            Err(error) => {
+                warn!(path = %path.display(), error = %error, "the listener link's ownership record is unreadable; treating nothing on it as the agent's");
+                None
+            }
+        }
+    }
+
+    /// Writes the record to `path` (a temporary file renamed over it).
+    fn write(&self, path: &Path) -> Result<(), InterfaceError> {
+        let error = |source| InterfaceError::Record {
+            path: path.to_owned(),
+            source,
+        };
+        let text = serde_json::to_string(self).map_err(|source| error(source.into()))?;
+        let temporary = path.with_extension("json.new");
+        std::fs::write(&temporary, text).map_err(error)?;
+        std::fs::rename(&temporary, path).map_err(error)
+    }
+}
+
+/// Where the ownership record of the agent whose lock file is `lock_file` lives.
+#[must_use]
+pub fn record_path(lock_file: &Path) -> PathBuf {
+    lock_file.with_file_name("interface.json")
 }
 
 /// An rtnetlink connection in the caches' namespace.
@@ -143,17 +212,36 @@ fn netlink(name: &str, action: &'static str) -> impl FnOnce(rtnetlink::Error) ->
     }
 }
 
-/// Makes sure the listener link exists, is up and carries every one of `addresses`. Returns the
-/// addresses it added.
+/// Makes sure the listener link exists, is up and carries every one of `addresses`, recording in
+/// `record` what the agent created or added. Returns the addresses it added.
 pub async fn ensure(
     settings: &InterfaceSettings,
     addresses: &[IpAddr],
     worker: &NetnsWorker,
+    record: &Path,
 ) -> Result<Vec<IpAddr>, InterfaceError> {
     let name = settings.name.as_str();
     let connection = Connection::open(worker).await?;
-    let index = match (connection.link_index(name).await?, settings.kind) {
-        (Some(index), _) => index,
+    let prior = Ownership::read(record, name);
+    let (index, mut owned) = match (connection.link_index(name).await?, settings.kind) {
+        (Some(index), _) => match prior {
+            // Created by an earlier agent: still ours.
+            Some(prior) if prior.created == Some(index) => (index, prior),
+            prior => {
+                if prior.is_none() && settings.kind == InterfaceKind::Dummy {
+                    info!(
+                        link = name,
+                        "adopting a link that was there before; uninstall leaves it"
+                    );
+                }
+                let owned = Ownership {
+                    link: name.to_owned(),
+                    created: None,
+                    added: prior.map(|prior| prior.added).unwrap_or_default(),
+                };
+                (index, owned)
+            }
+        },
         (None, InterfaceKind::Existing) => {
             return Err(InterfaceError::Missing {
                 name: name.to_owned(),
@@ -171,12 +259,20 @@ pub async fn ensure(
                     source,
                 })?;
             info!(link = name, "created the listener link");
-            connection
-                .link_index(name)
-                .await?
-                .ok_or_else(|| InterfaceError::Missing {
-                    name: name.to_owned(),
-                })?
+            let index =
+                connection
+                    .link_index(name)
+                    .await?
+                    .ok_or_else(|| InterfaceError::Missing {
+                        name: name.to_owned(),
+                    })?;
+            let owned = Ownership {
+                link: name.to_owned(),
+                created: Some(index),
+                added: Vec::new(),
+            };
+            owned.write(record)?;
+            (index, owned)
         }
     };
 
@@ -216,6 +312,14 @@ pub async fn ensure(
             .await
             .map_err(netlink(name, "adding a listener address"))?;
         added.push(address);
+        if owned.created.is_none() && !owned.added.contains(&address) {
+            owned.added.push(address);
+            owned.write(record)?;
+        }
+    }
+    if owned.created.is_none() && owned.added.is_empty() {
+        // Nothing here is ours; a record says so (and replaces one of another link).
+        owned.write(record)?;
     }
     connection
         .handle
@@ -230,29 +334,63 @@ pub async fn ensure(
     Ok(added)
 }
 
-/// Removes `addresses` from the listener link, and the link itself when the agent created it
-/// (kind `dummy`). A missing link is nothing to do.
+/// Removes what `record` says the agent owns of the listener link: the link itself when the agent
+/// created it, else the addresses it added; then the record. A link that was there before, and
+/// the addresses it had, stay. Returns whether anything was removed.
 pub async fn remove(
     settings: &InterfaceSettings,
-    addresses: &[IpAddr],
     worker: &NetnsWorker,
-) -> Result<(), InterfaceError> {
+    record: &Path,
+) -> Result<bool, InterfaceError> {
     let name = settings.name.as_str();
+    let owned = Ownership::read(record, name);
     let connection = Connection::open(worker).await?;
-    let Some(index) = connection.link_index(name).await? else {
-        return Ok(());
+    let removed = match (connection.link_index(name).await?, owned) {
+        (None, _) => false,
+        (Some(index), Some(owned)) if owned.created == Some(index) => {
+            connection
+                .handle
+                .link()
+                .del(index)
+                .execute()
+                .await
+                .map_err(netlink(name, "deleting the listener link"))?;
+            info!(link = name, "deleted the listener link");
+            true
+        }
+        (Some(index), Some(owned)) => {
+            remove_addresses(&connection, index, name, &owned.added).await?;
+            info!(link = name, addresses = ?owned.added, "removed the listener addresses the agent added; the link stays");
+            !owned.added.is_empty()
+        }
+        (Some(_), None) => {
+            warn!(
+                link = name,
+                "no record that the agent created or changed this link: left as it is (remove the listener addresses yourself if the agent added them)"
+            );
+            false
+        }
     };
-    if settings.kind == InterfaceKind::Dummy {
-        connection
-            .handle
-            .link()
-            .del(index)
-            .execute()
-            .await
-            .map_err(netlink(name, "deleting the listener link"))?;
-        info!(link = name, "deleted the listener link");
-        return Ok(());
+    match std::fs::remove_file(record) {
+        Ok(()) => {}
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
+        Err(source) => {
+            return Err(InterfaceError::Record {
+                path: record.to_owned(),
+                source,
+            });
+        }
     }
+    Ok(removed)
+}
+
+/// Removes every one of `addresses` that link `index` carries.
+async fn remove_addresses(
+    connection: &Connection,
+    index: u32,
+    name: &str,
+    addresses: &[IpAddr],
+) -> Result<(), InterfaceError> {
     let wanted: HashSet<IpAddr> = addresses.iter().copied().collect();
     let messages: Vec<_> = connection
         .handle
@@ -277,6 +415,5 @@ pub async fn remove(
                 .map_err(netlink(name, "removing a listener address"))?;
         }
     }
-    info!(link = name, "removed the listener addresses");
     Ok(())
 }

@@ -5,6 +5,7 @@
 //! privileged tests in `bpf-tests` drive the same code.
 
 pub mod agent;
+pub mod capabilities;
 pub mod cgroup;
 pub mod config;
 pub mod conntrack_bypass;

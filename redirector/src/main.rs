@@ -224,14 +224,14 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
             replace: args.replace,
         };
         let mut agent = Agent::start(&config, options).await?;
-        agent
+        let ran = agent
             .run(async {
                 let signal = stop.await;
                 tracing::info!(signal, "stopping");
             })
             .await;
         agent.shutdown();
-        Ok(())
+        Ok(ran?)
     })
 }
 

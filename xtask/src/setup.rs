@@ -33,6 +33,8 @@ const DEBIAN_PACKAGES: &[&str] = &[
     "qemu-system-x86",
     "busybox-static",
     "kmod",
+    // `systemd-analyze verify` of the shipped unit (redirector/tests/deploy.rs).
+    "systemd",
 ];
 
 /// Where Debian's LLVM lives.

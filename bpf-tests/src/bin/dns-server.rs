@@ -9,8 +9,9 @@ use std::{
 };
 
 use anyhow::Context as _;
-use bpf_tests::dns::{Identity, answer};
+use bpf_tests::dns::{Identity, answer, answer_with};
 use clap::Parser;
+use hickory_proto::op::ResponseCode;
 
 #[derive(Parser, Debug)]
 struct Args {
@@ -29,6 +30,43 @@ struct Args {
     /// Bind at once but answer nothing for this long (a cache that binds before it can serve).
     #[arg(long, default_value_t = 0)]
     mute_ms: u64,
+    /// The response code of every UDP answer (a cache whose upstreams fail, or that refuses).
+    #[arg(long, value_enum, default_value_t = Rcode::Noerror)]
+    rcode: Rcode,
+    /// Wait this long before each UDP answer (a slow cache).
+    #[arg(long, default_value_t = 0)]
+    answer_delay_ms: u64,
+    /// Print `query` when a UDP query arrives, before answering it.
+    #[arg(long)]
+    log_queries: bool,
+}
+
+/// `--rcode`.
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+enum Rcode {
+    Noerror,
+    Servfail,
+    Refused,
+}
+
+impl From<Rcode> for ResponseCode {
+    fn from(rcode: Rcode) -> Self {
+        match rcode {
+            Rcode::Noerror => Self::NoError,
+            Rcode::Servfail => Self::ServFail,
+            Rcode::Refused => Self::Refused,
+        }
+    }
+}
+
+/// How the UDP side answers.
+#[derive(Clone, Copy, Debug)]
+struct Answering {
+    identity: Identity,
+    code: ResponseCode,
+    delay: Duration,
+    log_queries: bool,
+    serve_from: Instant,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -38,14 +76,19 @@ fn main() -> anyhow::Result<()> {
         aaaa: args.aaaa,
     };
     let serve_from = Instant::now() + Duration::from_millis(args.mute_ms);
+    let answering = Answering {
+        identity,
+        code: args.rcode.into(),
+        delay: Duration::from_millis(args.answer_delay_ms),
+        log_queries: args.log_queries,
+        serve_from,
+    };
     let mut workers = Vec::new();
     for address in &args.listen {
         for _ in 0..args.udp_sockets {
             let udp = bind_udp(*address, args.udp_sockets > 1)
                 .with_context(|| format!("binding udp {address}"))?;
-            workers.push(thread::spawn(move || {
-                serve_udp(&udp, &identity, serve_from)
-            }));
+            workers.push(thread::spawn(move || serve_udp(&udp, &answering)));
         }
         let tcp = TcpListener::bind(address).with_context(|| format!("binding tcp {address}"))?;
         workers.push(thread::spawn(move || {
@@ -96,14 +139,22 @@ fn wait_until(serve_from: Instant) {
     }
 }
 
-fn serve_udp(socket: &UdpSocket, identity: &Identity, serve_from: Instant) {
-    wait_until(serve_from);
+fn serve_udp(socket: &UdpSocket, answering: &Answering) {
+    wait_until(answering.serve_from);
     let mut buffer = [0u8; 4096];
     loop {
         let Ok((len, from)) = socket.recv_from(&mut buffer) else {
             continue;
         };
-        if let Ok(reply) = answer(&buffer[..len], identity) {
+        if answering.log_queries {
+            let mut stdout = std::io::stdout().lock();
+            let _ = writeln!(stdout, "query");
+            let _ = stdout.flush();
+        }
+        if !answering.delay.is_zero() {
+            thread::sleep(answering.delay);
+        }
+        if let Ok(reply) = answer_with(&buffer[..len], &answering.identity, answering.code) {
             let _ = socket.send_to(&reply, from);
         }
     }

@@ -16,11 +16,13 @@ use tokio::{
 };
 use tracing::{debug, info, warn};
 
-use super::{Agent, Transition, current_route};
+use super::{Agent, AgentError, Transition, current_route};
+use redirector_common::pool::MAX_POOL_TARGETS;
+
 use crate::{
     liveness::probe::ProbeOutcome,
     sd_notify,
-    sources::{SourceEvent, SourceKind},
+    sources::{SourceEvent, SourceKind, subset},
 };
 
 /// How long source events are collected before the pools are written: a burst of endpoint
@@ -31,9 +33,21 @@ const FIRST_RETRY: Duration = Duration::from_millis(100);
 /// The longest retry delay.
 const MAX_RETRY: Duration = Duration::from_secs(10);
 
+/// A probe's outcome, with what it was sent for.
+struct SentProbe {
+    /// The listener's index in `Agent::listeners`.
+    index: usize,
+    /// The kernel's `down_epoch` of the listener when the probe was sent.
+    epoch: u64,
+    /// What came back.
+    outcome: ProbeOutcome,
+}
+
 impl Agent {
-    /// Probes, reconciles, syncs pools and watches the listeners until `shutdown` completes.
-    pub async fn run(&mut self, shutdown: impl Future<Output = ()>) {
+    /// Probes, reconciles, syncs pools and watches the listeners until `shutdown` completes, or
+    /// until the caches' network namespace is replaced (an error: the agent must be started
+    /// again to follow it).
+    pub async fn run(&mut self, shutdown: impl Future<Output = ()>) -> Result<(), AgentError> {
         let mut probe_tick = tokio::time::interval(self.config.probe.interval);
         probe_tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
         let mut reconcile_tick = tokio::time::interval(self.config.socket_reconcile_interval);
@@ -47,7 +61,7 @@ impl Agent {
         // ones have answered, so a hang is seen `timeout` after the first unanswered probe (and
         // decided `failures_to_fail_over - 1` intervals later), not after whole rounds of
         // timeouts. Outcomes are folded in as they complete.
-        let mut probes: JoinSet<(usize, ProbeOutcome)> = JoinSet::new();
+        let mut probes: JoinSet<SentProbe> = JoinSet::new();
         let mut dirty: HashSet<u32> = HashSet::new();
         let mut write_at: Option<Instant> = None;
         let mut retry = FIRST_RETRY;
@@ -64,7 +78,7 @@ impl Agent {
         self.announce_readiness();
         loop {
             tokio::select! {
-                () = &mut shutdown => return,
+                () = &mut shutdown => return Ok(()),
                 Some(event) = self.events.recv() => {
                     if let Some(listener) = self.take_event(event) {
                         dirty.insert(listener);
@@ -86,11 +100,14 @@ impl Agent {
                 }
                 _ = probe_tick.tick() => self.send_probes(&mut probes),
                 Some(done) = probes.join_next(), if !probes.is_empty() => {
-                    if let Ok((index, outcome)) = done {
-                        self.record_probe(index, &outcome);
+                    if let Ok(probe) = done {
+                        self.record_probe(&probe);
                     }
                 }
-                _ = reconcile_tick.tick() => self.reconcile_round().await,
+                _ = reconcile_tick.tick() => {
+                    self.check_cache_netns()?;
+                    self.reconcile_round().await;
+                }
             }
             self.observe_routes();
             self.stats.heartbeat();
@@ -155,7 +172,9 @@ impl Agent {
                 continue;
             };
             let started = Instant::now();
-            let written = self.maps.set_pool(id, desired);
+            let (pool, left_out) = subset::for_node(desired, &self.node, MAX_POOL_TARGETS);
+            self.stats.record_pool_left_out(&runtime.name, left_out);
+            let written = self.maps.set_pool(id, &pool);
             if written.is_ok() {
                 runtime.synced = true;
                 self.stats
@@ -166,9 +185,12 @@ impl Agent {
                     self.stats.record_pool_write(&runtime.name);
                     info!(
                         listener = %runtime.name,
-                        upstreams = ?desired.iter().map(ToString::to_string).collect::<Vec<_>>(),
+                        upstreams = ?pool.iter().map(ToString::to_string).collect::<Vec<_>>(),
                         "upstream pool written"
                     );
+                    if left_out > 0 {
+                        warn!(listener = %runtime.name, offered = desired.len(), kept = pool.len(), left_out, node = %self.node, "the upstream pool is larger than the kernel's: this node keeps its own subset (chosen by its name), others keep theirs");
+                    }
                     if desired.is_empty() {
                         warn!(listener = %runtime.name, "the upstream pool is EMPTY: while the cache is down, the empty-pool policy applies");
                     }
@@ -186,46 +208,86 @@ impl Agent {
         written
     }
 
-    /// Sends one probe to every cache (each gives up after the probe timeout).
-    fn send_probes(&self, probes: &mut JoinSet<(usize, ProbeOutcome)>) {
+    /// Sends one probe to every cache (each gives up after the probe timeout), with the kernel's
+    /// epoch read before it is sent: an answer can only vouch for the cache that existed then. An
+    /// epoch read after the answer could be a newer one, bumped by the death of the cache that
+    /// answered, and that answer would confirm its successor unprobed.
+    fn send_probes(&self, probes: &mut JoinSet<SentProbe>) {
         for (index, listener) in self.listeners.iter().enumerate() {
+            let epoch = match self.maps.socket_counts(listener.id) {
+                Ok(counts) => counts.down_epoch,
+                Err(error) => {
+                    warn!(listener = %listener.name, error = %error, "cannot read the socket counts; skipping this probe");
+                    continue;
+                }
+            };
             let prober = listener.prober.clone();
-            probes.spawn(async move { (index, prober.probe().await) });
+            probes.spawn(async move {
+                SentProbe {
+                    index,
+                    epoch,
+                    outcome: prober.probe().await,
+                }
+            });
         }
     }
 
     /// Folds one probe's outcome into its listener's verdict.
-    fn record_probe(&mut self, index: usize, outcome: &ProbeOutcome) {
+    fn record_probe(&mut self, probe: &SentProbe) {
+        let SentProbe {
+            index,
+            epoch,
+            ref outcome,
+        } = *probe;
         let Some(listener) = self.listeners.get_mut(index) else {
             return;
         };
-        let latency = match outcome {
-            ProbeOutcome::Alive { latency } => *latency,
-            ProbeOutcome::Failed { .. } => Duration::ZERO,
-        };
-        self.stats
-            .record_probe(&listener.name, outcome.is_alive(), latency);
-        let epoch = match self.maps.socket_counts(listener.id) {
-            Ok(counts) => counts.down_epoch,
-            Err(error) => {
-                warn!(listener = %listener.name, error = %error, "cannot read the socket counts");
-                return;
+        match outcome {
+            ProbeOutcome::Alive { latency, servfail } => {
+                self.stats.record_probe(&listener.name, true, *latency);
+                if *servfail {
+                    // Alive: the cache serves; what fails is behind it (see `liveness::probe`).
+                    self.stats.record_probe_servfail(&listener.name);
+                    debug!(listener = %listener.name, cache = %listener.prober.target(), "the cache answered the probe with SERVFAIL: its upstreams fail");
+                }
             }
-        };
-        if let ProbeOutcome::Failed { reason } = outcome {
-            debug!(listener = %listener.name, cache = %listener.prober.target(), reason, "probe failed");
+            ProbeOutcome::Failed { reason } => {
+                self.stats
+                    .record_probe(&listener.name, false, Duration::ZERO);
+                debug!(listener = %listener.name, cache = %listener.prober.target(), reason, "probe failed");
+            }
         }
         if let Some(health) = listener.tracker.record(outcome.is_alive(), epoch) {
             info!(
                 listener = %listener.name,
                 cache = %listener.prober.target(),
-                verdict = if health.verdict == redirector_common::listener::HEALTH_UP { "up" } else { "down" },
+                verdict = crate::telemetry::snapshot::verdict_name(health.verdict),
                 confirmed_epoch = health.confirmed_epoch,
                 probe = ?outcome,
                 "cache verdict changed"
             );
             if let Err(error) = self.maps.set_health(listener.id, health) {
                 warn!(listener = %listener.name, error = %error, "cannot write the cache verdict");
+            }
+        }
+    }
+
+    /// Fails when the caches' namespace file now names another namespace. A missing file is no
+    /// failure: the agent's handles keep the old namespace, and whatever recreates the file is
+    /// seen on a later round.
+    fn check_cache_netns(&self) -> Result<(), AgentError> {
+        let Some((path, identity)) = &self.cache_netns else {
+            return Ok(());
+        };
+        match super::namespace_identity(path) {
+            Ok(now) if now != *identity => {
+                warn!(path = %path.display(), "the caches' network namespace was replaced");
+                Err(AgentError::CacheNetnsReplaced { path: path.clone() })
+            }
+            Ok(_) => Ok(()),
+            Err(error) => {
+                debug!(path = %path.display(), error = %error, "the caches' namespace file is gone for now");
+                Ok(())
             }
         }
     }

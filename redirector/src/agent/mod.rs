@@ -36,7 +36,10 @@ use crate::{
         nft::{Nft, NftError},
         ruleset::Ruleset,
     },
-    datapath::{self, Datapath, DatapathError, ListenerEntry, Maps, PinnedState},
+    datapath::{
+        self, Datapath, DatapathError, Incompatibility, ListenerEntry, Maps, PinnedState,
+        ShapeDifferences,
+    },
     interface::{self, InterfaceError},
     kernel_support::{self, KernelCheck, KernelTooOld},
     liveness::{
@@ -106,12 +109,37 @@ pub enum AgentError {
         /// The layout version found.
         found: Option<u32>,
     },
+    /// Pins of this layout whose maps are shaped otherwise.
+    #[error(
+        "{pin_dir} holds maps shaped otherwise than this configuration needs ({differences}); \
+         their state cannot be adopted. Set reverse_nat_entries back to what the pinned map has, \
+         or start with --replace (DNS to the listeners passes untouched for a moment while the \
+         programs are replaced)"
+    )]
+    ReshapedPins {
+        /// The pin directory.
+        pin_dir: PathBuf,
+        /// What differs.
+        differences: ShapeDifferences,
+    },
     /// Another agent runs.
     #[error(transparent)]
     Lock(#[from] LockError),
     /// The caches' network namespace is unusable.
     #[error("cache_netns: the caches' network namespace cannot be used")]
     CacheNetns(#[source] NetnsError),
+    /// The caches' network namespace was replaced under the agent.
+    #[error(
+        "cache_netns: {path} is now another network namespace than the one this agent started in \
+         (it was deleted and created again, with a new cache in it); exiting so that the \
+         supervisor (systemd, the kubelet) restarts the agent into it, which adopts the pins \
+         hitlessly. Steering goes on in the kernel meanwhile; run the agent again if nothing \
+         restarts it"
+    )]
+    CacheNetnsReplaced {
+        /// The namespace's path.
+        path: PathBuf,
+    },
     /// The socket tables cannot be opened.
     #[error("opening the caches' socket tables failed")]
     SocketTable(#[source] SockDiagError),
@@ -214,6 +242,11 @@ pub struct Agent {
     /// The metrics and health endpoint: its address and server.
     telemetry: Option<(SocketAddr, telemetry::http::Server)>,
     lock: InstanceLock,
+    /// This node's name: picks its subset of a pool too large for the kernel.
+    node: String,
+    /// The caches' namespace file and its identity (device and inode) at start: every socket
+    /// count, probe and the listener interface are bound to that namespace.
+    cache_netns: Option<(PathBuf, (u64, u64))>,
 }
 
 /// Where an agent's start spends its time, phase by phase: logged with "redirector is steering"
@@ -276,25 +309,58 @@ impl Agent {
         let skip_cgroups = environment::resolve_skip_cgroups(config)?;
         environment::prepare_pin_dir(&config.pin_dir)?;
         let lock = InstanceLock::acquire(&config.lock_file)?;
-        match datapath::pinned_state(&config.pin_dir) {
+        match datapath::pinned_state(&config.pin_dir, config.reverse_nat_entries)? {
             PinnedState::Empty => {}
             PinnedState::Compatible => {
                 info!(pin_dir = %config.pin_dir.display(), "adopting the maps an earlier agent pinned");
             }
-            PinnedState::Incompatible { found } if options.replace => {
-                warn!(pin_dir = %config.pin_dir.display(), found, "replacing pins of another version (--replace)");
+            PinnedState::Incompatible {
+                why,
+                attached: false,
+            } => {
+                // No attachment uses them: nothing steers through these maps, so nothing is lost.
+                warn!(pin_dir = %config.pin_dir.display(), why = %why, "removing maps no program uses (an earlier start failed before it attached)");
                 datapath::remove_pins(&config.pin_dir)?;
                 environment::prepare_pin_dir(&config.pin_dir)?;
             }
-            PinnedState::Incompatible { found } => {
+            PinnedState::Incompatible { why, .. } if options.replace => {
+                warn!(pin_dir = %config.pin_dir.display(), why = %why, "replacing pins this agent cannot adopt (--replace)");
+                datapath::remove_pins(&config.pin_dir)?;
+                environment::prepare_pin_dir(&config.pin_dir)?;
+            }
+            PinnedState::Incompatible {
+                why: Incompatibility::Layout { found },
+                ..
+            } => {
                 return Err(AgentError::IncompatiblePins {
                     pin_dir: config.pin_dir.clone(),
                     found,
                 });
             }
+            PinnedState::Incompatible {
+                why: Incompatibility::Shape(differences),
+                ..
+            } => {
+                return Err(AgentError::ReshapedPins {
+                    pin_dir: config.pin_dir.clone(),
+                    differences,
+                });
+            }
         }
         phases.end("checks");
         let netns = config.cache_netns.as_deref();
+        let cache_netns = netns
+            .map(|path| {
+                namespace_identity(path)
+                    .map(|identity| (path.to_owned(), identity))
+                    .map_err(|source| {
+                        AgentError::CacheNetns(NetnsError::Open {
+                            path: path.to_owned(),
+                            source,
+                        })
+                    })
+            })
+            .transpose()?;
         let netns_cookie = netns::cookie(netns).map_err(AgentError::CacheNetns)?;
         let worker = NetnsWorker::start(netns).map_err(AgentError::CacheNetns)?;
         let socket_table = SocketTable::open(netns).map_err(AgentError::SocketTable)?;
@@ -349,7 +415,13 @@ impl Agent {
                 .iter()
                 .map(|listener| listener.address)
                 .collect();
-            interface::ensure(&config.interface, &addresses, &worker).await?;
+            interface::ensure(
+                &config.interface,
+                &addresses,
+                &worker,
+                &interface::record_path(&config.lock_file),
+            )
+            .await?;
         }
         phases.end("interface");
 
@@ -432,6 +504,8 @@ impl Agent {
             bypass,
             telemetry,
             lock,
+            node: sources::node_name(),
+            cache_netns,
         };
         agent.log_listeners()?;
         info!(
@@ -674,8 +748,20 @@ async fn first_verdicts(
         config.listeners.iter().zip(ids).zip(probers).zip(alive)
     {
         let counts = maps.socket_counts(*id)?;
-        let up = alive && (listener.liveness == Liveness::Probes || counts.udp > 0);
-        let tracker = HealthTracker::new(hysteresis, up, counts.down_epoch);
+        // A verdict an earlier agent pinned stands, and this probe is one more in its streak; a
+        // first verdict is this probe's (nothing better is known, and until it is written the
+        // listener gets no DNS to its cache).
+        let tracker = match HealthTracker::resume(hysteresis, maps.health(*id)?, counts.down_epoch)
+        {
+            Some(mut tracker) => {
+                tracker.record(alive, counts.down_epoch);
+                tracker
+            }
+            None => {
+                let up = alive && (listener.liveness == Liveness::Probes || counts.udp > 0);
+                HealthTracker::new(hysteresis, up, counts.down_epoch)
+            }
+        };
         maps.set_health(*id, tracker.health())?;
         listeners.push(ListenerRuntime {
             id: *id,
@@ -690,6 +776,14 @@ async fn first_verdicts(
         });
     }
     Ok(listeners)
+}
+
+/// The identity of the namespace file at `path`: its device and inode (nsfs gives every
+/// namespace its own inode).
+fn namespace_identity(path: &Path) -> std::io::Result<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt as _;
+    let metadata = std::fs::metadata(path)?;
+    Ok((metadata.dev(), metadata.ino()))
 }
 
 /// A Kubernetes client when some listener follows kube-dns.

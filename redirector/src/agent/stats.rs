@@ -59,6 +59,8 @@ struct Observations {
     transitions: Vec<Transition>,
     by_reason: HashMap<(String, Reason), u64>,
     probes: HashMap<(String, bool), (u64, Duration)>,
+    probe_servfails: HashMap<String, u64>,
+    pool_left_out: HashMap<String, usize>,
     pool_syncs: HashMap<String, u64>,
     pool_writes: HashMap<String, u64>,
     source_syncs: HashMap<&'static str, SourceSyncs>,
@@ -159,6 +161,15 @@ impl AgentStats {
         entry.1 += latency;
     }
 
+    /// Records a probe the cache answered with SERVFAIL (also recorded as alive).
+    pub fn record_probe_servfail(&self, listener: &str) {
+        *self
+            .observations()
+            .probe_servfails
+            .entry(listener.to_owned())
+            .or_default() += 1;
+    }
+
     /// Records that a source changed a listener's desired pool.
     pub fn record_pool_sync(&self, listener: &str) {
         let mut observations = self.observations();
@@ -166,6 +177,23 @@ impl AgentStats {
             .pool_syncs
             .entry(listener.to_owned())
             .or_default() += 1;
+    }
+
+    /// Records how many upstreams of a listener's desired pool did not fit the kernel's.
+    pub fn record_pool_left_out(&self, listener: &str, left_out: usize) {
+        self.observations()
+            .pool_left_out
+            .insert(listener.to_owned(), left_out);
+    }
+
+    /// Upstreams left out of each listener's pool as (listener, count).
+    #[must_use]
+    pub fn pool_left_out(&self) -> Vec<(String, usize)> {
+        self.observations()
+            .pool_left_out
+            .iter()
+            .map(|(listener, count)| (listener.clone(), *count))
+            .collect()
     }
 
     /// Records a write of a listener's pool into the kernel.
@@ -342,6 +370,16 @@ impl AgentStats {
             .probes
             .iter()
             .map(|((listener, alive), (count, _))| (listener.clone(), *alive, *count))
+            .collect()
+    }
+
+    /// Probes answered with SERVFAIL as (listener, count).
+    #[must_use]
+    pub fn probe_servfails(&self) -> Vec<(String, u64)> {
+        self.observations()
+            .probe_servfails
+            .iter()
+            .map(|(listener, count)| (listener.clone(), *count))
             .collect()
     }
 

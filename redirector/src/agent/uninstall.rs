@@ -1,8 +1,6 @@
 //! `redirector uninstall`: detach every program, remove every pin, the listener addresses (and
 //! the link the agent created), and the lock. Refused while an agent runs.
 
-use std::net::IpAddr;
-
 use tracing::{info, warn};
 
 use super::AgentError;
@@ -19,7 +17,8 @@ use crate::{
 pub struct UninstallReport {
     /// Programs were attached (and are detached now).
     pub detached: bool,
-    /// The listener interface's name, when its addresses (or the link) were removed.
+    /// The listener interface's name, when the addresses the agent added (or the link it created)
+    /// were removed.
     pub interface: Option<String>,
     /// The conntrack bypass table is gone (false: nftables is not usable here, so there was
     /// none).
@@ -45,14 +44,11 @@ pub async fn uninstall(config: &Config) -> Result<UninstallReport, AgentError> {
         }
         Err(source) => return Err(AgentError::ConntrackBypass { source }),
     }
-    if config.interface.manage {
-        let addresses: Vec<IpAddr> = config
-            .listeners
-            .iter()
-            .map(|listener| listener.address)
-            .collect();
-        interface::remove(&config.interface, &addresses, &worker).await?;
-        report.interface = Some(config.interface.name.clone());
+    // Also when the agent no longer manages the interface: an earlier configuration may have.
+    let record = interface::record_path(&config.lock_file);
+    if config.interface.manage || record.exists() {
+        let removed = interface::remove(&config.interface, &worker, &record).await?;
+        report.interface = removed.then(|| config.interface.name.clone());
     }
     let path = lock.path().to_owned();
     drop(lock);

@@ -5,6 +5,8 @@ use std::path::{Path, PathBuf};
 use aya::{EbpfError, maps::MapError, pin::PinError, programs::ProgramError};
 use redirector_common::listener::MAX_LISTENERS;
 
+use crate::capabilities::Capabilities;
+
 /// Why the datapath could not be set up or used.
 #[derive(Debug, thiserror::Error)]
 pub enum DatapathError {
@@ -24,6 +26,22 @@ pub enum DatapathError {
         /// What aya reported.
         #[source]
         source: EbpfError,
+    },
+    /// The embedded object could not be parsed: a build mismatch.
+    #[error("the embedded eBPF object cannot be parsed; rebuild redirector")]
+    Object {
+        /// What aya-obj said.
+        #[source]
+        source: aya_obj::ParseError,
+    },
+    /// A pinned map could not be inspected.
+    #[error("cannot inspect the pinned map {path}; remove it or run `redirector uninstall`")]
+    InspectPin {
+        /// The pin.
+        path: PathBuf,
+        /// What the kernel said.
+        #[source]
+        source: MapError,
     },
     /// The object lacks a program this build expects: a build mismatch.
     #[error("the embedded eBPF object has no program {name}; rebuild redirector")]
@@ -55,10 +73,16 @@ pub enum DatapathError {
         source: aya::programs::links::LinkError,
     },
     /// The verifier refused a program.
-    #[error("the kernel refused the eBPF program {name} (the cause holds the verifier's log)")]
+    #[error(
+        "the kernel refused the eBPF program {name}{hint} (the cause holds the verifier's log)",
+        hint = capability_hint(missing)
+    )]
     Verify {
         /// The program.
         name: &'static str,
+        /// Capabilities this process lacks that loading needs (the likely cause when the
+        /// verifier's log ends with "processed N insns" and no complaint).
+        missing: Capabilities,
         /// What aya reported, with the verifier log.
         #[source]
         source: ProgramError,
@@ -222,4 +246,18 @@ pub(super) fn read(name: &'static str) -> impl FnOnce(MapError) -> DatapathError
         name,
         source,
     }
+}
+
+/// For `Verify`: which capabilities are missing, and what to do.
+fn capability_hint(missing: &Capabilities) -> String {
+    if missing.is_empty() {
+        return String::new();
+    }
+    let names = missing.names();
+    format!(
+        ": this process lacks {}, without which the kernel refuses programs its verifier \
+         accepted; grant the agent CAP_BPF, CAP_PERFMON and CAP_NET_ADMIN (the systemd unit and \
+         the DaemonSet do)",
+        names.join(" and ")
+    )
 }

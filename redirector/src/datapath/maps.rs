@@ -440,7 +440,10 @@ impl Maps {
         match self.cache_sockets.insert(cookie, entry, BPF_NOEXIST) {
             Ok(()) => Ok(true),
             Err(error) => {
-                self.add_to_counts(&entry, -1, false);
+                // The programs counted it first. If the socket closed meanwhile and was the last,
+                // this decrement is the one that reaches zero: it records the death, which the
+                // release could not (this count still held the listener up).
+                self.add_to_counts(&entry, -1, true);
                 match error {
                     MapError::SyscallError(error)
                         if error.io_error.raw_os_error() == Some(libc::EEXIST) =>

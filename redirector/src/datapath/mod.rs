@@ -6,6 +6,7 @@
 //! `links/PROGRAM-1` for every attachment (bpf_link): a new agent pins its attachment in the free
 //! slot before it unpins the old one (bpffs cannot rename).
 
+mod count_protocol;
 mod error;
 mod maps;
 mod socket_counts;
@@ -56,29 +57,97 @@ pub const ALL_PROGRAMS: [&str; 12] = [
 ];
 
 /// What the pin directory holds.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum PinnedState {
     /// Nothing: a first start.
     Empty,
-    /// Maps of this layout: adopt them (and replace the attachments hitlessly).
+    /// Maps of this layout and shape: adopt them (and replace the attachments hitlessly).
     Compatible,
-    /// Maps of another layout (`None`: unreadable or never written).
+    /// Pins this agent cannot adopt.
     Incompatible {
-        /// The layout version found.
-        found: Option<u32>,
+        /// What does not fit.
+        why: Incompatibility,
+        /// Whether attachments are pinned too. Without them nothing steers through the maps (a
+        /// start that failed or was killed before it attached left them), so removing them
+        /// loses nothing.
+        attached: bool,
     },
 }
 
-/// Looks at the pins under `pin_dir`.
-#[must_use]
-pub fn pinned_state(pin_dir: &Path) -> PinnedState {
+/// Why pinned maps cannot be adopted.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Incompatibility {
+    /// Another layout version (`None`: unreadable or never written).
+    Layout {
+        /// The layout version found.
+        found: Option<u32>,
+    },
+    /// This layout, but maps whose kernel definition is not what this object and configuration
+    /// define (a changed `reverse_nat_entries`, or a build of another shape).
+    Shape(ShapeDifferences),
+}
+
+impl std::fmt::Display for Incompatibility {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Layout { found: Some(found) } => write!(f, "layout {found}"),
+            Self::Layout { found: None } => f.write_str("no readable layout version"),
+            Self::Shape(differences) => differences.fmt(f),
+        }
+    }
+}
+
+/// Every way the pinned maps differ from this object's.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ShapeDifferences(pub Vec<ShapeDifference>);
+
+impl std::fmt::Display for ShapeDifferences {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for (position, difference) in self.0.iter().enumerate() {
+            let separator = if position == 0 { "" } else { "; " };
+            write!(f, "{separator}{difference}")?;
+        }
+        Ok(())
+    }
+}
+
+/// One way a pinned map differs from the map this object defines.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ShapeDifference {
+    /// The map.
+    pub map: &'static str,
+    /// What differs: `type`, `key size`, `value size`, `max entries` or `flags`.
+    pub field: &'static str,
+    /// What the pinned map has.
+    pub pinned: u32,
+    /// What this object and configuration define.
+    pub expected: u32,
+}
+
+impl std::fmt::Display for ShapeDifference {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} has {} {} where {} is needed",
+            self.map, self.field, self.pinned, self.expected
+        )
+    }
+}
+
+/// Looks at the pins under `pin_dir`: their layout version, and, for this layout, whether every
+/// pinned map has the type, key and value sizes, entries and flags this object defines (with
+/// `reverse_nat_entries` for the translation map).
+pub fn pinned_state(
+    pin_dir: &Path,
+    reverse_nat_entries: u32,
+) -> Result<PinnedState, DatapathError> {
     let maps_dir = pin_dir.join(PINNED_MAPS_DIR);
-    let any_pin = names::ALL_MAPS
+    let attached = has_pinned_attachments(pin_dir);
+    let any_map = names::ALL_MAPS
         .iter()
-        .any(|name| maps_dir.join(name).exists())
-        || has_pinned_attachments(pin_dir);
-    if !any_pin {
-        return PinnedState::Empty;
+        .any(|name| maps_dir.join(name).exists());
+    if !any_map && !attached {
+        return Ok(PinnedState::Empty);
     }
     let version = MapData::from_pin(maps_dir.join(names::MAP_DATAPATH_CONFIG))
         .and_then(Map::from_map_data)
@@ -86,9 +155,98 @@ pub fn pinned_state(pin_dir: &Path) -> PinnedState {
         .and_then(|config| config.get(&0, 0))
         .map(|config| config.layout_version)
         .ok();
-    match version {
-        Some(LAYOUT_VERSION) => PinnedState::Compatible,
-        found => PinnedState::Incompatible { found },
+    if version != Some(LAYOUT_VERSION) {
+        return Ok(PinnedState::Incompatible {
+            why: Incompatibility::Layout { found: version },
+            attached,
+        });
+    }
+    let differences = shape_differences(&maps_dir, reverse_nat_entries)?;
+    Ok(if differences.0.is_empty() {
+        PinnedState::Compatible
+    } else {
+        PinnedState::Incompatible {
+            why: Incompatibility::Shape(differences),
+            attached,
+        }
+    })
+}
+
+/// How the maps pinned under `maps_dir` differ from the object's definitions.
+fn shape_differences(
+    maps_dir: &Path,
+    reverse_nat_entries: u32,
+) -> Result<ShapeDifferences, DatapathError> {
+    let object =
+        aya_obj::Object::parse(OBJECT).map_err(|source| DatapathError::Object { source })?;
+    let mut differences = Vec::new();
+    for name in names::ALL_MAPS {
+        let path = maps_dir.join(name);
+        if !path.exists() {
+            // Created at load like on a first start.
+            continue;
+        }
+        let defined = object
+            .maps
+            .get(name)
+            .ok_or(DatapathError::MissingMap { name })?;
+        let pinned = aya::maps::MapInfo::from_pin(&path)
+            .map_err(|source| DatapathError::InspectPin { path, source })?;
+        let max_entries = if name == names::MAP_REVERSE_NAT {
+            reverse_nat_entries
+        } else {
+            defined.max_entries()
+        };
+        let pinned_type = pinned.map_type().map_or(u32::MAX, |kind| kind as u32);
+        for (field, pinned, expected) in [
+            ("type", pinned_type, defined.map_type()),
+            ("key size", pinned.key_size(), defined.key_size()),
+            ("value size", pinned.value_size(), defined.value_size()),
+            ("max entries", pinned.max_entries(), max_entries),
+            ("flags", pinned.map_flags(), defined.map_flags()),
+        ] {
+            if pinned != expected {
+                differences.push(ShapeDifference {
+                    map: name,
+                    field,
+                    pinned,
+                    expected,
+                });
+            }
+        }
+    }
+    Ok(ShapeDifferences(differences))
+}
+
+/// Removes the pins of a start that created them unless the start attaches: a first start is
+/// all or nothing, so a failure (a verifier refusal, a listener interface that cannot be set up)
+/// leaves no maps behind that the next start would have to judge. A start that adopted maps
+/// leaves them as they were: the attachments of the earlier agent still use them.
+#[derive(Debug)]
+struct FreshPins {
+    /// The pin directory, until the start attached.
+    pin_dir: Option<PathBuf>,
+}
+
+impl FreshPins {
+    /// Marks the start complete: the pins stay.
+    fn keep(&mut self) {
+        self.pin_dir = None;
+    }
+}
+
+impl Drop for FreshPins {
+    fn drop(&mut self) {
+        if let Some(pin_dir) = self.pin_dir.take() {
+            match remove_pins(&pin_dir) {
+                Ok(()) => {
+                    warn!(pin_dir = %pin_dir.display(), "removed the pins of this failed start");
+                }
+                Err(error) => {
+                    warn!(pin_dir = %pin_dir.display(), error = %error, "cannot remove the pins of this failed start; the next start replaces them");
+                }
+            }
+        }
     }
 }
 
@@ -101,6 +259,8 @@ pub struct Datapath {
     attached_to: Option<PathBuf>,
     adopted: bool,
     load_times: LoadTimes,
+    /// Removes the pins this start created unless it attaches.
+    fresh: FreshPins,
 }
 
 /// Where `Datapath::load` spent its time.
@@ -108,7 +268,7 @@ pub struct Datapath {
 pub struct LoadTimes {
     /// Parsing the object, its BTF, and creating (or opening) and pinning the maps.
     pub object: std::time::Duration,
-    /// Loading the programs: the kernel's verifier.
+    /// Loading the programs: the kernel's verifier, run on every core (wall time).
     pub verify: std::time::Duration,
 }
 
@@ -148,20 +308,16 @@ impl Datapath {
             // Opens the pinned map when there is one, else creates and pins it.
             loader.map_pin_path(name, path.as_path());
         }
+        // From here on a failure removes what this (first) start pinned.
+        let fresh = FreshPins {
+            pin_dir: (!adopted).then(|| pin_dir.to_owned()),
+        };
         let started = std::time::Instant::now();
         let mut ebpf = loader
             .load(OBJECT)
             .map_err(|source| DatapathError::Load { source })?;
         let object = started.elapsed();
-        for name in ALL_PROGRAMS {
-            match program(&mut ebpf, name)? {
-                Program::CgroupSockAddr(program) => program.load(),
-                Program::CgroupSock(program) => program.load(),
-                Program::CgroupSkb(program) => program.load(),
-                _ => return Err(DatapathError::ProgramType { name }),
-            }
-            .map_err(|source| DatapathError::Verify { name, source })?;
-        }
+        verify_all(&mut ebpf)?;
         let load_times = LoadTimes {
             object,
             verify: started.elapsed() - object,
@@ -174,6 +330,7 @@ impl Datapath {
                 attached_to: None,
                 adopted,
                 load_times,
+                fresh,
             },
             maps,
         ))
@@ -280,6 +437,7 @@ impl Datapath {
             info!(replaced, "replaced the programs an earlier agent attached");
         }
         self.attached_to = Some(cgroup.to_owned());
+        self.fresh.keep();
         Ok(())
     }
 
@@ -352,6 +510,65 @@ pub fn pinned_program_ids(pin_dir: &Path) -> Vec<(&'static str, u32)> {
         .collect()
 }
 
+/// Loads every program, running the verifier, on as many threads as the machine has cores: the
+/// kernel verifies each `BPF_PROG_LOAD` on the calling thread, and verification is most of the
+/// agent's start (about 150 ms of CPU here, 30 ms for each rewriting program), so two cores halve
+/// it. Workers take programs from the end of `ALL_PROGRAMS` first: the rewriting programs and the
+/// egress check before the light counting ones, which then fill the gaps.
+fn verify_all(ebpf: &mut Ebpf) -> Result<(), DatapathError> {
+    let mut queue: Vec<(&'static str, &mut Program)> = Vec::with_capacity(ALL_PROGRAMS.len());
+    let mut programs: Vec<(&str, &mut Program)> = ebpf.programs_mut().collect();
+    for name in ALL_PROGRAMS {
+        let index = programs
+            .iter()
+            .position(|(found, _)| *found == name)
+            .ok_or(DatapathError::MissingProgram { name })?;
+        queue.push((name, programs.swap_remove(index).1));
+    }
+    let workers = std::thread::available_parallelism()
+        .map_or(1, std::num::NonZeroUsize::get)
+        .min(queue.len());
+    let queue = std::sync::Mutex::new(queue);
+    let next = || {
+        queue
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .pop()
+    };
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..workers)
+            .map(|_| {
+                scope.spawn(|| {
+                    while let Some((name, program)) = next() {
+                        verify(name, program)?;
+                    }
+                    Ok(())
+                })
+            })
+            .collect();
+        handles.into_iter().try_for_each(|handle| {
+            handle
+                .join()
+                .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+        })
+    })
+}
+
+/// Loads one program (the verifier runs here).
+fn verify(name: &'static str, program: &mut Program) -> Result<(), DatapathError> {
+    match program {
+        Program::CgroupSockAddr(program) => program.load(),
+        Program::CgroupSock(program) => program.load(),
+        Program::CgroupSkb(program) => program.load(),
+        _ => return Err(DatapathError::ProgramType { name }),
+    }
+    .map_err(|source| DatapathError::Verify {
+        name,
+        missing: crate::capabilities::missing_for_loading(),
+        source,
+    })
+}
+
 fn program<'a>(ebpf: &'a mut Ebpf, name: &'static str) -> Result<&'a mut Program, DatapathError> {
     ebpf.program_mut(name)
         .ok_or(DatapathError::MissingProgram { name })
@@ -400,6 +617,9 @@ mod tests {
     #[test]
     fn an_empty_pin_directory_is_a_first_start() {
         let dir = std::env::temp_dir().join(format!("redirector-pins-{}", std::process::id()));
-        assert_eq!(pinned_state(&dir), PinnedState::Empty);
+        assert_eq!(
+            pinned_state(&dir, 65_536).expect("nothing to inspect"),
+            PinnedState::Empty
+        );
     }
 }

@@ -39,6 +39,21 @@ impl HealthTracker {
         }
     }
 
+    /// Goes on from `pinned`, the verdict an earlier agent left in `CACHE_HEALTH`, with the
+    /// kernel now at `epoch`: a restart keeps the verdict until the probes' hysteresis turns it,
+    /// and a cache that went away meanwhile still has to be confirmed in the new epoch. `None`
+    /// when `pinned` holds no verdict (`HEALTH_UNKNOWN`).
+    #[must_use]
+    pub fn resume(hysteresis: Hysteresis, pinned: CacheHealth, epoch: u64) -> Option<Self> {
+        (pinned.verdict == HEALTH_UP || pinned.verdict == HEALTH_DOWN).then_some(Self {
+            hysteresis,
+            health: pinned,
+            successes: 0,
+            failures: 0,
+            seen_epoch: epoch,
+        })
+    }
+
     /// What to write into `CACHE_HEALTH`.
     #[must_use]
     pub fn health(&self) -> CacheHealth {
@@ -51,8 +66,15 @@ impl HealthTracker {
     /// A new epoch means the kernel saw every UDP socket of the cache close since the previous
     /// probe: whatever serves now must earn a full streak of successes, counted from then, before
     /// the epoch is confirmed and the cache gets DNS back.
+    ///
+    /// `kernel_epoch` is the epoch the probe was *sent* in: an answer vouches only for the cache
+    /// that existed then. Probes overlap, so one sent in an earlier epoch than the newest seen
+    /// may come back late; it says nothing about the cache serving now and is ignored.
     pub fn record(&mut self, alive: bool, kernel_epoch: u64) -> Option<CacheHealth> {
         let before = self.health;
+        if kernel_epoch < self.seen_epoch {
+            return None;
+        }
         if kernel_epoch != self.seen_epoch {
             self.seen_epoch = kernel_epoch;
             self.successes = 0;
@@ -125,6 +147,41 @@ mod tests {
         assert_eq!(tracker.record(true, 5), None, "2nd");
         let changed = tracker.record(true, 5).expect("3rd confirms");
         assert_eq!((changed.verdict, changed.confirmed_epoch), (HEALTH_UP, 5));
+    }
+
+    #[test]
+    fn a_probe_sent_in_an_earlier_epoch_is_ignored() {
+        let quick = Hysteresis {
+            failures_to_fail_over: 1,
+            successes_to_fail_back: 1,
+        };
+        let mut tracker = HealthTracker::new(quick, true, 5);
+        assert_eq!(tracker.record(true, 6).map(|h| h.confirmed_epoch), Some(6));
+        assert_eq!(tracker.record(true, 5), None, "a late success of epoch 5");
+        assert_eq!(tracker.record(false, 5), None, "a late failure of epoch 5");
+        assert_eq!(tracker.health().confirmed_epoch, 6);
+        assert_eq!(tracker.health().verdict, HEALTH_UP);
+    }
+
+    #[test]
+    fn a_restart_keeps_the_pinned_verdict_until_the_hysteresis_turns_it() {
+        let pinned = HealthTracker::new(DEFAULTS, true, 3).health();
+        let mut tracker = HealthTracker::resume(DEFAULTS, pinned, 3).expect("a verdict");
+        assert_eq!(tracker.record(false, 3), None, "one failure is not enough");
+        assert_eq!(tracker.health().verdict, HEALTH_UP);
+        assert_eq!(
+            tracker.record(false, 3).map(|h| h.verdict),
+            Some(HEALTH_DOWN)
+        );
+        // The cache came back while no agent ran: it is confirmed in the new epoch only.
+        let mut tracker = HealthTracker::resume(DEFAULTS, pinned, 4).expect("a verdict");
+        assert_eq!(tracker.record(true, 4), None);
+        assert_eq!(tracker.record(true, 4), None);
+        assert_eq!(tracker.record(true, 4).map(|h| h.confirmed_epoch), Some(4));
+        assert!(
+            HealthTracker::resume(DEFAULTS, CacheHealth::default(), 0).is_none(),
+            "a zeroed entry holds no verdict"
+        );
     }
 
     #[test]

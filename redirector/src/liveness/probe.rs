@@ -1,6 +1,13 @@
-//! Health probes: a real DNS query to the cache, from the cache's network namespace. Any answer
-//! (NOERROR, NXDOMAIN) means the cache serves; a timeout, SERVFAIL, REFUSED or a socket error
-//! means it does not.
+//! Health probes: a real DNS query to the cache, from the cache's network namespace. A probe
+//! asks whether the cache *serves*, not whether the name resolves:
+//!
+//! | answer | verdict | why |
+//! |---|---|---|
+//! | NOERROR, NXDOMAIN | alive | the cache resolved the name, or knows it does not exist |
+//! | SERVFAIL | alive (counted apart) | the cache serves but cannot resolve: its upstreams fail. Failing over would send every client to those same upstreams, without the cache's stale answers (RFC 8767) or its caching |
+//! | REFUSED | failed | the cache declines to serve (access control, not ready): clients would be refused too |
+//! | any other code (FORMERR, NOTIMP, ...) | failed | a cache that cannot answer a plain A query does not serve |
+//! | timeout, ICMP unreachable, socket error | failed | nothing serves |
 
 use std::{
     net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
@@ -17,10 +24,12 @@ use crate::{dns_query::recursive_query, netns::NetnsWorker};
 /// What one probe found.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ProbeOutcome {
-    /// The cache answered (with NOERROR or NXDOMAIN) after this long.
+    /// The cache answered (NOERROR, NXDOMAIN or SERVFAIL) after this long.
     Alive {
         /// Time to the answer.
         latency: Duration,
+        /// It answered SERVFAIL: it serves, but its own upstreams fail.
+        servfail: bool,
     },
     /// The cache did not serve.
     Failed {
@@ -77,9 +86,14 @@ impl Prober {
                 reason: "timeout".to_owned(),
             },
             Ok(Err(reason)) => ProbeOutcome::Failed { reason },
-            Ok(Ok(code)) if code == ResponseCode::NoError || code == ResponseCode::NXDomain => {
+            Ok(Ok(code))
+                if code == ResponseCode::NoError
+                    || code == ResponseCode::NXDomain
+                    || code == ResponseCode::ServFail =>
+            {
                 ProbeOutcome::Alive {
                     latency: started.elapsed(),
+                    servfail: code == ResponseCode::ServFail,
                 }
             }
             Ok(Ok(code)) => ProbeOutcome::Failed {

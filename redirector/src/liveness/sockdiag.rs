@@ -177,16 +177,28 @@ mod tests {
     }
 
     #[test]
-    fn lists_listening_tcp_but_not_unbound_sockets() {
+    fn lists_listening_tcp_but_not_its_connections() {
         let listener = std::net::TcpListener::bind("[::1]:0").unwrap();
         let port = listener.local_addr().unwrap().port();
+        // An established pair: the accepted socket shares the listener's port, the client has
+        // one of its own; neither is a server socket.
+        let client = std::net::TcpStream::connect(("::1", port)).unwrap();
+        let (accepted, _) = listener.accept().unwrap();
+        let client_port = client.local_addr().unwrap().port();
         let mut table = SocketTable::open(None).unwrap();
         let sockets = table.bound_sockets().unwrap();
-        assert!(sockets.iter().any(|socket| {
-            socket.protocol == PROTOCOL_TCP
-                && socket.addr == NetAddr::from(std::net::Ipv6Addr::LOCALHOST)
-                && socket.port == port
-        }));
-        assert!(sockets.iter().all(|socket| socket.port != 0));
+        let tcp_on = |port: u16| {
+            sockets
+                .iter()
+                .filter(|socket| {
+                    socket.protocol == PROTOCOL_TCP
+                        && socket.addr == NetAddr::from(std::net::Ipv6Addr::LOCALHOST)
+                        && socket.port == port
+                })
+                .count()
+        };
+        assert_eq!(tcp_on(port), 1, "the listener, not the accepted socket");
+        assert_eq!(tcp_on(client_port), 0, "not the client");
+        drop((client, accepted));
     }
 }

@@ -6,6 +6,7 @@
 pub mod kubernetes;
 pub mod plausible;
 pub mod resolv_conf;
+pub mod subset;
 
 use std::{
     collections::HashMap,
@@ -49,6 +50,22 @@ impl Upstream {
             tcp_port: DNS_PORT,
         }
     }
+}
+
+/// This node's name, which picks its subset of a pool too large for the kernel
+/// ([`subset::for_node`]): `NODE_NAME` (the DaemonSet sets it from `spec.nodeName`), else the
+/// hostname (kubelet's default node name), else empty (every node then picks alike).
+#[must_use]
+pub fn node_name() -> String {
+    std::env::var("NODE_NAME")
+        .ok()
+        .filter(|name| !name.is_empty())
+        .or_else(|| {
+            nix::unistd::gethostname()
+                .ok()
+                .and_then(|name| name.into_string().ok())
+        })
+        .unwrap_or_default()
 }
 
 impl std::fmt::Display for Upstream {

@@ -1,7 +1,10 @@
 //! The agent's HTTP endpoint: `/metrics` (Prometheus), `/healthz` (the control loop turns),
 //! `/readyz` (programs attached, every pool synced once).
 
-use std::{convert::Infallible, net::SocketAddr, sync::Arc, sync::Mutex, time::Duration};
+use std::{
+    collections::VecDeque, convert::Infallible, net::SocketAddr, sync::Arc, sync::Mutex,
+    time::Duration,
+};
 
 use bytes::Bytes;
 use http_body_util::Full;
@@ -9,7 +12,7 @@ use hyper::{
     Request, Response, StatusCode, body::Incoming, server::conn::http1, service::service_fn,
 };
 use hyper_util::rt::{TokioIo, TokioTimer};
-use tokio::net::TcpListener;
+use tokio::{net::TcpListener, task::AbortHandle};
 use tracing::{debug, warn};
 
 use super::{metrics, snapshot};
@@ -39,8 +42,12 @@ pub struct Endpoint {
     pub health_window: Duration,
 }
 
-/// At most this many connections are served at once; more are closed at once.
-const MAX_CONNECTIONS: usize = 32;
+/// At most this many connections are open at once; one more closes the oldest. Refusing the
+/// newcomer instead would let any pod on the node hold every slot with idle connections and fail
+/// kubelet's `/healthz` probes (restarting the agent); closing the oldest always serves a new
+/// client, and a flood must open this many connections within one probe's round trip to
+/// displace it.
+const MAX_CONNECTIONS: usize = 128;
 /// A client must send its request head within this.
 const HEADER_TIMEOUT: Duration = Duration::from_secs(5);
 /// No connection lives longer than this.
@@ -75,8 +82,8 @@ impl Drop for Server {
 }
 
 /// Serves `endpoint` on `listener` from a thread and runtime of its own, so that scrapes (or a
-/// flood of connections) never delay the control loop's probes; connections are capped and
-/// timed out.
+/// flood of connections) never delay the control loop's probes; connections are capped (the
+/// oldest gives way) and timed out.
 pub fn serve(listener: std::net::TcpListener, endpoint: Endpoint) -> std::io::Result<Server> {
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let runtime = tokio::runtime::Builder::new_current_thread()
@@ -106,7 +113,8 @@ pub fn serve(listener: std::net::TcpListener, endpoint: Endpoint) -> std::io::Re
 }
 
 async fn accept_loop(listener: TcpListener, endpoint: Arc<Endpoint>) {
-    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+    // Oldest first.
+    let mut open: VecDeque<AbortHandle> = VecDeque::with_capacity(MAX_CONNECTIONS);
     loop {
         let stream = match listener.accept().await {
             Ok((stream, _)) => stream,
@@ -116,12 +124,15 @@ async fn accept_loop(listener: TcpListener, endpoint: Arc<Endpoint>) {
                 continue;
             }
         };
-        let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
-            debug!("too many metrics connections; closing one");
-            continue;
-        };
+        open.retain(|connection| !connection.is_finished());
+        if open.len() >= MAX_CONNECTIONS
+            && let Some(oldest) = open.pop_front()
+        {
+            debug!("too many metrics connections; closing the oldest");
+            oldest.abort();
+        }
         let endpoint = Arc::clone(&endpoint);
-        tokio::spawn(async move {
+        let connection = tokio::spawn(async move {
             let service = service_fn(move |request: Request<Incoming>| {
                 let response = endpoint.respond(request.uri().path());
                 async move { Ok::<_, Infallible>(response) }
@@ -135,8 +146,8 @@ async fn accept_loop(listener: TcpListener, endpoint: Arc<Endpoint>) {
                 Err(_) => debug!("metrics connection timed out"),
                 Ok(Ok(())) => {}
             }
-            drop(slot);
         });
+        open.push_back(connection.abort_handle());
     }
 }
 

@@ -16,11 +16,12 @@ use redirector_common::listener::Reason;
 use super::snapshot::{ListenerSnapshot, ProtocolCounters, reason_label};
 
 /// Every reason's label, so that each listener has one stable series per reason.
-const REASONS: [&str; 5] = [
+const REASONS: [&str; 6] = [
     reason_label(Reason::Override),
     reason_label(Reason::NoSockets),
     reason_label(Reason::ProbesFailing),
     reason_label(Reason::AwaitingConfirmation),
+    reason_label(Reason::Unprobed),
     reason_label(Reason::Healthy),
 ];
 use crate::agent::{AgentStats, ERROR_KINDS};
@@ -239,6 +240,28 @@ fn register_agent(registry: &mut Registry, stats: &AgentStats) {
         "Probes of a listener's cache, by result",
         probes.clone(),
     );
+    let left_out = GaugeFamily::default();
+    registry.register(
+        "pool_upstreams_left_out",
+        "Upstreams of a listener's desired pool left out of the kernel's (at most 32); this node keeps its own subset",
+        left_out.clone(),
+    );
+    for (listener, count) in stats.pool_left_out() {
+        left_out
+            .get_or_create(&labels(&[("listener", &listener)]))
+            .set(i64::try_from(count).unwrap_or(i64::MAX));
+    }
+    let servfails = CounterFamily::default();
+    registry.register(
+        "probe_servfails",
+        "Probes the cache answered with SERVFAIL: it serves (counted successful) but its own upstreams fail",
+        servfails.clone(),
+    );
+    for (listener, count) in stats.probe_servfails() {
+        servfails
+            .get_or_create(&labels(&[("listener", &listener)]))
+            .inc_by(count);
+    }
     registry.register_with_unit(
         "pool_sync_duration",
         "Time to sync one pool from its source into the kernel",

@@ -6,8 +6,8 @@ use std::net::{IpAddr, SocketAddr};
 use redirector_common::{
     addr::port_from_be,
     listener::{
-        EMPTY_POOL_FAIL, HEALTH_UP, LIVENESS_PROBES, MODE_CACHE, MODE_UPSTREAM, Reason, Route,
-        explain,
+        EMPTY_POOL_FAIL, HEALTH_DOWN, HEALTH_UP, LIVENESS_PROBES, MODE_CACHE, MODE_UPSTREAM,
+        Reason, Route, explain,
     },
 };
 use serde::Serialize;
@@ -125,6 +125,7 @@ pub fn reason_text(reason: Reason) -> &'static str {
         Reason::NoSockets => "the cache has no socket",
         Reason::ProbesFailing => "the cache fails its probes",
         Reason::AwaitingConfirmation => "the cache is back, awaiting its probes",
+        Reason::Unprobed => "the cache has no verdict yet",
         Reason::Healthy => "the cache is healthy",
     }
 }
@@ -137,7 +138,18 @@ pub const fn reason_label(reason: Reason) -> &'static str {
         Reason::NoSockets => "no_sockets",
         Reason::ProbesFailing => "probes_failing",
         Reason::AwaitingConfirmation => "awaiting_confirmation",
+        Reason::Unprobed => "unprobed",
         Reason::Healthy => "healthy",
+    }
+}
+
+/// The name of a raw probe verdict (`CacheHealth::verdict`).
+#[must_use]
+pub fn verdict_name(verdict: u32) -> &'static str {
+    match verdict {
+        HEALTH_UP => "up",
+        HEALTH_DOWN => "down",
+        _ => "unknown",
     }
 }
 
@@ -190,11 +202,7 @@ pub fn listeners(maps: &Maps) -> Result<Vec<ListenerSnapshot>, DatapathError> {
             reason: reason_text(reason),
             reason_code: reason_label(reason),
             cache_sockets: (config.liveness != LIVENESS_PROBES).then_some((counts.udp, counts.tcp)),
-            probe_verdict: if health.verdict == HEALTH_UP {
-                "up"
-            } else {
-                "down"
-            },
+            probe_verdict: verdict_name(health.verdict),
             pool,
             empty_pool: if config.empty_pool_policy == EMPTY_POOL_FAIL {
                 "fail"

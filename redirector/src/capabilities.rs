@@ -94,6 +94,74 @@ fn effective_set(status: &str) -> Option<u64> {
     u64::from_str_radix(hex, 16).ok()
 }
 
+/// A capability the agent needs, and what for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Need {
+    /// The capability.
+    pub capability: Capability,
+    /// What the agent does with it.
+    pub why: &'static str,
+}
+
+impl std::fmt::Display for Need {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} ({})", self.capability.name, self.why)
+    }
+}
+
+/// What the agent needs: CAP_BPF, CAP_PERFMON and CAP_NET_ADMIN always; CAP_SYS_ADMIN only to
+/// enter a `cache_netns`.
+#[must_use]
+pub fn needs(enters_cache_netns: bool) -> Vec<Need> {
+    let mut needs = vec![
+        Need {
+            capability: CAP_BPF,
+            why: "maps, programs and links",
+        },
+        Need {
+            capability: CAP_PERFMON,
+            why: "the verifier's view of the programs as the tests load them",
+        },
+        Need {
+            capability: CAP_NET_ADMIN,
+            why: "cgroup socket programs, the listener interface, the nftables table",
+        },
+    ];
+    if enters_cache_netns {
+        needs.push(Need {
+            capability: CAP_SYS_ADMIN,
+            why: "to enter cache_netns",
+        });
+    }
+    needs
+}
+
+/// The needs among `needs` this process's effective set does not meet: CAP_SYS_ADMIN stands in
+/// for CAP_BPF and CAP_PERFMON, as the kernel's `bpf_capable()` and `perfmon_capable()` say.
+/// Empty when the set cannot be read (the kernel then decides).
+#[must_use]
+pub fn unmet(needs: &[Need]) -> Vec<Need> {
+    let Some(status) = std::fs::read_to_string("/proc/self/status").ok() else {
+        return Vec::new();
+    };
+    let Some(effective) = effective_set(&status).map(Capabilities) else {
+        return Vec::new();
+    };
+    unmet_by(needs, effective)
+}
+
+fn unmet_by(needs: &[Need], effective: Capabilities) -> Vec<Need> {
+    needs
+        .iter()
+        .copied()
+        .filter(|need| {
+            let stands_in = (need.capability == CAP_BPF || need.capability == CAP_PERFMON)
+                && effective.contains(CAP_SYS_ADMIN);
+            !effective.contains(need.capability) && !stands_in
+        })
+        .collect()
+}
+
 /// Why the kernel may refuse to load a program the verifier accepted: the capabilities that
 /// make a loader "bpf-" and "perfmon-capable" (CAP_SYS_ADMIN stands in for both). Empty when
 /// none is missing, or the set cannot be read.
@@ -124,5 +192,22 @@ mod tests {
             ["CAP_SYS_ADMIN"]
         );
         assert_eq!(effective_set("Name:\tx\n"), None);
+    }
+
+    #[test]
+    fn sys_admin_stands_in_for_bpf_and_perfmon_not_for_net_admin() {
+        let only_sys_admin = Capabilities::of(&[CAP_SYS_ADMIN]);
+        let unmet: Vec<&str> = unmet_by(&needs(true), only_sys_admin)
+            .iter()
+            .map(|need| need.capability.name)
+            .collect();
+        assert_eq!(unmet, ["CAP_NET_ADMIN"]);
+        let least = Capabilities::of(&[CAP_BPF, CAP_PERFMON, CAP_NET_ADMIN]);
+        assert!(unmet_by(&needs(false), least).is_empty());
+        let unmet: Vec<&str> = unmet_by(&needs(true), least)
+            .iter()
+            .map(|need| need.capability.name)
+            .collect();
+        assert_eq!(unmet, ["CAP_SYS_ADMIN"]);
     }
 }

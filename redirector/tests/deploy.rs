@@ -1060,3 +1060,151 @@ fn the_containerfile_ships_the_tested_binary_with_nft() {
         PathBuf::from("/usr/sbin/nft")
     );
 }
+
+/// Runs `promtool ARGS` in deploy/prometheus and returns what it printed; fails when it fails.
+fn promtool(args: &[&str]) -> String {
+    let output = Command::new("promtool")
+        .args(args)
+        .current_dir(repo().join("deploy/prometheus"))
+        .output()
+        .unwrap_or_else(|error| {
+            panic!("running promtool (install prometheus; `cargo xtask test` does): {error}")
+        });
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(output.status.success(), "promtool {args:?}: {said}");
+    said
+}
+
+#[test]
+fn the_alert_rules_are_valid_and_fire_as_their_tests_say() {
+    let checked = promtool(&["check", "rules", "redirector.rules.yml"]);
+    assert!(checked.contains("SUCCESS: 6 rules found"), "{checked}");
+    promtool(&["test", "rules", "redirector.rules.test.yml"]);
+    // Every alert has a unit test, and every metric an alert reads is one the agent serves.
+    let rules = read("deploy/prometheus/redirector.rules.yml");
+    let tests = read("deploy/prometheus/redirector.rules.test.yml");
+    let readme = read("README.md");
+    let served = served_metrics();
+    for alert in rules
+        .lines()
+        .filter_map(|line| line.trim().strip_prefix("- alert: "))
+    {
+        assert!(
+            tests.contains(&format!("alertname: {alert}")),
+            "{alert} has no test"
+        );
+    }
+    for metric in [
+        "redirector_listener_route",
+        "redirector_listener_reason",
+        "redirector_probe_servfails_total",
+        "redirector_pool_backends",
+        "redirector_conntrack_bypass_active",
+        "redirector_ready",
+    ] {
+        assert!(rules.contains(metric), "{metric}");
+        let family = metric.trim_end_matches("_total");
+        assert!(
+            served.contains(&format!("# TYPE {family} ")),
+            "the agent serves no {family}: {served}"
+        );
+        assert!(
+            readme.contains(&format!("`{metric}`")),
+            "{metric} is not in the README's table"
+        );
+    }
+}
+
+/// What the agent serves at `/metrics` with one listener and one of each observation, so that
+/// every family has a sample (a family without one is not printed).
+fn served_metrics() -> String {
+    let listener = redirector::telemetry::snapshot::ListenerSnapshot {
+        id: 0,
+        name: "node".to_owned(),
+        address: IpAddr::from([169, 254, 10, 10]),
+        cache: "169.254.10.10:53".parse().expect("an address"),
+        mode: "auto",
+        route: "upstream",
+        reason: "the cache has no socket",
+        reason_code: "no_sockets",
+        cache_sockets: Some((0, 0)),
+        probe_verdict: "up",
+        pool: Vec::new(),
+        empty_pool: "pass",
+        counters: redirector::telemetry::snapshot::CounterSnapshot::default(),
+    };
+    let stats = redirector::agent::AgentStats::default();
+    stats.record_probe("node", true, std::time::Duration::from_millis(1));
+    stats.record_probe_servfail("node");
+    stats.record_pool_left_out("node", 0);
+    stats.record_source_sync("kubernetes", std::time::Duration::from_millis(1));
+    stats.record_transition(redirector::agent::Transition {
+        listener: "node".to_owned(),
+        from: redirector_common::listener::Route::Cache,
+        to: redirector_common::listener::Route::Upstream,
+        reason: redirector_common::listener::Reason::NoSockets,
+        at: std::time::SystemTime::now(),
+    });
+    redirector::telemetry::metrics::render(&[listener], &stats)
+}
+
+/// The metric families a PromQL text reads (`redirector_...`, without the suffixes Prometheus
+/// adds to counters and histograms).
+fn families(promql: &str) -> Vec<String> {
+    let mut found = Vec::new();
+    let mut rest = promql;
+    while let Some(start) = rest.find("redirector_") {
+        let name: String = rest[start..]
+            .chars()
+            .take_while(|c| c.is_ascii_lowercase() || *c == '_')
+            .collect();
+        rest = &rest[start + name.len()..];
+        let family = ["_total", "_bucket", "_sum", "_count"]
+            .iter()
+            .find_map(|suffix| name.strip_suffix(suffix))
+            .unwrap_or(&name)
+            .to_owned();
+        found.push(family);
+    }
+    found
+}
+
+#[test]
+fn the_dashboard_reads_only_metrics_the_agent_serves() {
+    let dashboard: serde_json::Value =
+        serde_json::from_str(&read("deploy/grafana/redirector.json")).expect("JSON");
+    let served = served_metrics();
+    let panels = dashboard["panels"].as_array().expect("panels");
+    assert!(panels.len() >= 10, "{} panels", panels.len());
+    let mut read_any = 0;
+    for panel in panels {
+        let title = panel["title"].as_str().expect("a title");
+        let targets = panel["targets"].as_array().expect("targets");
+        assert!(!targets.is_empty(), "{title}: no query");
+        for target in targets {
+            let expr = target["expr"].as_str().expect("an expr");
+            let families = families(expr);
+            assert!(
+                !families.is_empty(),
+                "{title}: {expr} reads no redirector metric"
+            );
+            for family in families {
+                assert!(
+                    served.contains(&format!("# TYPE {family} ")),
+                    "{title}: {expr} reads {family}, which the agent does not serve"
+                );
+                read_any += 1;
+            }
+        }
+    }
+    assert!(read_any >= 15);
+    let ids: BTreeSet<u64> = panels
+        .iter()
+        .map(|panel| panel["id"].as_u64().expect("an id"))
+        .collect();
+    assert_eq!(ids.len(), panels.len(), "panel ids are unique");
+}

@@ -35,6 +35,8 @@ const DEBIAN_PACKAGES: &[&str] = &[
     "kmod",
     // `systemd-analyze verify` of the shipped unit (redirector/tests/deploy.rs).
     "systemd",
+    // promtool: `check rules` and `test rules` of deploy/prometheus (redirector/tests/deploy.rs).
+    "prometheus",
 ];
 
 /// Where Debian's LLVM lives.

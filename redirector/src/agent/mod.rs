@@ -61,6 +61,17 @@ pub enum AgentError {
     /// The kernel is older than a feature the programs need.
     #[error(transparent)]
     KernelTooOld(#[from] KernelTooOld),
+    /// The process lacks capabilities its configuration needs.
+    #[error(
+        "the agent lacks {missing}: grant them (systemd: CapabilityBoundingSet= and \
+         AmbientCapabilities= in the unit; Kubernetes: the container's \
+         securityContext.capabilities.add), or run it as root with every capability",
+        missing = Unmet(unmet)
+    )]
+    MissingCapabilities {
+        /// What is missing, and what for.
+        unmet: Vec<crate::capabilities::Need>,
+    },
     /// A cgroup in the configuration is unusable.
     #[error(transparent)]
     Cgroup(#[from] CgroupError),
@@ -202,6 +213,19 @@ pub enum AgentError {
     },
 }
 
+/// Unmet capability needs, for the error.
+struct Unmet<'a>(&'a [crate::capabilities::Need]);
+
+impl std::fmt::Display for Unmet<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for (position, need) in self.0.iter().enumerate() {
+            let separator = if position == 0 { "" } else { ", " };
+            write!(f, "{separator}{need}")?;
+        }
+        Ok(())
+    }
+}
+
 /// How the agent starts.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct StartOptions {
@@ -298,6 +322,11 @@ impl Agent {
         let mut phases = StartPhases::new();
         let kernel = KernelCheck::running();
         kernel_support::require(&kernel)?;
+        let unmet =
+            crate::capabilities::unmet(&crate::capabilities::needs(config.cache_netns.is_some()));
+        if !unmet.is_empty() {
+            return Err(AgentError::MissingCapabilities { unmet });
+        }
         for feature in kernel.missing() {
             warn!(release = %kernel.release, feature = feature.name, since = %feature.since, "the kernel is older than an optional feature");
         }

@@ -261,3 +261,19 @@ fn capability_hint(missing: &Capabilities) -> String {
         names.join(" and ")
     )
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::capabilities::{CAP_PERFMON, Capabilities};
+
+    #[test]
+    fn a_refused_load_names_the_missing_capability() {
+        assert_eq!(capability_hint(&Capabilities::default()), "");
+        let hint = capability_hint(&Capabilities::of(&[CAP_PERFMON]));
+        assert!(
+            hint.starts_with(": this process lacks CAP_PERFMON,"),
+            "{hint}"
+        );
+    }
+}

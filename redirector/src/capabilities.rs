@@ -1,5 +1,5 @@
-//! The process's effective capabilities (`CapEff` in `/proc/self/status`): to say which one is
-//! missing when the kernel refuses something without naming the cause.
+//! What the agent needs of the process's effective capabilities (`CapEff` in `/proc/self/status`),
+//! checked at start so that a missing one is named instead of failing deep in the kernel.
 
 /// A Linux capability, by name and bit.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -31,9 +31,6 @@ pub const CAP_BPF: Capability = Capability {
     bit: 39,
 };
 
-/// Every capability this module names.
-const KNOWN: [Capability; 4] = [CAP_NET_ADMIN, CAP_SYS_ADMIN, CAP_PERFMON, CAP_BPF];
-
 /// A set of capabilities, as the kernel's bit mask.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Capabilities(u64);
@@ -49,40 +46,11 @@ impl Capabilities {
         )
     }
 
-    /// True when it holds none.
-    #[must_use]
-    pub const fn is_empty(self) -> bool {
-        self.0 == 0
-    }
-
     /// True when it holds `capability`.
     #[must_use]
     pub const fn contains(self, capability: Capability) -> bool {
         self.0 & (1 << capability.bit) != 0
     }
-
-    /// The names of the capabilities this module knows that it holds.
-    #[must_use]
-    pub fn names(self) -> Vec<&'static str> {
-        KNOWN
-            .iter()
-            .filter(|capability| self.contains(**capability))
-            .map(|capability| capability.name)
-            .collect()
-    }
-
-    const fn without(self, other: Self) -> Self {
-        Self(self.0 & !other.0)
-    }
-}
-
-/// The capabilities among `wanted` that this process lacks in its effective set; `None` when
-/// the set cannot be read.
-#[must_use]
-pub fn missing(wanted: &[Capability]) -> Option<Capabilities> {
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let effective = Capabilities(effective_set(&status)?);
-    Some(Capabilities::of(wanted).without(effective))
 }
 
 /// The `CapEff` bits of a `/proc/PID/status` text.
@@ -162,19 +130,6 @@ fn unmet_by(needs: &[Need], effective: Capabilities) -> Vec<Need> {
         .collect()
 }
 
-/// Why the kernel may refuse to load a program the verifier accepted: the capabilities that
-/// make a loader "bpf-" and "perfmon-capable" (CAP_SYS_ADMIN stands in for both). Empty when
-/// none is missing, or the set cannot be read.
-#[must_use]
-pub fn missing_for_loading() -> Capabilities {
-    match missing(&[CAP_SYS_ADMIN, CAP_BPF, CAP_PERFMON]) {
-        Some(missing) if missing.contains(CAP_SYS_ADMIN) => {
-            missing.without(Capabilities::of(&[CAP_SYS_ADMIN]))
-        }
-        _ => Capabilities::default(),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -183,14 +138,14 @@ mod tests {
     fn reads_the_effective_set() {
         let status = "Name:\tx\nCapInh:\t0000000000000000\nCapEff:\t000000c000001000\n";
         let effective = Capabilities(effective_set(status).expect("a CapEff line"));
-        assert_eq!(
-            effective.names(),
-            ["CAP_NET_ADMIN", "CAP_PERFMON", "CAP_BPF"]
-        );
-        assert_eq!(
-            Capabilities::of(&KNOWN).without(effective).names(),
-            ["CAP_SYS_ADMIN"]
-        );
+        for (capability, held) in [
+            (CAP_NET_ADMIN, true),
+            (CAP_SYS_ADMIN, false),
+            (CAP_PERFMON, true),
+            (CAP_BPF, true),
+        ] {
+            assert_eq!(effective.contains(capability), held, "{capability:?}");
+        }
         assert_eq!(effective_set("Name:\tx\n"), None);
     }
 

@@ -19,7 +19,9 @@ use std::{
 };
 
 use futures::TryStreamExt as _;
-use netlink_packet_route::address::{AddressAttribute, AddressFlags, AddressHeaderFlags};
+use netlink_packet_route::address::{
+    AddressAttribute, AddressFlags, AddressHeaderFlags, AddressMessage,
+};
 use netlink_sys::{Socket, TokioSocket, protocols::NETLINK_ROUTE};
 use rtnetlink::{Handle, LinkDummy, LinkUnspec};
 use tracing::{info, warn};
@@ -181,17 +183,26 @@ impl Connection {
         }
     }
 
-    async fn addresses(&self, index: u32, name: &str) -> Result<HashSet<IpAddr>, InterfaceError> {
-        let messages: Vec<_> = self
-            .handle
+    /// The address messages of link `index`.
+    async fn address_messages(
+        &self,
+        index: u32,
+        name: &str,
+    ) -> Result<Vec<AddressMessage>, InterfaceError> {
+        self.handle
             .address()
             .get()
             .set_link_index_filter(index)
             .execute()
             .try_collect()
             .await
-            .map_err(netlink(name, "listing addresses"))?;
-        Ok(messages
+            .map_err(netlink(name, "listing addresses"))
+    }
+
+    async fn addresses(&self, index: u32, name: &str) -> Result<HashSet<IpAddr>, InterfaceError> {
+        Ok(self
+            .address_messages(index, name)
+            .await?
             .iter()
             .flat_map(|message| &message.attributes)
             .filter_map(|attribute| match attribute {
@@ -392,16 +403,7 @@ async fn remove_addresses(
     addresses: &[IpAddr],
 ) -> Result<(), InterfaceError> {
     let wanted: HashSet<IpAddr> = addresses.iter().copied().collect();
-    let messages: Vec<_> = connection
-        .handle
-        .address()
-        .get()
-        .set_link_index_filter(index)
-        .execute()
-        .try_collect()
-        .await
-        .map_err(netlink(name, "listing addresses"))?;
-    for message in messages {
+    for message in connection.address_messages(index, name).await? {
         let ours = message.attributes.iter().any(
             |attribute| matches!(attribute, AddressAttribute::Address(ip) if wanted.contains(ip)),
         );

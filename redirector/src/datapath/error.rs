@@ -5,8 +5,6 @@ use std::path::{Path, PathBuf};
 use aya::{EbpfError, maps::MapError, pin::PinError, programs::ProgramError};
 use redirector_common::listener::MAX_LISTENERS;
 
-use crate::capabilities::Capabilities;
-
 /// Why the datapath could not be set up or used.
 #[derive(Debug, thiserror::Error)]
 pub enum DatapathError {
@@ -73,16 +71,10 @@ pub enum DatapathError {
         source: aya::programs::links::LinkError,
     },
     /// The verifier refused a program.
-    #[error(
-        "the kernel refused the eBPF program {name}{hint} (the cause holds the verifier's log)",
-        hint = capability_hint(missing)
-    )]
+    #[error("the kernel refused the eBPF program {name} (the cause holds the verifier's log)")]
     Verify {
         /// The program.
         name: &'static str,
-        /// Capabilities this process lacks that loading needs (the likely cause when the
-        /// verifier's log ends with "processed N insns" and no complaint).
-        missing: Capabilities,
         /// What aya reported, with the verifier log.
         #[source]
         source: ProgramError,
@@ -245,35 +237,5 @@ pub(super) fn read(name: &'static str) -> impl FnOnce(MapError) -> DatapathError
         action: "reading",
         name,
         source,
-    }
-}
-
-/// For `Verify`: which capabilities are missing, and what to do.
-fn capability_hint(missing: &Capabilities) -> String {
-    if missing.is_empty() {
-        return String::new();
-    }
-    let names = missing.names();
-    format!(
-        ": this process lacks {}, without which the kernel refuses programs its verifier \
-         accepted; grant the agent CAP_BPF, CAP_PERFMON and CAP_NET_ADMIN (the systemd unit and \
-         the DaemonSet do)",
-        names.join(" and ")
-    )
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::capabilities::{CAP_PERFMON, Capabilities};
-
-    #[test]
-    fn a_refused_load_names_the_missing_capability() {
-        assert_eq!(capability_hint(&Capabilities::default()), "");
-        let hint = capability_hint(&Capabilities::of(&[CAP_PERFMON]));
-        assert!(
-            hint.starts_with(": this process lacks CAP_PERFMON,"),
-            "{hint}"
-        );
     }
 }

@@ -562,11 +562,7 @@ fn verify(name: &'static str, program: &mut Program) -> Result<(), DatapathError
         Program::CgroupSkb(program) => program.load(),
         _ => return Err(DatapathError::ProgramType { name }),
     }
-    .map_err(|source| DatapathError::Verify {
-        name,
-        missing: crate::capabilities::missing_for_loading(),
-        source,
-    })
+    .map_err(|source| DatapathError::Verify { name, source })
 }
 
 fn program<'a>(ebpf: &'a mut Ebpf, name: &'static str) -> Result<&'a mut Program, DatapathError> {

@@ -13,6 +13,7 @@ pub mod cgroup;
 pub mod cli;
 pub mod command;
 pub mod conntrack;
+pub mod container;
 pub mod dns;
 pub mod fake_kube;
 pub mod http;

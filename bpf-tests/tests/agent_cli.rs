@@ -253,13 +253,21 @@ fn the_capabilities_the_unit_grants_steer_and_fail_over() -> anyhow::Result<()> 
 
     let mut sandbox = Sandbox::new(tools())?;
     sandbox.start_standard_servers()?;
-    let config = write_standard_config(&sandbox)?;
-    let mut command = Command::new("setpriv");
-    command.arg(&bounding).arg(redirector_bin()).args([
-        "run",
-        "--config",
-        &config.display().to_string(),
-    ]);
+    // The unit's agent runs in the node's namespace, with no cache_netns to enter (that would
+    // need CAP_SYS_ADMIN, which the unit leaves out): nsenter puts it there.
+    let node = sandbox.node_netns_path().display().to_string();
+    let in_node = sandbox
+        .config_toml(&bpf_tests::bench::standard_listeners(&sandbox))
+        .replace(&format!("cache_netns = {node:?}\n"), "");
+    assert!(!in_node.contains("cache_netns"), "{in_node}");
+    let config = sandbox.write_file("config.toml", &in_node)?;
+    let mut command = Command::new("nsenter");
+    command
+        .arg(format!("--net={node}"))
+        .arg("setpriv")
+        .arg(&bounding)
+        .arg(redirector_bin())
+        .args(["run", "--config", &config.display().to_string()]);
     let mut agent = bpf_tests::command::TestProcess::start(
         "redirector run (the unit's capabilities)",
         command,
@@ -301,6 +309,14 @@ fn the_capabilities_the_unit_grants_steer_and_fail_over() -> anyhow::Result<()> 
         "failed over in the kernel"
     );
     bpf_tests::cli::stop_agent(&mut agent)?;
-    bpf_tests::cli::uninstall(&config)?;
+    // In the node's namespace too: its nftables table is there.
+    let mut uninstall = Command::new("nsenter");
+    uninstall
+        .arg(format!("--net={node}"))
+        .arg(redirector_bin())
+        .args(["uninstall", "--config", &config.display().to_string()]);
+    let output = output_within(&mut uninstall, Duration::from_secs(30))?;
+    assert!(output.status.success(), "{output:?}");
+    assert_eq!(sandbox.attached_programs()?, "");
     Ok(())
 }

@@ -1,5 +1,7 @@
 //! What the agent needs of the process's effective capabilities (`CapEff` in `/proc/self/status`),
-//! checked at start so that a missing one is named instead of failing deep in the kernel.
+//! checked at start so that a missing one is named instead of failing deep in the kernel; and
+//! whether bpf(2) is let through at all (a seccomp filter can refuse it to a process that holds
+//! every capability).
 
 /// A Linux capability, by name and bit.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -130,6 +132,58 @@ fn unmet_by(needs: &[Need], effective: Capabilities) -> Vec<Need> {
         .collect()
 }
 
+/// bpf(2) refused to a process that holds what it needs.
+#[derive(Debug, thiserror::Error)]
+#[error("{}", if *.seccomp_filtered {
+    "bpf(2) is refused although the agent holds the capabilities it needs, and the process runs \
+     under a seccomp filter: container runtimes' default profiles allow bpf(2) only with \
+     CAP_SYS_ADMIN. Run the agent's container with the seccomp profile \
+     deploy/seccomp/redirector.json (the runtime's default plus bpf(2) for CAP_BPF; the \
+     DaemonSet's init container installs it as the Localhost profile redirector.json), or grant \
+     CAP_SYS_ADMIN"
+} else {
+    "bpf(2) is refused although the agent holds the capabilities it needs, and no seccomp \
+     filter is in place: look for a security module's policy (SELinux, AppArmor, a BPF LSM) \
+     that denies it"
+})]
+pub struct BpfRefused {
+    /// `Seccomp: 2` in `/proc/self/status`.
+    pub seccomp_filtered: bool,
+    /// What bpf(2) returned.
+    #[source]
+    pub source: aya::sys::SyscallError,
+}
+
+/// Creates and closes a one-entry array map, the cheapest bpf(2) call there is. EPERM or ENOSYS
+/// (what seccomp filters return) is a refusal; any other answer is the kernel's to give later.
+pub fn check_bpf_allowed() -> Result<(), BpfRefused> {
+    let Err(source) = aya::sys::is_map_supported(aya::maps::MapType::Array) else {
+        return Ok(());
+    };
+    if !matches!(
+        source.io_error.raw_os_error(),
+        Some(libc::EPERM | libc::ENOSYS)
+    ) {
+        return Ok(());
+    }
+    let seccomp_filtered = std::fs::read_to_string("/proc/self/status")
+        .is_ok_and(|status| seccomp_mode(&status) == Some(2));
+    Err(BpfRefused {
+        seccomp_filtered,
+        source,
+    })
+}
+
+/// The `Seccomp:` mode of a `/proc/PID/status` text: 0 off, 1 strict, 2 filter.
+fn seccomp_mode(status: &str) -> Option<u32> {
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix("Seccomp:"))?
+        .trim()
+        .parse()
+        .ok()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -147,6 +201,16 @@ mod tests {
             assert_eq!(effective.contains(capability), held, "{capability:?}");
         }
         assert_eq!(effective_set("Name:\tx\n"), None);
+    }
+
+    #[test]
+    fn reads_the_seccomp_mode() {
+        assert_eq!(
+            seccomp_mode("Name:\tx\nSeccomp:\t2\nSeccomp_filters:\t1\n"),
+            Some(2)
+        );
+        assert_eq!(seccomp_mode("Name:\tx\nSeccomp:\t0\n"), Some(0));
+        assert_eq!(seccomp_mode("Name:\tx\n"), None);
     }
 
     #[test]

@@ -32,7 +32,7 @@ const OVERLAY: &str = "deploy/kubernetes/overlays/kube-system";
 /// The agent's container in the DaemonSet.
 const AGENT: &str = "redirector";
 /// The init container that mounts bpffs when the node has none.
-const BPFFS_INIT: &str = "mount-bpffs";
+const PREPARE_NODE: &str = "prepare-node";
 
 fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -273,10 +273,18 @@ fn no_container_is_privileged_and_each_has_only_its_capabilities() {
     // Justified in daemonset.yaml and deploy/systemd/redirector.service.
     assert_eq!(
         added_capabilities(container(pod, AGENT)),
-        BTreeSet::from(["BPF", "NET_ADMIN", "PERFMON", "SYS_ADMIN"])
+        BTreeSet::from(["BPF", "NET_ADMIN", "PERFMON"])
     );
     assert_eq!(
-        added_capabilities(container(pod, BPFFS_INIT)),
+        container(pod, AGENT)
+            .security_context
+            .as_ref()
+            .and_then(|context| context.allow_privilege_escalation),
+        Some(false),
+        "no_new_privs for the agent"
+    );
+    assert_eq!(
+        added_capabilities(container(pod, PREPARE_NODE)),
         BTreeSet::from(["SYS_ADMIN", "SYS_CHROOT", "SYS_PTRACE"])
     );
 }
@@ -785,6 +793,87 @@ fn unit_settings(text: &str) -> BTreeMap<(String, String), Vec<String>> {
     settings
 }
 
+/// The runtime's default seccomp profile with bpf(2) allowed for CAP_BPF instead of only for
+/// CAP_SYS_ADMIN: what deploy/seccomp/redirector.json must be.
+fn least_privilege_profile(mut default: serde_json::Value) -> serde_json::Value {
+    let syscalls = default["syscalls"]
+        .as_array_mut()
+        .expect("a profile lists syscalls");
+    for rule in syscalls.iter_mut() {
+        if let Some(names) = rule["names"].as_array_mut() {
+            names.retain(|name| name != "bpf");
+        }
+    }
+    syscalls.push(serde_json::json!({
+        "names": ["bpf"],
+        "action": "SCMP_ACT_ALLOW",
+        "includes": { "caps": ["CAP_BPF"] },
+    }));
+    default
+}
+
+#[test]
+fn the_agent_runs_under_the_shipped_seccomp_profile_the_init_container_installs() {
+    // The shipped profile is podman's default (containers-common) with the one change.
+    let default = "/usr/share/containers/seccomp.json";
+    let default: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(default).unwrap_or_else(|error| {
+            panic!("{default} (install podman; `cargo xtask test` does): {error}")
+        }))
+        .expect("the runtime's default profile");
+    let shipped: serde_json::Value =
+        serde_json::from_str(&read("deploy/seccomp/redirector.json")).expect("the shipped profile");
+    let expected = least_privilege_profile(default.clone());
+    let mut found = Vec::new();
+    differences(&expected, &shipped, "", &mut found);
+    assert!(
+        found.is_empty(),
+        "deploy/seccomp/redirector.json is not the runtime's default plus bpf(2) for CAP_BPF; \
+         write it again from /usr/share/containers/seccomp.json: {found:?}"
+    );
+    assert_ne!(default, shipped, "the check sees the change");
+
+    let daemonset = daemonset();
+    let pod = pod(&daemonset);
+    let agent = container(pod, AGENT);
+    let profile = agent
+        .security_context
+        .as_ref()
+        .and_then(|context| context.seccomp_profile.as_ref())
+        .expect("the agent's seccompProfile");
+    assert_eq!(profile.type_, "Localhost");
+    assert_eq!(
+        profile.localhost_profile.as_deref(),
+        Some("redirector.json")
+    );
+    // prepare-node writes it where the kubelet reads it (its root directory's seccomp/).
+    let prepare = container(pod, PREPARE_NODE);
+    assert_eq!(
+        prepare.command.as_deref(),
+        Some(&["/usr/local/bin/prepare-node".to_owned()][..])
+    );
+    let script = read("deploy/container/prepare-node.sh");
+    assert!(
+        script.contains("profile=/host/seccomp/redirector.json"),
+        "{script}"
+    );
+    let mount = prepare
+        .volume_mounts
+        .iter()
+        .flatten()
+        .find(|mount| mount.mount_path == "/host/seccomp")
+        .expect("prepare-node mounts the kubelet's seccomp directory");
+    let host = volume(pod, &mount.name)
+        .host_path
+        .as_ref()
+        .expect("a hostPath");
+    assert_eq!(host.path, "/var/lib/kubelet/seccomp");
+    // The image carries what prepare-node copies.
+    let containerfile = read("Containerfile");
+    assert!(containerfile.contains("/usr/share/redirector/seccomp.json"));
+    assert!(script.contains("/usr/share/redirector/seccomp.json"));
+}
+
 #[test]
 fn the_systemd_unit_has_the_documented_settings() {
     let settings = unit_settings(&read("deploy/systemd/redirector.service"));
@@ -814,13 +903,15 @@ fn the_systemd_unit_has_the_documented_settings() {
         timeout != "infinity" && timeout != "0",
         "TimeoutStartSec must be bounded: {timeout}"
     );
+    // The bpffs the pins need, mounted by the unit shipped beside it (systemd 252 mounts none).
+    assert!(words("Unit", "Requires").contains("redirector-bpffs.service"));
+    assert!(words("Unit", "After").contains("redirector-bpffs.service"));
     assert!(words("Unit", "Before").contains("kubelet.service"));
     assert!(words("Unit", "Before").contains("node-local-dns.service"));
     assert_eq!(one("Install", "WantedBy"), "multi-user.target");
-    let capabilities: BTreeSet<String> =
-        ["CAP_BPF", "CAP_NET_ADMIN", "CAP_PERFMON", "CAP_SYS_ADMIN"]
-            .map(str::to_owned)
-            .into();
+    let capabilities: BTreeSet<String> = ["CAP_BPF", "CAP_NET_ADMIN", "CAP_PERFMON"]
+        .map(str::to_owned)
+        .into();
     assert_eq!(words("Service", "CapabilityBoundingSet"), capabilities);
     assert_eq!(words("Service", "AmbientCapabilities"), capabilities);
     assert_eq!(one("Service", "ProtectSystem"), "strict");
@@ -858,9 +949,13 @@ fn verify_unit(unit: &str, tag: &str) -> Result<(), String> {
     let dir = scratch(tag);
     let path = dir.join("redirector.service");
     std::fs::write(&path, unit).expect("written");
+    // The unit it requires, shipped beside it, is verified with it.
+    let bpffs = dir.join("redirector-bpffs.service");
+    std::fs::write(&bpffs, read("deploy/systemd/redirector-bpffs.service")).expect("written");
     let output = match Command::new("systemd-analyze")
         .arg("verify")
         .arg(&path)
+        .arg(&bpffs)
         .output()
     {
         Ok(output) => output,
@@ -1050,8 +1145,33 @@ fn the_containerfile_ships_the_tested_binary_with_nft() {
     assert!(containerfile.contains("cargo build --release --locked -p redirector"));
     assert!(containerfile.contains("target/release/redirector"));
     assert!(containerfile.contains("llvm-22-dev"));
-    assert!(containerfile.contains("COPY --from=build /out/redirector /usr/local/bin/redirector"));
     let runtime = &containerfile[containerfile.rfind("FROM ").expect("a runtime stage")..];
+    let build = &containerfile[..containerfile.rfind("FROM ").expect("a runtime stage")];
+    // The runtime stage takes only /out from the build stage (so a build context named `build`
+    // can stand in for it, as bpf-tests/src/container.rs does), and the build stage installs
+    // each file it takes.
+    let taken: Vec<&str> = runtime
+        .lines()
+        .filter_map(|line| line.strip_prefix("COPY --from=build "))
+        .flat_map(|line| {
+            let words: Vec<&str> = line.split_whitespace().collect();
+            words[..words.len() - 1].to_vec()
+        })
+        .collect();
+    assert_eq!(
+        taken,
+        ["/out/redirector", "/out/prepare-node", "/out/seccomp.json"],
+        "{runtime}"
+    );
+    for file in taken {
+        assert!(
+            build.contains(&format!(" {file}")),
+            "the build stage installs {file}"
+        );
+    }
+    assert!(
+        runtime.contains("COPY --from=build /out/redirector /out/prepare-node /usr/local/bin/")
+    );
     assert!(runtime.contains("nftables") && runtime.contains("ca-certificates"));
     // The configuration's nft is the Debian package's.
     let (_, text) = configmap_config();

@@ -37,6 +37,14 @@ const DEBIAN_PACKAGES: &[&str] = &[
     "systemd",
     // promtool: `check rules` and `test rules` of deploy/prometheus (redirector/tests/deploy.rs).
     "prometheus",
+    // The image test (bpf-tests/tests/container.rs): podman with runc (crun refuses a hybrid
+    // cgroup layout), containers-common's default seccomp profile, mmdebstrap for the base
+    // image, objcopy to strip the binary.
+    "podman",
+    "runc",
+    "golang-github-containers-common",
+    "mmdebstrap",
+    "binutils",
 ];
 
 /// Where Debian's LLVM lives.

@@ -140,9 +140,12 @@ fn sweep_runs(vm_dir: &Path) {
     }
 }
 
-/// One kernel's boot: its report, or why it could not boot.
+/// One boot: its report, or why it could not boot.
 struct KernelResult {
-    series: Series,
+    /// The kernel's label, and `+systemd` for the systemd boot.
+    label: String,
+    /// Test binaries it was to run.
+    expected_binaries: usize,
     release: String,
     run: report::KernelRun,
     outcome: machine::Outcome,
@@ -169,10 +172,15 @@ pub fn run(options: &VmArgs) -> anyhow::Result<()> {
     }
     let started = Instant::now();
     let mut artifacts = artifacts::build(&options.tests)?;
+    let systemd_boot = options.tests.is_empty()
+        || options
+            .tests
+            .iter()
+            .any(|name| name == artifacts::SYSTEMD_BOOT);
     artifacts
         .tests
         .retain(|test| scope::runs_binary(&test.name, &options.tests, options.with_host_only));
-    if artifacts.tests.is_empty() {
+    if artifacts.tests.is_empty() && !systemd_boot {
         bail!("bpf-tests has no test binary to run");
     }
     let target_dir = artifacts
@@ -215,20 +223,39 @@ pub fn run(options: &VmArgs) -> anyhow::Result<()> {
     ];
     test_args.extend(scope::skip_args(&options.tests, options.with_host_only));
     test_args.extend(options.filter.clone());
-    let plan = |kernel: &kernel::Kernel| initramfs::Plan {
-        kernel_modules: kernel.modules.clone(),
-        snapshot: snapshot.dir().to_owned(),
-        profile_dir: artifacts.profile_dir.clone(),
-        workdir: workdir.clone(),
-        redirector: artifacts.redirector.clone(),
-        tests: artifacts
-            .tests
-            .iter()
-            .map(|test| (test.name.clone(), test.path.clone()))
-            .collect(),
-        test_args: test_args.clone(),
-        binary_timeout_secs: options.binary_timeout_secs.max(1),
-        slowdown: options.slowdown,
+    let workspace = crate::tasks::workspace_root()
+        .canonicalize()
+        .context("finding the workspace")?;
+    let plan = |kernel: &kernel::Kernel, mode: initramfs::Mode| {
+        let (tests, test_args) = match mode {
+            initramfs::Mode::Tests => (&artifacts.tests[..], test_args.clone()),
+            // One after the other: each test of the boot takes up where the last left the node.
+            initramfs::Mode::Systemd => (
+                std::slice::from_ref(&artifacts.systemd_boot),
+                // --nocapture: the boot's timings, which the tests print, reach the results log.
+                ["--color", "never", "--test-threads", "1", "--nocapture"]
+                    .map(str::to_owned)
+                    .into_iter()
+                    .chain(options.filter.clone())
+                    .collect(),
+            ),
+        };
+        initramfs::Plan {
+            kernel_modules: kernel.modules.clone(),
+            snapshot: snapshot.dir().to_owned(),
+            profile_dir: artifacts.profile_dir.clone(),
+            workdir: workdir.clone(),
+            redirector: artifacts.redirector.clone(),
+            tests: tests
+                .iter()
+                .map(|test| (test.name.clone(), test.path.clone()))
+                .collect(),
+            test_args,
+            binary_timeout_secs: options.binary_timeout_secs.max(1),
+            slowdown: options.slowdown,
+            mode,
+            workspace: workspace.clone(),
+        }
     };
     let names: Vec<&str> = artifacts
         .tests
@@ -249,12 +276,37 @@ pub fn run(options: &VmArgs) -> anyhow::Result<()> {
     let left_out = scope::describe(&options.tests, options.with_host_only);
     eprint!("{left_out}");
 
+    let mut boots: Vec<(&kernel::Kernel, initramfs::Mode)> = Vec::new();
+    if !artifacts.tests.is_empty() {
+        boots.extend(
+            kernels
+                .iter()
+                .map(|kernel| (kernel, initramfs::Mode::Tests)),
+        );
+    }
+    // The systemd boot on the newest kernel chosen (6.12 by default).
+    if let Some(kernel) = kernels
+        .iter()
+        .filter(|_| systemd_boot)
+        .max_by_key(|kernel| kernel.series)
+    {
+        eprintln!(
+            "xtask: then a boot with systemd as PID 1 on {}: {}",
+            kernel.release,
+            artifacts::SYSTEMD_BOOT
+        );
+        boots.push((kernel, initramfs::Mode::Systemd));
+    }
     let mut results = Vec::new();
-    for kernel in &kernels {
-        let label = kernel.series.label();
+    for (kernel, mode) in boots {
+        let label = match mode {
+            initramfs::Mode::Tests => kernel.series.label().to_owned(),
+            initramfs::Mode::Systemd => format!("{}+systemd", kernel.series.label()),
+        };
         let initramfs = run_dir.join(format!("initramfs-{label}.cpio"));
-        initramfs::write(kernel, &plan(kernel), &initramfs)?;
-        let log_dir = run_dir.join(label);
+        let plan = plan(kernel, mode);
+        initramfs::write(kernel, &plan, &initramfs)?;
+        let log_dir = run_dir.join(&label);
         let mut run = report::KernelRun::default();
         let mut boot = None;
         let booting = Instant::now();
@@ -277,7 +329,8 @@ pub fn run(options: &VmArgs) -> anyhow::Result<()> {
         )
         .with_context(|| format!("booting {}", kernel.release))?;
         results.push(KernelResult {
-            series: kernel.series,
+            label,
+            expected_binaries: plan.tests.len(),
             release: kernel.release.clone(),
             run,
             outcome,
@@ -286,25 +339,15 @@ pub fn run(options: &VmArgs) -> anyhow::Result<()> {
         });
     }
     drop(snapshot);
-    summarize(
-        &results,
-        artifacts.tests.len(),
-        &left_out,
-        started.elapsed(),
-    )
+    summarize(&results, &left_out, started.elapsed())
 }
 
 /// Prints every kernel's table and failures; fails unless every boot passed.
-fn summarize(
-    results: &[KernelResult],
-    expected_binaries: usize,
-    left_out: &str,
-    total: Duration,
-) -> anyhow::Result<()> {
+fn summarize(results: &[KernelResult], left_out: &str, total: Duration) -> anyhow::Result<()> {
     let mut failed = Vec::new();
     eprintln!();
     for result in results {
-        let label = result.series.label();
+        let label = result.label.as_str();
         let (passed, failures, ignored) = result.run.counts();
         let outcome = &result.outcome;
         let ended = match outcome.status {
@@ -340,7 +383,7 @@ fn summarize(
             failed.push(label);
             continue;
         }
-        if !result.run.passed(expected_binaries) || outcome.status.is_none() {
+        if !result.run.passed(result.expected_binaries) || outcome.status.is_none() {
             if !result.run.done {
                 eprintln!(
                     "  the guest did not finish its tests; the kernel's console is {}",

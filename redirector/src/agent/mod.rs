@@ -72,6 +72,9 @@ pub enum AgentError {
         /// What is missing, and what for.
         unmet: Vec<crate::capabilities::Need>,
     },
+    /// bpf(2) is refused to a process that holds the capabilities.
+    #[error(transparent)]
+    BpfRefused(#[from] crate::capabilities::BpfRefused),
     /// A cgroup in the configuration is unusable.
     #[error(transparent)]
     Cgroup(#[from] CgroupError),
@@ -327,6 +330,7 @@ impl Agent {
         if !unmet.is_empty() {
             return Err(AgentError::MissingCapabilities { unmet });
         }
+        crate::capabilities::check_bpf_allowed()?;
         for feature in kernel.missing() {
             warn!(release = %kernel.release, feature = feature.name, since = %feature.since, "the kernel is older than an optional feature");
         }

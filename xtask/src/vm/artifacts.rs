@@ -11,6 +11,9 @@ use anyhow::{Context as _, bail};
 
 use serde::Deserialize;
 
+/// The test target the systemd boot runs.
+pub const SYSTEMD_BOOT: &str = "systemd_boot";
+
 /// One test binary of bpf-tests (`tests/NAME.rs`).
 #[derive(Clone, Debug)]
 pub struct TestBinary {
@@ -32,6 +35,9 @@ pub struct Artifacts {
     pub executables: Vec<PathBuf>,
     /// The redirector binary (`REDIRECTOR_BIN`).
     pub redirector: PathBuf,
+    /// The systemd boot's test binary (`bpf-tests/tests/systemd_boot.rs`, `test = false`: only
+    /// a guest booted by systemd can run it, so cargo's own `cargo test` leaves it out).
+    pub systemd_boot: TestBinary,
 }
 
 /// The fields of one line of cargo's JSON messages that matter here (a `compiler-artifact`
@@ -134,6 +140,18 @@ pub fn build(only: &[String]) -> anyhow::Result<Artifacts> {
                     .is_some_and(|dir| dir.ends_with("bpf-tests"))
             })
             .collect();
+    // Selected by name over the default members, so that features unify as above.
+    let systemd_boot = cargo_executables(
+        &["test", "--no-run", "--test", SYSTEMD_BOOT],
+        "building the systemd boot's tests failed",
+    )?
+    .into_iter()
+    .find(|built| built.name == SYSTEMD_BOOT && built.kinds.iter().any(|kind| kind == "test"))
+    .map(|built| TestBinary {
+        name: built.name,
+        path: built.executable,
+    })
+    .context("cargo built no systemd_boot test binary")?;
     let redirector_bin = redirector
         .iter()
         .find(|built| built.name == "redirector" && !built.is_test_harness)
@@ -151,7 +169,7 @@ pub fn build(only: &[String]) -> anyhow::Result<Artifacts> {
     if !only.is_empty() {
         let unknown: Vec<&String> = only
             .iter()
-            .filter(|name| !tests.iter().any(|test| &test.name == *name))
+            .filter(|name| *name != SYSTEMD_BOOT && !tests.iter().any(|test| &test.name == *name))
             .collect();
         if !unknown.is_empty() {
             bail!(
@@ -176,6 +194,7 @@ pub fn build(only: &[String]) -> anyhow::Result<Artifacts> {
         })
         .map(|built| built.executable.clone())
         .collect();
+    executables.push(systemd_boot.path.clone());
     executables.sort();
     executables.dedup();
     let profile_dir = redirector_bin
@@ -197,6 +216,7 @@ pub fn build(only: &[String]) -> anyhow::Result<Artifacts> {
         tests,
         executables,
         redirector: redirector_bin,
+        systemd_boot,
     })
 }
 

@@ -26,7 +26,7 @@ mkdir -p /rw/upper /rw/work
 mount -t overlay overlay -o lowerdir=/lower,upperdir=/rw/upper,workdir=/rw/work /newroot \
     || fail "mounting the overlay root"
 mkdir -p /newroot/.vm-test || fail "writing to the overlay root"
-cp /stage2.sh /plan.sh /newroot/.vm-test/ || fail "copying stage 2"
+cp /stage2.sh /systemd-boot.sh /plan.sh /newroot/.vm-test/ || fail "copying stage 2"
 [ -x /newroot/bin/bash ] || fail "the host has no /bin/bash"
 mount --move /dev /newroot/dev || fail "moving /dev"
 umount /proc

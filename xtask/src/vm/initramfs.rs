@@ -15,6 +15,8 @@ use super::kernel::Kernel;
 const STAGE1: &str = include_str!("init.sh");
 /// Stage 2, run on the overlay root.
 const STAGE2: &str = include_str!("stage2.sh");
+/// Stage 2 of the systemd boot.
+const SYSTEMD_BOOT: &str = include_str!("systemd-boot.sh");
 
 /// Debian's busybox-static: stage 1 runs before any library is reachable.
 const BUSYBOX: &str = "/bin/busybox";
@@ -57,6 +59,19 @@ pub struct Plan {
     pub binary_timeout_secs: u64,
     /// `REDIRECTOR_TEST_SLOWDOWN` in the guest: how much the tests stretch their waits.
     pub slowdown: u32,
+    /// What stage 2 does.
+    pub mode: Mode,
+    /// The workspace (the systemd boot installs the shipped unit from it).
+    pub workspace: PathBuf,
+}
+
+/// What a boot does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// Stage 2 runs the test binaries itself, as PID 1.
+    Tests,
+    /// Stage 2 prepares a node and execs systemd; a unit runs the test binaries after boot.
+    Systemd,
 }
 
 /// `text` as one shell word.
@@ -83,6 +98,7 @@ impl Plan {
             "# Written by cargo xtask vm-test.\n\
              VM_KERNEL_MODULES={}\nVM_SNAPSHOT={}\nVM_PROFILE_DIR={}\nVM_WORKDIR={}\n\
              VM_REDIRECTOR_BIN={}\nVM_BINARY_TIMEOUT={}\nVM_SLOWDOWN={}\n\
+             VM_MODE={}\nVM_WORKSPACE={}\n\
              VM_TEST_NAMES=({})\nVM_TEST_BINS=({})\nVM_TEST_ARGS=({})\n",
             quote_path(&self.kernel_modules)?,
             quote_path(&self.snapshot)?,
@@ -91,6 +107,11 @@ impl Plan {
             quote_path(&self.redirector)?,
             self.binary_timeout_secs,
             self.slowdown,
+            match self.mode {
+                Mode::Tests => "tests",
+                Mode::Systemd => "systemd",
+            },
+            quote_path(&self.workspace)?,
             names.join(" "),
             binaries.join(" "),
             args.join(" "),
@@ -112,6 +133,7 @@ pub fn write(kernel: &Kernel, plan: &Plan, path: &Path) -> anyhow::Result<()> {
     }
     archive.file("init", 0o755, STAGE1.as_bytes());
     archive.file("stage2.sh", 0o755, STAGE2.as_bytes());
+    archive.file("systemd-boot.sh", 0o755, SYSTEMD_BOOT.as_bytes());
     archive.file("plan.sh", 0o644, plan.to_shell()?.as_bytes());
     let mut order = String::new();
     for module in root_modules(&kernel.modules)? {

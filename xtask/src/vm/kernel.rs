@@ -8,8 +8,8 @@ use std::{
 
 use anyhow::{Context as _, bail};
 
-/// A Debian 12 kernel series the VM matrix covers.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// A Debian 12 kernel series the VM matrix covers, oldest first (the order of the variants).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Series {
     /// Debian 12's own kernel (`linux-image-6.1.0-N-cloud-amd64`).
     V6_1,

@@ -49,6 +49,13 @@ pub const HOST_ONLY: &[HostOnly] = &[
               metrics' agreement with the kernel and the kernel log run on every kernel",
     },
     HostOnly {
+        binary: "container",
+        skip: &[],
+        why: "the image and the container runtime's sandboxing (capabilities, seccomp, mounts) \
+              around the same agent; its kernel paths are the ones steering and failover run on \
+              every kernel",
+    },
+    HostOnly {
         binary: "resolvers",
         skip: &[],
         why: "how c-ares, glibc and musl answer the egress program's EPERM is userspace; \

@@ -13,6 +13,10 @@
 # The kernel's console (/dev/ttyS0) keeps only the kernel's messages and this script's errors.
 set -u
 . /.vm-test/plan.sh
+# The systemd boot prepares a node and hands PID 1 to systemd instead (systemd-boot.sh).
+if [ "${VM_MODE:-tests}" = systemd ]; then
+    exec /bin/bash /.vm-test/systemd-boot.sh
+fi
 
 results=/dev/ttyS1
 say() { echo "@@vm-test $*" > "$results"; }

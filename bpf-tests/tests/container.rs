@@ -1,0 +1,608 @@
+//! The image, built from the Containerfile, run as deploy/kubernetes/base/daemonset.yaml runs its
+//! two containers: the agent with host networking (the sandbox's node namespace stands for the
+//! node's), only CAP_BPF, CAP_PERFMON and CAP_NET_ADMIN, a read-only root, no new privileges,
+//! the shipped seccomp profile and the DaemonSet's mounts; and the init container's
+//! `prepare-node` with its own capabilities. `bpf_tests::container` says how the image is built
+//! here.
+
+use std::{
+    path::{Path, PathBuf},
+    process::Command,
+    time::{Duration, Instant},
+};
+
+use bpf_tests::{
+    bench::standard_listeners,
+    command::{TestProcess, kill_pid},
+    container::{Image, Named, Podman, build_image},
+    pace::paced,
+    sandbox::{CacheSpec, Ns, Query, Sandbox, Tools, Transport, redirector_bin},
+    topology::{NODE_LISTENER, dns, who},
+};
+
+fn tools() -> Tools {
+    bpf_tests::tools!()
+}
+
+fn workspace() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+fn podman() -> anyhow::Result<Podman> {
+    Podman::new(&Path::new(env!("CARGO_TARGET_TMPDIR")).join("containers"))
+}
+
+fn image(podman: &Podman) -> anyhow::Result<Image> {
+    let image = build_image(podman, &workspace(), &redirector_bin())?;
+    eprintln!("image {}: {} bytes", image.name, image.size);
+    Ok(image)
+}
+
+fn answered_by(sandbox: &Sandbox) -> anyhow::Result<&'static str> {
+    let outcome = sandbox.query(Ns::Pod, Query::new(dns(NODE_LISTENER), Transport::Udp))?;
+    Ok(match who(outcome.answer()) {
+        "upstream A" | "upstream B" => "upstream",
+        other => other,
+    })
+}
+
+/// Polls until the node listener is answered by `expected`.
+fn wait_answered_by(sandbox: &Sandbox, expected: &str, limit: Duration) -> anyhow::Result<()> {
+    let deadline = Instant::now() + paced(limit);
+    loop {
+        let now = answered_by(sandbox)?;
+        if now == expected {
+            return Ok(());
+        }
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "the node listener is still answered by {now}, not {expected}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// The sandbox's standard configuration as the container sees it: the cgroup v2 hierarchy at
+/// /sys/fs/cgroup, the pins below /sys/fs/bpf, the lock in /run/redirector, and no cache_netns
+/// (the container is in the node's namespace, as a hostNetwork pod is).
+fn container_config(sandbox: &Sandbox) -> anyhow::Result<String> {
+    let hierarchy = redirector::cgroup::default_attach_cgroup()?;
+    let inside = |path: &Path| -> anyhow::Result<String> {
+        let relative = path.strip_prefix(&hierarchy)?;
+        Ok(Path::new("/sys/fs/cgroup")
+            .join(relative)
+            .display()
+            .to_string())
+    };
+    let listeners = standard_listeners(sandbox).replace(
+        &format!(
+            "{:?}",
+            sandbox.skipped_cgroup().path().display().to_string()
+        ),
+        &format!("{:?}", inside(sandbox.skipped_cgroup().path())?),
+    );
+    Ok(format!(
+        "cgroup = {:?}\npin_dir = \"/sys/fs/bpf/redirector\"\nlock_file = \"/run/redirector/agent.lock\"\n\
+         socket_reconcile_interval_ms = 500\n\n[probe]\ninterval_ms = {}\ntimeout_ms = {}\n\n\
+         [metrics]\naddress = \"127.0.0.1:0\"\n\n{}\n{listeners}",
+        inside(sandbox.cgroup().path())?,
+        paced(Duration::from_millis(250)).as_millis(),
+        paced(Duration::from_millis(200)).as_millis(),
+        bpf_tests::sandbox::UNMANAGED_INTERFACE,
+    ))
+}
+
+/// The agent container's capabilities and seccomp profile.
+struct Privileges<'a> {
+    capabilities: &'a str,
+    seccomp: &'a str,
+}
+
+/// The DaemonSet's agent container: what `daemonset.yaml` grants (redirector/tests/deploy.rs
+/// keeps the two equal).
+const DAEMONSET: Privileges<'static> = Privileges {
+    capabilities: "BPF,PERFMON,NET_ADMIN",
+    seccomp: "deploy/seccomp/redirector.json",
+};
+
+/// `podman run` of the agent container in the sandbox's node namespace, in a cgroup below the
+/// sandbox's (below the attach point, as a pod is below the node's root: the agent must skip
+/// itself).
+fn agent_container(
+    podman: &Podman,
+    sandbox: &Sandbox,
+    dirs: &AgentDirs,
+    name: &str,
+    privileges: &Privileges<'_>,
+    redirector_args: &[&str],
+) -> anyhow::Result<Command> {
+    let seccomp = if privileges.seccomp.contains('/') {
+        workspace().join(privileges.seccomp).display().to_string()
+    } else {
+        privileges.seccomp.to_owned()
+    };
+    let hierarchy = redirector::cgroup::default_attach_cgroup()?;
+    let mut command = podman.command();
+    command
+        .args(["run", "--rm", "--name", name])
+        .arg(format!(
+            "--network=ns:{}",
+            sandbox.node_netns_path().display()
+        ))
+        .arg(format!("--cgroup-parent={}", dirs.cgroup.parent))
+        .arg("--cap-drop=all")
+        .arg(format!("--cap-add={}", privileges.capabilities))
+        .args(["--read-only", "--security-opt=no-new-privileges"])
+        .arg(format!("--security-opt=seccomp={seccomp}"))
+        .arg(format!(
+            "--mount=type=bind,src={},dst=/sys/fs/bpf,bind-propagation=rslave",
+            dirs.bpffs.display()
+        ))
+        .arg(format!(
+            "--mount=type=bind,src={},dst=/sys/fs/cgroup,ro=true",
+            hierarchy.display()
+        ))
+        .arg(format!(
+            "--mount=type=bind,src={},dst=/run/redirector",
+            dirs.run.display()
+        ))
+        .arg(format!(
+            "--mount=type=bind,src={},dst=/etc/redirector,ro=true",
+            dirs.config.display()
+        ))
+        .arg(format!(
+            "--mount=type=bind,src={},dst=/run/systemd/resolve,ro=true",
+            dirs.resolve.display()
+        ))
+        .args(["--env=NODE_NAME=node-a", bpf_tests::container::IMAGE])
+        .args(redirector_args);
+    Ok(command)
+}
+
+/// The DaemonSet's command of the agent container.
+const RUN: &[&str] = &[
+    "run",
+    "--config",
+    "/etc/redirector/config.toml",
+    "--log-format",
+    "json",
+];
+
+/// Where runc puts a container the test starts: `--cgroup-parent` below the sandbox's cgroup.
+/// runc (cgroupfs) creates the parent in the v2 hierarchy, below the sandbox's cgroup, and in
+/// every v1 hierarchy of a hybrid layout; it removes its container's own cgroup when the
+/// container goes, and this removes the parents it created in the v1 hierarchies.
+struct ContainerCgroups {
+    /// The path below each hierarchy's root.
+    parent: String,
+}
+
+impl ContainerCgroups {
+    fn below(sandbox: &Sandbox, name: &str) -> anyhow::Result<Self> {
+        let hierarchy = redirector::cgroup::default_attach_cgroup()?;
+        let sandbox_cgroup = sandbox.cgroup().path().strip_prefix(&hierarchy)?;
+        Ok(Self {
+            parent: Path::new("/")
+                .join(sandbox_cgroup)
+                .join(name)
+                .display()
+                .to_string(),
+        })
+    }
+}
+
+impl Drop for ContainerCgroups {
+    fn drop(&mut self) {
+        let Ok(hierarchy) = redirector::cgroup::default_attach_cgroup() else {
+            return;
+        };
+        let relative = Path::new(self.parent.trim_start_matches('/'));
+        // Only what runc made for this test's containers, innermost first; every container is
+        // gone by now (Named removes each one before this drops). In the v2 hierarchy only the
+        // parent itself: the sandbox's cgroup above it is the sandbox's to remove.
+        let _ = std::fs::remove_dir(hierarchy.join(relative));
+        for entry in std::fs::read_dir("/sys/fs/cgroup")
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            let root = entry.path();
+            if root == hierarchy || !root.join(relative).is_dir() {
+                continue;
+            }
+            for dir in relative
+                .ancestors()
+                .filter(|dir| !dir.as_os_str().is_empty())
+            {
+                let _ = std::fs::remove_dir(root.join(dir));
+            }
+        }
+    }
+}
+
+/// The host directories the agent container mounts.
+struct AgentDirs {
+    bpffs: PathBuf,
+    run: PathBuf,
+    config: PathBuf,
+    resolve: PathBuf,
+    cgroup: ContainerCgroups,
+}
+
+impl AgentDirs {
+    fn new(sandbox: &Sandbox) -> anyhow::Result<Self> {
+        let config = sandbox.write_file("config.toml", &container_config(sandbox)?)?;
+        let config_dir = config.with_file_name("etc-redirector");
+        std::fs::create_dir_all(&config_dir)?;
+        std::fs::rename(&config, config_dir.join("config.toml"))?;
+        let run = config.with_file_name("run-redirector");
+        let resolve = config.with_file_name("run-systemd-resolve");
+        for dir in [&run, &resolve] {
+            std::fs::create_dir_all(dir)?;
+        }
+        Ok(Self {
+            bpffs: sandbox
+                .pin_dir()
+                .parent()
+                .ok_or_else(|| anyhow::anyhow!("the pin directory has no parent"))?
+                .to_owned(),
+            run,
+            config: config_dir,
+            resolve,
+            cgroup: ContainerCgroups::below(sandbox, "agent")?,
+        })
+    }
+}
+
+fn start_agent_container(
+    podman: &Podman,
+    sandbox: &Sandbox,
+    dirs: &AgentDirs,
+    name: &str,
+) -> anyhow::Result<TestProcess> {
+    let command = agent_container(podman, sandbox, dirs, name, &DAEMONSET, RUN)?;
+    TestProcess::start(
+        "the agent's container",
+        command,
+        "redirector is steering",
+        Duration::from_secs(60),
+    )
+}
+
+#[test]
+fn the_image_steers_fails_over_and_is_adopted_by_its_next_container() -> anyhow::Result<()> {
+    let podman = podman()?;
+    image(&podman)?;
+    let mut sandbox = Sandbox::new(tools())?;
+    sandbox.start_standard_servers()?;
+    let dirs = AgentDirs::new(&sandbox)?;
+    let first = Named::new(&podman, &format!("rdt-{}-agent", sandbox.tag()));
+    let mut agent = start_agent_container(&podman, &sandbox, &dirs, &first.name)?;
+    assert!(!sandbox.attached_programs()?.is_empty());
+    assert_eq!(answered_by(&sandbox)?, "cache");
+
+    // The container holds exactly what the DaemonSet grants.
+    let pid = podman.run(
+        &["inspect", "--format", "{{.State.Pid}}", &first.name],
+        Duration::from_secs(30),
+    )?;
+    let status = std::fs::read_to_string(format!("/proc/{}/status", pid.trim()))?;
+    let field = |key: &str| {
+        status
+            .lines()
+            .find_map(|line| line.strip_prefix(key))
+            .map(|value| value.trim().to_owned())
+            .unwrap_or_default()
+    };
+    // CAP_NET_ADMIN (12), CAP_PERFMON (38), CAP_BPF (39); no_new_privs; a seccomp filter.
+    assert_eq!(field("CapEff:"), "000000c000001000", "{status}");
+    assert_eq!(field("CapBnd:"), "000000c000001000", "{status}");
+    assert_eq!(field("NoNewPrivs:"), "1", "{status}");
+    assert_eq!(field("Seccomp:"), "2", "{status}");
+    assert!(
+        !std::fs::read_to_string(format!("/proc/{}/mountinfo", pid.trim()))?
+            .lines()
+            .any(|line| line.split_whitespace().nth(4) == Some("/")
+                && line
+                    .split_whitespace()
+                    .nth(5)
+                    .is_some_and(|options| options.starts_with("rw"))),
+        "the root is read-only"
+    );
+
+    // The nftables table went in through the container's nft.
+    let tables = sandbox.netns(Ns::Node).run("nft", &["list", "tables"])?;
+    assert!(tables.contains("redirector"), "{tables}");
+
+    // A dead cache fails over in the kernel; its successor is probed back from the container.
+    sandbox.stop_server("cache")?;
+    assert_eq!(answered_by(&sandbox)?, "upstream", "failed over");
+    sandbox.start_cache("cache", &CacheSpec::standard())?;
+    wait_answered_by(&sandbox, "cache", Duration::from_secs(10))?;
+
+    // The container dies (SIGKILL: no goodbye); steering stays; the next container adopts it.
+    podman.run(
+        &["kill", "--signal", "KILL", &first.name],
+        Duration::from_secs(30),
+    )?;
+    let _ = agent.wait_exit(Duration::from_secs(30))?;
+    first.remove();
+    assert!(
+        !sandbox.attached_programs()?.is_empty(),
+        "the pins outlive the container"
+    );
+    assert_eq!(answered_by(&sandbox)?, "cache");
+    let second = Named::new(&podman, &format!("rdt-{}-agent2", sandbox.tag()));
+    let mut agent = start_agent_container(&podman, &sandbox, &dirs, &second.name)?;
+    assert!(
+        agent
+            .printed()
+            .iter()
+            .any(|line| line.contains("adopting the maps an earlier agent pinned")),
+        "{:?}",
+        agent.printed()
+    );
+    assert_eq!(answered_by(&sandbox)?, "cache");
+    sandbox.stop_server("cache")?;
+    assert_eq!(
+        answered_by(&sandbox)?,
+        "upstream",
+        "the adopted programs fail over"
+    );
+
+    podman.run(
+        &["stop", "--time", "10", &second.name],
+        Duration::from_secs(30),
+    )?;
+    let status = agent.wait_exit(Duration::from_secs(30))?;
+    assert!(status.success(), "{status:?}: {:?}", agent.printed());
+    // Removing it from the node is `redirector uninstall` in the same container.
+    let third = Named::new(&podman, &format!("rdt-{}-uninstall", sandbox.tag()));
+    let mut command = agent_container(
+        &podman,
+        &sandbox,
+        &dirs,
+        &third.name,
+        &DAEMONSET,
+        &["uninstall", "--config", "/etc/redirector/config.toml"],
+    )?;
+    let output = bpf_tests::command::output_within(&mut command, paced(Duration::from_secs(60)))?;
+    assert!(output.status.success(), "{output:?}");
+    assert_eq!(sandbox.attached_programs()?, "");
+    assert!(!sandbox.pin_dir().exists(), "pins left behind");
+    Ok(())
+}
+
+#[test]
+fn under_the_runtimes_default_seccomp_profile_the_agent_names_what_refuses_bpf()
+-> anyhow::Result<()> {
+    let podman = podman()?;
+    image(&podman)?;
+    let mut sandbox = Sandbox::new(tools())?;
+    sandbox.start_standard_servers()?;
+    let dirs = AgentDirs::new(&sandbox)?;
+    let named = Named::new(&podman, &format!("rdt-{}-default", sandbox.tag()));
+    let mut command = agent_container(
+        &podman,
+        &sandbox,
+        &dirs,
+        &named.name,
+        &Privileges {
+            capabilities: DAEMONSET.capabilities,
+            // podman's default (containers-common's): bpf(2) only with CAP_SYS_ADMIN.
+            seccomp: "/usr/share/containers/seccomp.json",
+        },
+        RUN,
+    )?;
+    let output = bpf_tests::command::output_within(&mut command, paced(Duration::from_secs(60)))?;
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert_eq!(output.status.code(), Some(1), "{said}");
+    assert!(said.contains("seccomp"), "names seccomp: {said}");
+    assert!(
+        said.contains("deploy/seccomp/redirector.json"),
+        "names the profile to use: {said}"
+    );
+    assert_eq!(sandbox.attached_programs()?, "", "nothing attached");
+    assert!(!sandbox.pin_dir().join("maps").exists(), "nothing pinned");
+    Ok(())
+}
+
+/// The node as prepare-node sees it, made by the test: a PID namespace whose PID 1 (a `sleep`)
+/// holds a mount namespace copied from this one with a tmpfs over /sys/fs/bpf, so that no bpf
+/// filesystem is there. The init container joins the PID namespace and reads its own /proc
+/// where the DaemonSet's reads the host's (`HOST_PROC`), so `1/ns/mnt` is this namespace and
+/// never the machine's.
+struct FakeNode {
+    /// `unshare`, in the new mount namespace; PID 1 of the new PID namespace is its child.
+    holder: std::process::Child,
+}
+
+impl FakeNode {
+    fn new() -> anyhow::Result<Self> {
+        let mut holder = Command::new("unshare")
+            .args([
+                "--pid",
+                "--fork",
+                "--kill-child",
+                "--mount",
+                "--propagation",
+                "private",
+                "--",
+                "sh",
+                "-c",
+                "mount -t tmpfs tmpfs /sys/fs/bpf && echo ready && exec sleep 300",
+            ])
+            .stdout(std::process::Stdio::piped())
+            .spawn()?;
+        let stdout = holder.stdout.take();
+        let node = Self { holder };
+        let mut line = String::new();
+        if let Some(stdout) = stdout {
+            std::io::BufRead::read_line(&mut std::io::BufReader::new(stdout), &mut line)?;
+        }
+        anyhow::ensure!(
+            line.trim() == "ready",
+            "the node's mount namespace: {line:?}"
+        );
+        Ok(node)
+    }
+
+    /// The PID namespace to run the init container in.
+    fn pid_namespace(&self) -> String {
+        format!("/proc/{}/ns/pid_for_children", self.holder.id())
+    }
+
+    /// What the node's mount namespace has at /sys/fs/bpf (`stat -f -c %T`).
+    fn bpf_fs_type(&self) -> anyhow::Result<String> {
+        Ok(bpf_tests::command::run(
+            "nsenter",
+            [
+                format!("--mount=/proc/{}/ns/mnt", self.holder.id()),
+                "--".to_owned(),
+                "stat".to_owned(),
+                "-f".to_owned(),
+                "-c".to_owned(),
+                "%T".to_owned(),
+                "/sys/fs/bpf".to_owned(),
+            ],
+        )?
+        .trim()
+        .to_owned())
+    }
+}
+
+impl Drop for FakeNode {
+    fn drop(&mut self) {
+        // --kill-child: the namespace's PID 1 goes with it.
+        kill_pid(self.holder.id());
+        let _ = self.holder.wait();
+    }
+}
+
+/// What the DaemonSet grants the init container.
+const PREPARE_NODE_CAPABILITIES: [&str; 3] = ["SYS_ADMIN", "SYS_CHROOT", "SYS_PTRACE"];
+
+/// `prepare-node` in the image, with `capabilities` (the init container's), its seccomp and AppArmor
+/// settings, read-only root and mounts, and no network; in `node`'s PID namespace.
+fn prepare_node(
+    podman: &Podman,
+    cgroups: &ContainerCgroups,
+    capabilities: &str,
+    name: &str,
+    bpffs: &Path,
+    node: &FakeNode,
+    seccomp_dir: &Path,
+) -> anyhow::Result<String> {
+    let _named = Named::new(podman, name);
+    podman.run(
+        &[
+            "run",
+            "--rm",
+            "--name",
+            name,
+            "--network=none",
+            &format!("--cgroup-parent={}", cgroups.parent),
+            &format!("--pid=ns:{}", node.pid_namespace()),
+            "--env=HOST_PROC=/proc",
+            "--cap-drop=all",
+            &format!("--cap-add={capabilities}"),
+            "--read-only",
+            "--security-opt=seccomp=unconfined",
+            "--security-opt=apparmor=unconfined",
+            &format!(
+                "--mount=type=bind,src={},dst=/sys/fs/bpf,bind-propagation=rslave",
+                bpffs.display()
+            ),
+            &format!(
+                "--mount=type=bind,src={},dst=/host/seccomp",
+                seccomp_dir.display()
+            ),
+            "--entrypoint=/usr/local/bin/prepare-node",
+            bpf_tests::container::IMAGE,
+        ],
+        Duration::from_secs(60),
+    )
+}
+
+#[test]
+fn prepare_node_mounts_a_missing_bpffs_on_the_node_and_installs_the_seccomp_profile()
+-> anyhow::Result<()> {
+    let podman = podman()?;
+    image(&podman)?;
+    let sandbox = Sandbox::new(tools())?;
+    let scratch = sandbox
+        .write_file("prepare-node", "")?
+        .with_file_name("prepare-node.d");
+    let seccomp_dir = scratch.join("var-lib-kubelet-seccomp");
+    let not_bpffs = scratch.join("sys-fs-bpf");
+    for dir in [&seccomp_dir, &not_bpffs] {
+        std::fs::create_dir_all(dir)?;
+    }
+    let node = FakeNode::new()?;
+    assert_eq!(node.bpf_fs_type()?, "tmpfs", "no bpffs on the node yet");
+    let name = format!("rdt-{}-prepare", sandbox.tag());
+    let cgroups = ContainerCgroups::below(&sandbox, "prepare")?;
+
+    // Each capability it is granted is needed: without any one of them the mount fails.
+    for dropped in PREPARE_NODE_CAPABILITIES {
+        let fewer: Vec<&str> = PREPARE_NODE_CAPABILITIES
+            .into_iter()
+            .filter(|capability| *capability != dropped)
+            .collect();
+        let refused = prepare_node(
+            &podman,
+            &cgroups,
+            &fewer.join(","),
+            &name,
+            &not_bpffs,
+            &node,
+            &seccomp_dir,
+        );
+        assert!(refused.is_err(), "without {dropped}: {refused:?}");
+        assert_eq!(node.bpf_fs_type()?, "tmpfs", "without {dropped}");
+    }
+    let all = PREPARE_NODE_CAPABILITIES.join(",");
+    let printed = prepare_node(
+        &podman,
+        &cgroups,
+        &all,
+        &name,
+        &not_bpffs,
+        &node,
+        &seccomp_dir,
+    )?;
+    assert!(
+        printed.contains("no bpf filesystem at /sys/fs/bpf: mounting one"),
+        "{printed}"
+    );
+    assert_eq!(
+        node.bpf_fs_type()?,
+        "bpf_fs",
+        "mounted in the node's namespace"
+    );
+    let shipped = std::fs::read(workspace().join("deploy/seccomp/redirector.json"))?;
+    assert_eq!(
+        std::fs::read(seccomp_dir.join("redirector.json"))?,
+        shipped,
+        "the profile the kubelet will read is the shipped one"
+    );
+
+    // On a node with a bpffs it mounts nothing.
+    std::fs::remove_file(seccomp_dir.join("redirector.json"))?;
+    let bpffs = sandbox
+        .pin_dir()
+        .parent()
+        .ok_or_else(|| anyhow::anyhow!("no parent"))?
+        .to_owned();
+    let printed = prepare_node(&podman, &cgroups, &all, &name, &bpffs, &node, &seccomp_dir)?;
+    assert!(
+        printed.contains("a bpf filesystem is mounted at /sys/fs/bpf"),
+        "{printed}"
+    );
+    assert_eq!(std::fs::read(seccomp_dir.join("redirector.json"))?, shipped);
+    Ok(())
+}

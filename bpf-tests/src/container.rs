@@ -36,8 +36,23 @@ pub struct Podman {
     conf: PathBuf,
 }
 
-/// Where podman keeps its state of the running containers (a tmpfs, as podman expects).
-const RUN_ROOT: &str = "/run/rdt-podman";
+/// Where podman keeps its state of the running containers for the storage at `root`: on a
+/// tmpfs, as podman expects, one per storage (two storages must not share their runtime state),
+/// and short (podman refuses a runroot longer than 50 characters), so named by an FNV-1a hash of
+/// the storage's path. Written beside the storage as `runroot`, where `cargo xtask sweep` reads
+/// it.
+#[must_use]
+pub fn run_root(root: &Path) -> PathBuf {
+    use std::os::unix::ffi::OsStrExt as _;
+    let hash = root
+        .as_os_str()
+        .as_bytes()
+        .iter()
+        .fold(0xcbf2_9ce4_8422_2325_u64, |hash, byte| {
+            (hash ^ u64::from(*byte)).wrapping_mul(0x0100_0000_01b3)
+        });
+    PathBuf::from(format!("/run/rdt-podman-{hash:016x}"))
+}
 
 impl Podman {
     /// podman storing images under `dir` (kept between runs: the base image is made once).
@@ -50,10 +65,11 @@ impl Podman {
              cgroup_manager = \"cgroupfs\"\nevents_logger = \"file\"\n",
         )
         .with_context(|| format!("writing {}", conf.display()))?;
-        Ok(Self {
-            root: dir.join("storage"),
-            conf,
-        })
+        let root = dir.join("storage");
+        let runroot = dir.join("runroot");
+        std::fs::write(&runroot, run_root(&root).as_os_str().as_encoded_bytes())
+            .with_context(|| format!("writing {}", runroot.display()))?;
+        Ok(Self { root, conf })
     }
 
     /// `podman` with the storage flags; the caller adds the command.
@@ -64,7 +80,9 @@ impl Podman {
             .env("CONTAINERS_CONF", &self.conf)
             .arg("--root")
             .arg(&self.root)
-            .args(["--runroot", RUN_ROOT, "--storage-driver", "overlay"]);
+            .arg("--runroot")
+            .arg(run_root(&self.root))
+            .args(["--storage-driver", "overlay"]);
         command
     }
 

@@ -1,6 +1,7 @@
 //! A fake Kubernetes API server for EndpointSlices, on loopback, speaking the real list and watch
 //! protocol to the real kube-rs client: `resourceVersion`s, chunked watch streams of JSON events,
-//! bookmarks, `410 Gone` for expired versions, and outages.
+//! bookmarks, `410 Gone` for expired versions, and outages. It also takes the agent's Events
+//! (`events.k8s.io/v1`: create, and the merge patch of a series) and keeps them for the test.
 
 use std::{
     collections::BTreeMap,
@@ -37,6 +38,8 @@ struct State {
     watchers: Vec<mpsc::UnboundedSender<Bytes>>,
     lists: u64,
     watches: u64,
+    /// The Events created, as they stand after every patch, in order of creation.
+    events: Vec<Value>,
 }
 
 /// A running fake API server. Dropping it stops it.
@@ -182,6 +185,15 @@ impl FakeKube {
     }
 }
 
+impl FakeKube {
+    /// The Events the agent published (each with `metadata.namespace` set, as the API server
+    /// sets it).
+    #[must_use]
+    pub fn events(&self) -> Vec<Value> {
+        self.lock().events.clone()
+    }
+}
+
 impl Drop for FakeKube {
     fn drop(&mut self) {
         if let Some(stop) = self.stop.take() {
@@ -227,7 +239,7 @@ async fn serve(
                 tokio::spawn(async move {
                     let service = service_fn(move |request| {
                         let state = Arc::clone(&state);
-                        async move { Ok::<_, Infallible>(respond(&state, &request)) }
+                        async move { Ok::<_, Infallible>(handle(&state, request).await) }
                     });
                     let _ = hyper::server::conn::http1::Builder::new()
                         .serve_connection(TokioIo::new(stream), service)
@@ -294,16 +306,101 @@ fn status(code: u16, reason: &str, message: &str) -> Value {
     json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "message": message, "reason": reason, "code": code})
 }
 
-fn respond(state: &Arc<Mutex<State>>, request: &Request<hyper::body::Incoming>) -> Response<Body> {
-    let mut locked = state
+/// The state, or `None` while the server is down (answer [`unavailable`] then).
+fn serving(state: &Arc<Mutex<State>>) -> Option<std::sync::MutexGuard<'_, State>> {
+    let locked = state
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
-    if locked.down {
-        return json_response(
-            StatusCode::SERVICE_UNAVAILABLE,
-            &status(503, "ServiceUnavailable", "the fake API server is down"),
-        );
+    (!locked.down).then_some(locked)
+}
+
+/// What a server that is down answers.
+fn unavailable() -> Response<Body> {
+    json_response(
+        StatusCode::SERVICE_UNAVAILABLE,
+        &status(503, "ServiceUnavailable", "the fake API server is down"),
+    )
+}
+
+/// The path prefix of the Events API.
+const EVENTS: &str = "/apis/events.k8s.io/v1/namespaces/";
+
+async fn handle(
+    state: &Arc<Mutex<State>>,
+    request: Request<hyper::body::Incoming>,
+) -> Response<Body> {
+    if !request.uri().path().starts_with(EVENTS) {
+        return respond(state, &request);
     }
+    let (parts, body) = request.into_parts();
+    let body = body
+        .collect()
+        .await
+        .map(http_body_util::Collected::to_bytes)
+        .unwrap_or_default();
+    events(state, &parts.method, parts.uri.path(), &body)
+}
+
+/// `POST .../namespaces/NS/events` creates, `PATCH .../namespaces/NS/events/NAME` merges (one
+/// level deep, as the recorder's series patches need).
+fn events(
+    state: &Arc<Mutex<State>>,
+    method: &hyper::Method,
+    path: &str,
+    body: &[u8],
+) -> Response<Body> {
+    let Some(mut locked) = serving(state) else {
+        return unavailable();
+    };
+    let Ok(mut object) = serde_json::from_slice::<Value>(body) else {
+        return json_response(
+            StatusCode::BAD_REQUEST,
+            &status(400, "BadRequest", "not JSON"),
+        );
+    };
+    let rest = path.trim_start_matches(EVENTS);
+    let mut parts = rest.split('/');
+    let (Some(namespace), Some("events")) = (parts.next(), parts.next()) else {
+        return json_response(StatusCode::NOT_FOUND, &status(404, "NotFound", path));
+    };
+    let name = parts.next();
+    locked.version += 1;
+    let version = locked.version.to_string();
+    match (method.as_str(), name) {
+        ("POST", None) => {
+            object["metadata"]["namespace"] = json!(namespace);
+            object["metadata"]["resourceVersion"] = json!(version);
+            locked.events.push(object.clone());
+            json_response(StatusCode::CREATED, &object)
+        }
+        ("PATCH", Some(name)) => {
+            let Some(stored) = locked.events.iter_mut().find(|event| {
+                event["metadata"]["namespace"] == namespace && event["metadata"]["name"] == name
+            }) else {
+                return json_response(StatusCode::NOT_FOUND, &status(404, "NotFound", name));
+            };
+            if let (Some(stored), Some(patch)) = (stored.as_object_mut(), object.as_object()) {
+                for (key, value) in patch {
+                    if key != "metadata" {
+                        stored.insert(key.clone(), value.clone());
+                    }
+                }
+            }
+            stored["metadata"]["resourceVersion"] = json!(version);
+            let stored = stored.clone();
+            json_response(StatusCode::OK, &stored)
+        }
+        _ => json_response(
+            StatusCode::METHOD_NOT_ALLOWED,
+            &status(405, "MethodNotAllowed", method.as_str()),
+        ),
+    }
+}
+
+fn respond(state: &Arc<Mutex<State>>, request: &Request<hyper::body::Incoming>) -> Response<Body> {
+    let Some(mut locked) = serving(state) else {
+        return unavailable();
+    };
     let path = request.uri().path();
     if !path.starts_with("/apis/discovery.k8s.io/v1/") || !path.ends_with("/endpointslices") {
         return json_response(StatusCode::NOT_FOUND, &status(404, "NotFound", path));

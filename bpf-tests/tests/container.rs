@@ -98,8 +98,8 @@ struct Privileges<'a> {
     seccomp: &'a str,
 }
 
-/// The DaemonSet's agent container: what `daemonset.yaml` grants (redirector/tests/deploy.rs
-/// keeps the two equal).
+/// The DaemonSet's agent container: the capabilities redirector/tests/deploy.rs asserts
+/// `daemonset.yaml` adds (and no others), and the profile it names as `Localhost`.
 const DAEMONSET: Privileges<'static> = Privileges {
     capabilities: "BPF,PERFMON,NET_ADMIN",
     seccomp: "deploy/seccomp/redirector.json",

@@ -441,3 +441,90 @@ fn a_pool_larger_than_the_kernels_is_cut_per_node_and_counted() -> anyhow::Resul
     uninstall(&config)?;
     Ok(())
 }
+
+/// How many Events of `kube` have `reason`.
+fn count_events(kube: &FakeKube, reason: &str) -> usize {
+    kube.events()
+        .iter()
+        .filter(|event| event["reason"] == reason)
+        .count()
+}
+
+/// The Events of `kube` with `reason` about the cluster listener.
+fn cluster_events(kube: &FakeKube, reason: &str) -> Vec<serde_json::Value> {
+    kube.events()
+        .into_iter()
+        .filter(|event| {
+            event["reason"] == reason
+                && event["note"]
+                    .as_str()
+                    .is_some_and(|note| note.starts_with("listener cluster (169.254.10.11): "))
+        })
+        .collect()
+}
+
+#[test]
+fn a_failover_and_a_failback_are_events_on_the_node() -> anyhow::Result<()> {
+    let (kube, mut bench) = started_with("198.18.2.2")?;
+    assert!(
+        kube.events().is_empty(),
+        "nothing changed yet: {:?}",
+        kube.events()
+    );
+    let node = redirector::sources::node_name();
+
+    bench.sandbox.stop_server("cache")?;
+    // One Event per listener: the three listeners' failovers are three Events.
+    bench
+        .wait_until(
+            "a DNSFailover Event per listener",
+            Duration::from_secs(10),
+            |_| Ok(count_events(&kube, "DNSFailover") == 3),
+        )
+        .map_err(|error| {
+            error.context(format!(
+                "transitions {:?}, errors {:?}, events {:?}",
+                bench.agent.stats.transitions("cluster"),
+                bench.agent.stats.errors(),
+                kube.events()
+            ))
+        })?;
+    let failover = &cluster_events(&kube, "DNSFailover")[0];
+    assert_eq!(failover["type"], "Warning", "{failover}");
+    assert_eq!(failover["metadata"]["namespace"], "default", "{failover}");
+    assert_eq!(failover["regarding"]["kind"], "Node", "{failover}");
+    assert_eq!(failover["regarding"]["name"], node.as_str(), "{failover}");
+    assert_eq!(failover["reportingController"], "redirector", "{failover}");
+    assert_eq!(
+        cluster_events(&kube, "DNSFailover").len(),
+        1,
+        "{:?}",
+        kube.events()
+    );
+    assert!(
+        failover["note"]
+            .as_str()
+            .is_some_and(|note| note.contains("DNS goes to the upstream pool")),
+        "{failover}"
+    );
+
+    bench
+        .sandbox
+        .start_cache("cache", &bpf_tests::sandbox::CacheSpec::standard())?;
+    bench.wait_until("a DNSFailback Event", Duration::from_secs(10), |_| {
+        Ok(!cluster_events(&kube, "DNSFailback").is_empty())
+    })?;
+    let failback = &cluster_events(&kube, "DNSFailback")[0];
+    assert_eq!(failback["type"], "Normal", "{failback}");
+    assert_eq!(failback["regarding"]["name"], node.as_str(), "{failback}");
+
+    // A second failover within minutes is a series on the first Event (a patch), not a new one.
+    bench.sandbox.stop_server("cache")?;
+    bench.wait_until("the DNSFailover series", Duration::from_secs(10), |_| {
+        Ok(cluster_events(&kube, "DNSFailover")
+            .first()
+            .is_some_and(|event| event["series"]["count"] == 2))
+    })?;
+    assert_eq!(cluster_events(&kube, "DNSFailover").len(), 1);
+    Ok(())
+}

@@ -603,6 +603,56 @@ fn rbac_grants_only_reading_endpointslices() {
 }
 
 #[test]
+fn the_node_events_rbac_grants_only_creating_and_patching_events_in_default() {
+    let dir = "deploy/kubernetes/node-events";
+    let kustomization: serde_json::Value =
+        serde_yaml::from_str(&read(&format!("{dir}/kustomization.yaml"))).expect("YAML");
+    assert!(
+        kustomization.get("namespace").is_none(),
+        "each file names default itself"
+    );
+    let role: Role = serde_yaml::from_str(&read(&format!("{dir}/role.yaml"))).expect("a Role");
+    assert_eq!(role.metadata.namespace.as_deref(), Some("default"));
+    let rules = role.rules.as_deref().unwrap_or_default();
+    assert_eq!(rules.len(), 1, "{rules:?}");
+    assert_eq!(
+        rules[0].api_groups.as_deref(),
+        Some(&["events.k8s.io".to_owned()][..])
+    );
+    assert_eq!(
+        rules[0].resources.as_deref(),
+        Some(&["events".to_owned()][..])
+    );
+    let verbs: BTreeSet<&str> = rules[0].verbs.iter().map(String::as_str).collect();
+    assert_eq!(verbs, BTreeSet::from(["create", "patch"]));
+    let binding: RoleBinding =
+        serde_yaml::from_str(&read(&format!("{dir}/rolebinding.yaml"))).expect("a RoleBinding");
+    assert_eq!(binding.metadata.namespace.as_deref(), Some("default"));
+    assert_eq!(Some(&binding.role_ref.name), role.metadata.name.as_ref());
+    let service_account: ServiceAccount = manifest("serviceaccount.yaml");
+    let subjects = binding.subjects.as_deref().unwrap_or_default();
+    assert_eq!(subjects.len(), 1);
+    assert_eq!(
+        Some(&subjects[0].name),
+        service_account.metadata.name.as_ref()
+    );
+    assert_eq!(subjects[0].namespace.as_deref(), Some("kube-system"));
+    // The overlay includes it, and the agent's warning names it.
+    let overlay: serde_json::Value =
+        serde_yaml::from_str(&read(&format!("{OVERLAY}/kustomization.yaml"))).expect("YAML");
+    assert!(
+        overlay["resources"]
+            .as_array()
+            .is_some_and(|resources| resources.iter().any(|r| r == "../../node-events")),
+        "{overlay}"
+    );
+    assert!(overlay.get("namespace").is_none(), "{overlay}");
+    assert!(
+        read("redirector/src/telemetry/node_events.rs").contains("deploy/kubernetes/node-events")
+    );
+}
+
+#[test]
 fn the_podmonitor_component_scrapes_the_agent_pods() {
     let monitor: serde_json::Value = serde_yaml::from_str(&read(
         "deploy/kubernetes/components/podmonitor/podmonitor.yaml",
@@ -1038,18 +1088,24 @@ fn the_overlays_put_the_rbac_next_to_kube_dns() {
         skip("kubectl is not installed; the overlays were not built");
         return;
     };
-    assert_eq!(objects.len(), 5);
+    assert_eq!(objects.len(), 7);
+    // The node-events RBAC stays in default, where Events about Nodes live; the rest is in
+    // kube-system, and every RoleBinding's subject is the agent's ServiceAccount there.
     for object in &objects {
+        let events = object["metadata"]["name"] == "redirector-node-events";
         assert_eq!(
-            object["metadata"]["namespace"], "kube-system",
+            object["metadata"]["namespace"],
+            if events { "default" } else { "kube-system" },
             "{}",
             object["kind"]
         );
+        if object["kind"] == "RoleBinding" {
+            assert_eq!(
+                object["subjects"][0]["namespace"], "kube-system",
+                "{object}"
+            );
+        }
     }
-    assert_eq!(
-        find(&objects, "RoleBinding")["subjects"][0]["namespace"],
-        "kube-system"
-    );
     let daemonset: DaemonSet =
         serde_json::from_value(find(&objects, "DaemonSet").clone()).expect("a DaemonSet");
     for container in all_containers(pod(&daemonset)) {

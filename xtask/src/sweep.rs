@@ -45,6 +45,9 @@ pub fn run() -> anyhow::Result<()> {
         }
     }
 
+    // Containers of the image tests (bpf-tests/src/container.rs), before their cgroups go.
+    removed.extend(sweep_containers());
+
     if let Some(root) = cgroup2_root() {
         for entry in std::fs::read_dir(&root).into_iter().flatten().flatten() {
             let name = entry.file_name().to_string_lossy().into_owned();
@@ -75,6 +78,47 @@ pub fn run() -> anyhow::Result<()> {
         eprintln!("xtask sweep: removed stale {item}");
     }
     Ok(())
+}
+
+/// The image tests' podman storage and state (keep in sync with `bpf_tests::container`).
+fn podman() -> Option<Command> {
+    let dir = crate::tasks::target_dir().join("tmp/containers");
+    if !dir.join("storage").is_dir() {
+        return None;
+    }
+    let storage = dir.join("storage");
+    // The tests write where they keep podman's runtime state beside the storage.
+    let run_root = std::fs::read_to_string(dir.join("runroot")).ok()?;
+    let mut command = Command::new("podman");
+    command
+        .env("CONTAINERS_CONF", dir.join("containers.conf"))
+        .arg("--root")
+        .arg(&storage)
+        .args(["--runroot", run_root.trim(), "--storage-driver", "overlay"]);
+    Some(command)
+}
+
+/// Removes the containers that sandboxes of dead test runs started (their names carry the tag).
+fn sweep_containers() -> Vec<String> {
+    let Some(mut list) = podman() else {
+        return Vec::new();
+    };
+    let Ok(output) = list
+        .args(["ps", "--all", "--format", "{{.Names}}"])
+        .output()
+    else {
+        return Vec::new();
+    };
+    let mut removed = Vec::new();
+    for name in String::from_utf8_lossy(&output.stdout).lines() {
+        if tag_of(name).is_some_and(|tag| !owner_alive(tag))
+            && let Some(mut remove) = podman()
+        {
+            let _ = remove.args(["rm", "--force", "--time", "0", name]).status();
+            removed.push(format!("container {name}"));
+        }
+    }
+    removed
 }
 
 fn cgroup2_root() -> Option<PathBuf> {

@@ -232,8 +232,7 @@ pub fn run(options: &VmArgs) -> anyhow::Result<()> {
             // One after the other: each test of the boot takes up where the last left the node.
             initramfs::Mode::Systemd => (
                 std::slice::from_ref(&artifacts.systemd_boot),
-                // --nocapture: the boot's timings, which the tests print, reach the results log.
-                ["--color", "never", "--test-threads", "1", "--nocapture"]
+                ["--color", "never", "--test-threads", "1"]
                     .map(str::to_owned)
                     .into_iter()
                     .chain(options.filter.clone())
@@ -366,6 +365,9 @@ fn summarize(results: &[KernelResult], left_out: &str, total: Duration) -> anyho
             outcome.elapsed.as_secs_f64(),
         );
         eprint!("{}", result.run.describe());
+        for note in &result.run.notes {
+            eprintln!("  measured: {note}");
+        }
         if let Some(fatal) = &result.run.fatal {
             eprintln!("  the guest failed: {fatal}");
         }

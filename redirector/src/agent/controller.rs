@@ -23,6 +23,7 @@ use crate::{
     liveness::probe::ProbeOutcome,
     sd_notify,
     sources::{SourceEvent, SourceKind, subset},
+    telemetry::node_events::RouteChange,
 };
 
 /// How long source events are collected before the pools are written: a burst of endpoint
@@ -301,7 +302,7 @@ impl Agent {
 
     /// Logs and counts every change of route since the last look.
     fn observe_routes(&mut self) {
-        for listener in &mut self.listeners {
+        for (listener, configured) in self.listeners.iter_mut().zip(&self.config.listeners) {
             let now = match current_route(&self.maps, listener.id, listener.liveness) {
                 Ok(now) => now,
                 Err(error) => {
@@ -320,6 +321,14 @@ impl Agent {
                 continue;
             }
             info!(listener = %listener.name, from = ?from, to = ?to, reason = ?reason, "route changed");
+            if let Some(node_events) = &self.node_events {
+                node_events.route_changed(RouteChange {
+                    listener: listener.name.clone(),
+                    address: configured.address,
+                    to,
+                    reason,
+                });
+            }
             self.stats.record_transition(Transition {
                 listener: listener.name.clone(),
                 from,

@@ -274,6 +274,8 @@ pub struct Agent {
     /// The caches' namespace file and its identity (device and inode) at start: every socket
     /// count, probe and the listener interface are bound to that namespace.
     cache_netns: Option<(PathBuf, (u64, u64))>,
+    /// Events on this node's Node when a route changes (with a Kubernetes client only).
+    node_events: Option<telemetry::node_events::NodeEvents>,
 }
 
 /// Where an agent's start spends its time, phase by phase: logged with "redirector is steering"
@@ -524,6 +526,10 @@ impl Agent {
         }
         phases.end("recount");
 
+        let node = sources::node_name();
+        let node_events = kube_client.as_ref().map(|client| {
+            telemetry::node_events::NodeEvents::start(client.clone(), &node, Arc::clone(&stats))
+        });
         let (events, sources) = start_sources(config, &ids, kube_client);
         let mut agent = Self {
             datapath,
@@ -537,8 +543,9 @@ impl Agent {
             bypass,
             telemetry,
             lock,
-            node: sources::node_name(),
+            node,
             cache_netns,
+            node_events,
         };
         agent.log_listeners()?;
         info!(
@@ -627,6 +634,9 @@ impl Agent {
         }
         if let Some(keeper) = &self.bypass {
             keeper.abort();
+        }
+        if let Some(node_events) = &self.node_events {
+            node_events.stop();
         }
         info!(
             pin_dir = %self.config.pin_dir.display(),

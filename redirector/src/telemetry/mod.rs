@@ -1,7 +1,8 @@
 //! What operators see: a snapshot of every listener from the pinned maps, Prometheus metrics,
-//! and the health endpoints.
+//! the health endpoints, and Kubernetes Events on the Node.
 
 pub mod http;
 pub mod metrics;
+pub mod node_events;
 pub mod snapshot;
 pub mod status;

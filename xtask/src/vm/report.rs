@@ -96,6 +96,8 @@ pub struct KernelRun {
     pub binaries: Vec<BinaryRun>,
     /// True once stage 2 said every binary had run.
     pub done: bool,
+    /// What the tests measured and left for the report (`@@vm-test note TEXT`).
+    pub notes: Vec<String>,
 }
 
 /// A line worth showing while the guest runs.
@@ -122,12 +124,15 @@ pub enum Progress {
     },
     /// A stage failed.
     Fatal(String),
+    /// A figure the tests measured.
+    Note(String),
 }
 
 impl std::fmt::Display for Progress {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Self::Ready(release) => write!(f, "booted {release}"),
+            Self::Note(note) => write!(f, "measured: {note}"),
             Self::Test {
                 binary,
                 test,
@@ -211,6 +216,10 @@ impl KernelRun {
                 "fatal" => {
                     self.fatal = Some(rest.to_owned());
                     Some(Progress::Fatal(rest.to_owned()))
+                }
+                "note" => {
+                    self.notes.push(rest.to_owned());
+                    Some(Progress::Note(rest.to_owned()))
                 }
                 _ => None,
             };

@@ -13,10 +13,6 @@
 # The kernel's console (/dev/ttyS0) keeps only the kernel's messages and this script's errors.
 set -u
 . /.vm-test/plan.sh
-# The systemd boot prepares a node and hands PID 1 to systemd instead (systemd-boot.sh).
-if [ "${VM_MODE:-tests}" = systemd ]; then
-    exec /bin/bash /.vm-test/systemd-boot.sh
-fi
 
 results=/dev/ttyS1
 say() { echo "@@vm-test $*" > "$results"; }
@@ -31,21 +27,27 @@ fatal() {
 now_ms() { echo $(($(date +%s%N) / 1000000)); }
 
 mount -t proc proc /proc || fatal "mounting /proc"
-mount -t sysfs sysfs /sys || fatal "mounting /sys"
-# A pure cgroup v2 hierarchy, as on a current node (the tests find it in mountinfo).
-mount -t cgroup2 cgroup2 /sys/fs/cgroup || fatal "mounting cgroup2"
-mount -t bpf bpf /sys/fs/bpf || fatal "mounting bpffs"
-mount -t tmpfs -o mode=0755 tmpfs /run || fatal "mounting /run"
 mkdir -p "/lib/modules/$(uname -r)" || fatal "creating /lib/modules/$(uname -r)"
 mount --bind "$VM_KERNEL_MODULES" "/lib/modules/$(uname -r)" \
     || fatal "binding the kernel's modules from $VM_KERNEL_MODULES"
 mount --bind "$VM_SNAPSHOT" "$VM_PROFILE_DIR" \
     || fatal "binding the snapshot $VM_SNAPSHOT over $VM_PROFILE_DIR"
+# The results port carries the tests' output as is: no \r added, nothing echoed back.
+stty -F "$results" raw -echo || fatal "setting up $results"
+# The systemd boot prepares a node and hands PID 1 to systemd instead (systemd-boot.sh mounts
+# nothing more: systemd mounts its API file systems itself).
+if [ "${VM_MODE:-tests}" = systemd ]; then
+    . /.vm-test/systemd-boot.sh
+    fatal "systemd-boot.sh returned"
+fi
+mount -t sysfs sysfs /sys || fatal "mounting /sys"
+# A pure cgroup v2 hierarchy, as on a current node (the tests find it in mountinfo).
+mount -t cgroup2 cgroup2 /sys/fs/cgroup || fatal "mounting cgroup2"
+mount -t bpf bpf /sys/fs/bpf || fatal "mounting bpffs"
+mount -t tmpfs -o mode=0755 tmpfs /run || fatal "mounting /run"
 echo /sbin/modprobe > /proc/sys/kernel/modprobe || fatal "setting the modprobe path"
 echo vm-test > /proc/sys/kernel/hostname
 ip link set lo up || fatal "bringing lo up"
-# The results port carries the tests' output as is: no \r added, nothing echoed back.
-stty -F "$results" raw -echo || fatal "setting up $results"
 cd "$VM_WORKDIR" || fatal "entering $VM_WORKDIR"
 
 say "ready kernel=$(uname -r)"

@@ -1,6 +1,7 @@
-#!/bin/bash
-# Stage 2 of the systemd boot (VM_MODE=systemd), run by stage2.sh on the overlay of the host's
-# root: it turns the guest into a node that boots with systemd as PID 1, and execs systemd.
+# Stage 2 of the systemd boot (VM_MODE=systemd), sourced by stage2.sh on the overlay of the
+# host's root once /proc, the kernel's modules, the snapshot and the results port are set up (its
+# `say` and `fatal` are stage2.sh's): it turns the guest into a node that boots with systemd as
+# PID 1, and execs systemd.
 #
 # Why the host's root and not a debootstrapped one: the guest then runs the very systemd (252),
 # nft, ip and libc the host tests use, costs no download or build, and writes only to its
@@ -18,25 +19,6 @@
 #                           Before=: it makes a pod namespace and sends its first DNS query;
 #   vm-test.service         after multi-user.target: the systemd_boot test binary, with its
 #                           output on the results port, then poweroff.
-set -u
-. /.vm-test/plan.sh
-
-results=/dev/ttyS1
-say() { echo "@@vm-test $*" > "$results"; }
-fatal() {
-    echo "systemd stage 2: $*"
-    say "fatal systemd stage 2: $*"
-    exec /bin/busybox poweroff -f
-}
-
-mount -t proc proc /proc || fatal "mounting /proc"
-mkdir -p "/lib/modules/$(uname -r)" || fatal "creating /lib/modules/$(uname -r)"
-mount --bind "$VM_KERNEL_MODULES" "/lib/modules/$(uname -r)" \
-    || fatal "binding the kernel's modules from $VM_KERNEL_MODULES"
-mount --bind "$VM_SNAPSHOT" "$VM_PROFILE_DIR" \
-    || fatal "binding the snapshot $VM_SNAPSHOT over $VM_PROFILE_DIR"
-stty -F "$results" raw -echo || fatal "setting up $results"
-
 # Nothing of the host's own boot: no file systems to wait for, no services it enabled.
 : > /etc/fstab || fatal "emptying /etc/fstab"
 find /etc/systemd/system -mindepth 2 -maxdepth 2 -path '*.wants/*' -delete \
@@ -155,6 +137,10 @@ for index in "${!VM_TEST_NAMES[@]}"; do
     [ "$code" -eq 0 ] || failed=$((failed + 1))
     say "end $name exit=$code ms=$(($(now_ms) - begin))"
 done
+# What the tests measured (the boot's timings), one line each, for the report.
+if [ -r /run/vm-test-notes ]; then
+    while read -r note; do say "note $note"; done < /run/vm-test-notes
+fi
 say "done binaries=${#VM_TEST_NAMES[@]} failed=$failed ms=$(($(now_ms) - started))"
 sync
 /bin/busybox poweroff -f

@@ -1,0 +1,182 @@
+//! Kubernetes Events on this node's Node object when a listener's route changes: `DNSFailover`
+//! (Warning) when its DNS leaves the cache, `DNSFailback` (Normal) when it returns, so that
+//! `kubectl describe node` and event-based alerting see what the metrics see.
+//!
+//! Published off the control loop, by one task fed through a bounded queue: an API server that
+//! is slow or down never delays a probe or a pool write, and a change that finds the queue full
+//! is dropped (and logged) rather than waited for. kube-runtime's `Recorder` turns a repeat of
+//! the same event within minutes into a series on one Event (a PATCH) instead of a new object.
+//! It tells events apart by reason, reporting instance and object, not by message, so each
+//! listener has a recorder (and a reporting instance, `redirector-NODE-LISTENER`) of its own:
+//! with one, the failovers of three listeners at once became one Event counting 3, naming the
+//! first listener only (seen in the test).
+//!
+//! Like the kubelet's own Node events, the reference names the Node by name and gives its name
+//! as its uid (the agent never reads the Node object, so it does not know the real uid, and
+//! `kubectl describe node` looks events up that way), and the Events land in `default`: the API
+//! server puts Events about cluster-scoped objects there.
+
+use std::{collections::HashMap, net::IpAddr, sync::Arc};
+
+use k8s_openapi::api::core::v1::ObjectReference;
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use redirector_common::listener::{Reason, Route};
+use tokio::{sync::mpsc, task::JoinHandle};
+use tracing::{debug, warn};
+
+use crate::{agent::AgentStats, telemetry::snapshot::reason_text};
+
+/// `reportingController` of every Event.
+pub const REPORTING_CONTROLLER: &str = "redirector";
+/// Reason of an Event for DNS that left its cache.
+pub const FAILOVER: &str = "DNSFailover";
+/// Reason of an Event for DNS back at its cache.
+pub const FAILBACK: &str = "DNSFailback";
+/// Changes waiting for the API server before new ones are dropped.
+const QUEUE: usize = 64;
+
+/// One listener's change of route, as the control loop saw it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RouteChange {
+    /// The listener's name.
+    pub listener: String,
+    /// Its address.
+    pub address: IpAddr,
+    /// The route now.
+    pub to: Route,
+    /// Why.
+    pub reason: Reason,
+}
+
+/// The task publishing Events, and its queue.
+#[derive(Debug)]
+pub struct NodeEvents {
+    queue: mpsc::Sender<RouteChange>,
+    task: JoinHandle<()>,
+}
+
+impl NodeEvents {
+    /// Starts publishing Events about the Node `node` through `client`.
+    #[must_use]
+    pub fn start(client: kube::Client, node: &str, stats: Arc<AgentStats>) -> Self {
+        let (queue, changes) = mpsc::channel(QUEUE);
+        let task = tokio::spawn(publish(client, node.to_owned(), changes, stats));
+        Self { queue, task }
+    }
+
+    /// Queues an Event for `change`; drops it when the queue is full.
+    pub fn route_changed(&self, change: RouteChange) {
+        if let Err(error) = self.queue.try_send(change) {
+            warn!(error = %error, "the API server is behind: an Event about a route change is dropped");
+        }
+    }
+
+    /// Stops publishing (what is queued is dropped).
+    pub fn stop(&self) {
+        self.task.abort();
+    }
+}
+
+/// The Node `node`, as the kubelet refers to it in its own Events.
+fn node_reference(node: &str) -> ObjectReference {
+    ObjectReference {
+        api_version: Some("v1".to_owned()),
+        kind: Some("Node".to_owned()),
+        name: Some(node.to_owned()),
+        uid: Some(node.to_owned()),
+        ..ObjectReference::default()
+    }
+}
+
+/// The Event for `change`.
+#[must_use]
+pub fn event_for(change: &RouteChange) -> Event {
+    let (type_, reason, goes) = match change.to {
+        Route::Upstream => (EventType::Warning, FAILOVER, "the upstream pool"),
+        Route::Cache => (EventType::Normal, FAILBACK, "the cache"),
+    };
+    Event {
+        type_,
+        reason: reason.to_owned(),
+        note: Some(format!(
+            "listener {} ({}): DNS goes to {goes}: {}",
+            change.listener,
+            change.address,
+            reason_text(change.reason)
+        )),
+        action: "SteerDNS".to_owned(),
+        secondary: None,
+    }
+}
+
+/// Who reports the Events of `listener` on `node`.
+fn reporter(node: &str, listener: &str) -> Reporter {
+    Reporter {
+        controller: REPORTING_CONTROLLER.to_owned(),
+        instance: Some(format!("{REPORTING_CONTROLLER}-{node}-{listener}")),
+    }
+}
+
+async fn publish(
+    client: kube::Client,
+    node: String,
+    mut changes: mpsc::Receiver<RouteChange>,
+    stats: Arc<AgentStats>,
+) {
+    let reference = node_reference(&node);
+    let mut recorders: HashMap<String, Recorder> = HashMap::new();
+    while let Some(change) = changes.recv().await {
+        let event = event_for(&change);
+        let recorder = recorders
+            .entry(change.listener.clone())
+            .or_insert_with(|| Recorder::new(client.clone(), reporter(&node, &change.listener)));
+        match recorder.publish(&event, &reference).await {
+            Ok(()) => {
+                debug!(listener = %change.listener, reason = %event.reason, "published an Event on the Node")
+            }
+            Err(error) => {
+                // Forbidden: the RBAC of deploy/kubernetes/node-events is not applied.
+                warn!(listener = %change.listener, reason = %event.reason, error = %error, "cannot publish an Event on the Node (the agent needs create and patch on events.k8s.io events in the default namespace: deploy/kubernetes/node-events)");
+                stats.record_error("kube_api");
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn failover_is_a_warning_and_failback_normal_each_saying_why() {
+        let change = RouteChange {
+            listener: "node".to_owned(),
+            address: "169.254.10.10".parse().expect("an address"),
+            to: Route::Upstream,
+            reason: Reason::NoSockets,
+        };
+        let event = event_for(&change);
+        assert_eq!(event.type_, EventType::Warning);
+        assert_eq!(event.reason, FAILOVER);
+        let note = event.note.expect("a note");
+        assert!(
+            note.starts_with("listener node (169.254.10.10): DNS goes to the upstream pool: "),
+            "{note}"
+        );
+        assert!(note.ends_with(reason_text(Reason::NoSockets)), "{note}");
+        let back = event_for(&RouteChange {
+            to: Route::Cache,
+            reason: Reason::Healthy,
+            ..change
+        });
+        assert_eq!(back.type_, EventType::Normal);
+        assert_eq!(back.reason, FAILBACK);
+        let reference = node_reference("node-a");
+        assert_eq!(reference.kind.as_deref(), Some("Node"));
+        assert_eq!(reference.uid.as_deref(), Some("node-a"));
+        assert_eq!(
+            reference.namespace, None,
+            "Events about a Node go to default"
+        );
+    }
+}

@@ -6,12 +6,13 @@
 //! - **The build stage**: replaced by this build's binary through a named build context
 //!   (`--build-context build=DIR`, which podman, like BuildKit, puts in place of the stage of
 //!   that name); the runtime stage is built from the Containerfile as shipped.
-//! - **The runtime**: runc (crun refuses the hybrid cgroup layout of the development machines),
-//!   no cgroups of podman's own (`--cgroups=disabled`: the container stays in the cgroup the
-//!   test puts `podman run` in, below the sandbox's), no default ulimits (root there may lack
-//!   CAP_SYS_RESOURCE), and never a network of podman's: the agent shares the sandbox's node
-//!   namespace, the init container has none. Nothing is written to the machine's podman
-//!   configuration or storage.
+//! - **The runtime**: runc (crun refuses the hybrid cgroup layout of the development machines;
+//!   runc refuses `--cgroups=disabled`, so each container gets a `--cgroup-parent` below the
+//!   sandbox's cgroup, and `--cgroups=no-conmon` keeps conmon out of it), no default ulimits
+//!   (root there may lack CAP_SYS_RESOURCE), and never a network of podman's: the agent shares
+//!   the sandbox's node namespace, the init container has none. The storage, the configuration,
+//!   the runtime state and podman's temporary directory are the tests' own: nothing is written
+//!   to the machine's podman configuration, storage or /run/libpod.
 
 use std::{
     path::{Path, PathBuf},
@@ -59,13 +60,16 @@ impl Podman {
     pub fn new(dir: &Path) -> anyhow::Result<Self> {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
         let conf = dir.join("containers.conf");
+        let root = dir.join("storage");
         std::fs::write(
             &conf,
-            "[containers]\ndefault_ulimits = []\n\n[engine]\nruntime = \"runc\"\n\
-             cgroup_manager = \"cgroupfs\"\nevents_logger = \"file\"\n",
+            format!(
+                "[containers]\ndefault_ulimits = []\n\n[engine]\nruntime = \"runc\"\n\
+                 cgroup_manager = \"cgroupfs\"\nevents_logger = \"file\"\ntmp_dir = {:?}\n",
+                run_root(&root).join("libpod").display().to_string()
+            ),
         )
         .with_context(|| format!("writing {}", conf.display()))?;
-        let root = dir.join("storage");
         let runroot = dir.join("runroot");
         std::fs::write(&runroot, run_root(&root).as_os_str().as_encoded_bytes())
             .with_context(|| format!("writing {}", runroot.display()))?;

@@ -130,7 +130,7 @@ fn agent_container(
             sandbox.node_netns_path().display()
         ))
         .arg(format!("--cgroup-parent={}", dirs.cgroup.parent))
-        .arg("--cap-drop=all")
+        .args(["--cgroups=no-conmon", "--cap-drop=all"])
         .arg(format!("--cap-add={}", privileges.capabilities))
         .args(["--read-only", "--security-opt=no-new-privileges"])
         .arg(format!("--security-opt=seccomp={seccomp}"))
@@ -171,7 +171,9 @@ const RUN: &[&str] = &[
 /// Where runc puts a container the test starts: `--cgroup-parent` below the sandbox's cgroup.
 /// runc (cgroupfs) creates the parent in the v2 hierarchy, below the sandbox's cgroup, and in
 /// every v1 hierarchy of a hybrid layout; it removes its container's own cgroup when the
-/// container goes, and this removes the parents it created in the v1 hierarchies.
+/// container goes, and this removes what is left below the parent (children first) and, in the
+/// v1 hierarchies, the sandbox-named directory above it. (`cargo xtask sweep` removes what a
+/// test that died left.)
 struct ContainerCgroups {
     /// The path below each hierarchy's root.
     parent: String,
@@ -191,30 +193,37 @@ impl ContainerCgroups {
     }
 }
 
+/// Removes the empty cgroup directories of `dir`'s tree, children first (every container is
+/// gone by now: `Named` removes each one before this drops).
+fn remove_empty_tree(dir: &Path) {
+    for child in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        if child.path().is_dir() {
+            remove_empty_tree(&child.path());
+        }
+    }
+    let _ = std::fs::remove_dir(dir);
+}
+
 impl Drop for ContainerCgroups {
     fn drop(&mut self) {
         let Ok(hierarchy) = redirector::cgroup::default_attach_cgroup() else {
             return;
         };
         let relative = Path::new(self.parent.trim_start_matches('/'));
-        // Only what runc made for this test's containers, innermost first; every container is
-        // gone by now (Named removes each one before this drops). In the v2 hierarchy only the
-        // parent itself: the sandbox's cgroup above it is the sandbox's to remove.
-        let _ = std::fs::remove_dir(hierarchy.join(relative));
+        // In the v2 hierarchy only the parent's tree: the sandbox's cgroup above it is the
+        // sandbox's to remove.
+        remove_empty_tree(&hierarchy.join(relative));
+        let Some(top) = relative.components().next() else {
+            return;
+        };
         for entry in std::fs::read_dir("/sys/fs/cgroup")
             .into_iter()
             .flatten()
             .flatten()
         {
             let root = entry.path();
-            if root == hierarchy || !root.join(relative).is_dir() {
-                continue;
-            }
-            for dir in relative
-                .ancestors()
-                .filter(|dir| !dir.as_os_str().is_empty())
-            {
-                let _ = std::fs::remove_dir(root.join(dir));
+            if root != hierarchy && root.join(top).is_dir() {
+                remove_empty_tree(&root.join(top));
             }
         }
     }
@@ -506,6 +515,7 @@ fn prepare_node(
             name,
             "--network=none",
             &format!("--cgroup-parent={}", cgroups.parent),
+            "--cgroups=no-conmon",
             &format!("--pid=ns:{}", node.pid_namespace()),
             "--env=HOST_PROC=/proc",
             "--cap-drop=all",

@@ -4,7 +4,7 @@
 # exits; docs/operations.md ("Privileges") weighs what it is granted.
 #
 #  1. A bpf filesystem at the host's /sys/fs/bpf, where the pins must live to outlive the pod.
-#     systemd mounts one at boot, so on most nodes this only says so. When there is none, it
+#     Where systemd mounted one at boot this only says so. When there is none, it
 #     mounts one in the HOST's mount namespace, entered through the host's /proc (the volume is
 #     HostToContainer, so the agent's container then sees it).
 #  2. The agent's seccomp profile, where the kubelet looks for `Localhost` profiles (the host's

@@ -143,8 +143,9 @@ fn unmet_by(needs: &[Need], effective: Capabilities) -> Vec<Need> {
      CAP_SYS_ADMIN"
 } else {
     "bpf(2) is refused although the agent holds the capabilities it needs, and no seccomp \
-     filter is in place: look for a security module's policy (SELinux, AppArmor, a BPF LSM) \
-     that denies it"
+     filter is in place: the agent may be in a user namespace other than the host's (its \
+     capabilities then count for nothing there), the kernel may lack bpf(2) \
+     (CONFIG_BPF_SYSCALL), or a security module's policy (SELinux, AppArmor, a BPF LSM) denies it"
 })]
 pub struct BpfRefused {
     /// `Seccomp: 2` in `/proc/self/status`.

@@ -213,7 +213,7 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
     init_logging(&filter, args.log_format)?;
     if !nix::unistd::geteuid().is_root() {
         bail!(
-            "redirector run needs root (CAP_BPF, CAP_NET_ADMIN, CAP_SYS_ADMIN): run it with sudo or as a systemd service"
+            "redirector run needs root (CAP_BPF, CAP_PERFMON, CAP_NET_ADMIN): run it with sudo or as a systemd service"
         );
     }
 

@@ -48,7 +48,16 @@ pub fn run() -> anyhow::Result<()> {
     // Containers of the image tests (bpf-tests/src/container.rs), before their cgroups go.
     removed.extend(sweep_containers());
 
-    if let Some(root) = cgroup2_root() {
+    // The v2 hierarchy, and the v1 ones of a hybrid layout (runc makes the image tests'
+    // container cgroups there too).
+    let v2 = cgroup2_root();
+    let v1 = std::fs::read_dir("/sys/fs/cgroup")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|entry| entry.path())
+        .filter(|path| Some(path) != v2.as_ref() && path.is_dir());
+    for root in v2.clone().into_iter().chain(v1) {
         for entry in std::fs::read_dir(&root).into_iter().flatten().flatten() {
             let name = entry.file_name().to_string_lossy().into_owned();
             if tag_of(&name).is_some_and(|tag| !owner_alive(tag)) {

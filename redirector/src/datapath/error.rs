@@ -17,8 +17,8 @@ pub enum DatapathError {
     },
     /// The object could not be loaded (maps created); usually missing privileges or BTF.
     #[error(
-        "loading the eBPF object failed; redirector needs root (CAP_BPF, CAP_NET_ADMIN and \
-         CAP_SYS_ADMIN) and a kernel with BTF and cgroup v2 BPF support"
+        "loading the eBPF object failed; redirector needs root (CAP_BPF, CAP_PERFMON and \
+         CAP_NET_ADMIN) and a kernel with BTF and cgroup v2 BPF support"
     )]
     Load {
         /// What aya reported.
@@ -166,7 +166,7 @@ pub enum DatapathError {
     },
     /// The pins exist but may not be opened by this user.
     #[error(
-        "reading the pinned maps under {pin_dir} needs root (CAP_BPF and CAP_SYS_ADMIN): run it \
+        "reading the pinned maps under {pin_dir} needs root (CAP_BPF): run it \
          with sudo"
     )]
     PinsNeedRoot {

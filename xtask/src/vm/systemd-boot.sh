@@ -52,6 +52,14 @@ upstreams = ["10.53.0.1"]
 EOF
 
 dns_server="$VM_PROFILE_DIR/dns-server"
+# What /sys/fs/bpf held before redirector-bpffs.service ran (systemd's own mounts are done by
+# then): the test reports it, so that what the unit is for is seen, not assumed.
+install -d /etc/systemd/system/redirector-bpffs.service.d || fatal "creating a drop-in"
+cat > /etc/systemd/system/redirector-bpffs.service.d/vm-test.conf <<'EOF' \
+    || fatal "writing the bpffs drop-in"
+[Service]
+ExecStartPre=/bin/sh -c 'findmnt -n -o FSTYPE /sys/fs/bpf > /run/vm-test-bpffs-before; true'
+EOF
 cat > /etc/systemd/system/vm-addresses.service <<EOF || fatal "writing vm-addresses.service"
 [Unit]
 Description=vm-test: the stand-in servers' addresses on lo

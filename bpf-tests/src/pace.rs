@@ -69,3 +69,16 @@ pub fn wait_until(
         std::thread::sleep(every);
     }
 }
+
+/// The kernel's monotonic clock (`CLOCK_MONOTONIC`), in nanoseconds: the clock of
+/// `bpf_ktime_get_ns`, so a time a test client notes compares with the programs' timestamps and
+/// across processes.
+///
+/// # Panics
+/// Never on Linux, where `CLOCK_MONOTONIC` always exists.
+#[must_use]
+pub fn monotonic_ns() -> u64 {
+    let now = nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC)
+        .expect("CLOCK_MONOTONIC exists on Linux");
+    u64::try_from(Duration::from(now).as_nanos()).unwrap_or(u64::MAX)
+}

@@ -40,9 +40,19 @@ pub struct HeldClient {
     stdin: std::process::ChildStdin,
     stdout: std::io::BufReader<std::process::ChildStdout>,
     started: bool,
+    /// With `--idle-first`: the client's monotonic clock just before it connected.
+    opened_ns: Option<u64>,
 }
 
 impl HeldClient {
+    /// How long ago the socket was connected (`None` unless held idle first): from the client's
+    /// own clock, so the time it took to start is not counted.
+    #[must_use]
+    pub fn since_connected(&self) -> Option<Duration> {
+        self.opened_ns
+            .map(|opened| Duration::from_nanos(crate::pace::monotonic_ns().saturating_sub(opened)))
+    }
+
     /// Sends the socket's next query and returns its outcome (the client's own timeout bounds
     /// the wait).
     pub fn ask(&mut self) -> anyhow::Result<QueryOutcome> {
@@ -793,8 +803,17 @@ impl Sandbox {
             .stdout
             .read_line(&mut line)
             .context("reading whether the held client opened its socket")?;
-        if line.trim() != r#"{"opened":true}"# {
-            bail!("the held client did not open its socket: it printed {line:?}");
+        #[derive(serde::Deserialize)]
+        struct Opened {
+            opened: bool,
+            monotonic_ns: u64,
+        }
+        match serde_json::from_str::<Opened>(line.trim()) {
+            Ok(Opened {
+                opened: true,
+                monotonic_ns,
+            }) => client.opened_ns = Some(monotonic_ns),
+            _ => bail!("the held client did not open its socket: it printed {line:?}"),
         }
         client.started = true;
         Ok(client)
@@ -830,6 +849,7 @@ impl Sandbox {
             stdin,
             stdout: std::io::BufReader::new(stdout),
             started: false,
+            opened_ns: None,
         })
     }
 

@@ -18,7 +18,10 @@ use std::{
 };
 
 use anyhow::{Context as _, bail};
-use bpf_tests::dns::{PROBE_NAME, QueryOutcome, parse_answer, query};
+use bpf_tests::{
+    dns::{PROBE_NAME, QueryOutcome, parse_answer, query},
+    pace::monotonic_ns,
+};
 use clap::{Parser, ValueEnum};
 use hickory_proto::rr::RecordType;
 
@@ -88,13 +91,15 @@ fn main() {
 
 /// `--hold`: the queries of one UDP socket, each after the first once standard input says so.
 fn hold(args: &Args, first_id: u16) {
+    // Noted before the connect, so that a test's "since the connect" is never short.
+    let opened_ns = monotonic_ns();
     let mut socket = match open_udp(args) {
         Ok(socket) => socket,
         Err(error) => return report(Err(error)),
     };
     let mut line = String::new();
     if args.idle_first {
-        println!(r#"{{"opened":true}}"#);
+        println!(r#"{{"opened":true,"monotonic_ns":{opened_ns}}}"#);
         let _ = std::io::stdout().flush();
     }
     for sequence in 0..args.count {

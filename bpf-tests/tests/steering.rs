@@ -6,16 +6,22 @@ use std::{
     time::Duration,
 };
 
+use anyhow::Context as _;
 use bpf_tests::{
-    bench::{Bench, CLUSTER_ID, NODE_ID, V6_ID, mapped, socket_addr},
+    bench::{Bench, CLUSTER_ID, NODE_ID, V6_ID, mapped, socket_addr, write_standard_config},
+    cli,
     pace::{paced, pause},
-    sandbox::{Ns, Query, Tools, Transport},
+    sandbox::{Ns, Query, Sandbox, Tools, Transport},
     topology::{
         CLUSTER_LISTENER, NODE_LISTENER, OTHER_PORT, UPSTREAM_A, UPSTREAM_A_V4, UPSTREAM_B,
         UPSTREAM_B_V4, V6_LISTENER, dns, who,
     },
 };
-use redirector_common::listener::{MODE_AUTO, MODE_CACHE, MODE_UPSTREAM};
+use redirector::kernel_support;
+use redirector_common::{
+    listener::{MODE_AUTO, MODE_CACHE, MODE_UPSTREAM},
+    names,
+};
 
 fn tools() -> Tools {
     bpf_tests::tools!()
@@ -406,6 +412,9 @@ fn an_empty_pool_obeys_its_policy() -> anyhow::Result<()> {
     }
     let counters = bench.counters(CLUSTER_ID)?;
     assert_eq!(counters.failed_empty_pool, 3);
+    // The probe found the helper on this kernel, so the call is in the verified program (the
+    // degraded test below shows it gone when the probe says otherwise).
+    assert!(set_retval_calls(&bench.sandbox, names::PROG_CONNECT4)? >= 1);
 
     // `node` with its pool emptied and policy `pass`: DNS reaches the listener address as sent.
     bench.set_mode(NODE_ID, MODE_UPSTREAM)?;
@@ -556,7 +565,7 @@ fn a_connected_dual_stack_socket_is_moved_never_redirected() -> anyhow::Result<(
 #[test]
 fn long_lived_sockets_keep_their_translation_when_the_lru_churns() -> anyhow::Result<()> {
     const ENTRIES: usize = 1024;
-    let mut sandbox = bpf_tests::sandbox::Sandbox::new(tools())?;
+    let mut sandbox = Sandbox::new(tools())?;
     sandbox.start_standard_servers()?;
     let config = format!(
         "reverse_nat_entries = {ENTRIES}\n{}",
@@ -643,5 +652,85 @@ fn long_lived_sockets_keep_their_translation_when_the_lru_churns() -> anyhow::Re
         after.reverse_missed, before.reverse_missed,
         "no reply of a steered socket went untranslated"
     );
+    Ok(())
+}
+
+/// The calls to `bpf_set_retval` in the program `name` as the kernel holds it (the verifier's
+/// output, `bpftool prog dump xlated`).
+fn set_retval_calls(sandbox: &Sandbox, name: &str) -> anyhow::Result<usize> {
+    let (_, id) = redirector::datapath::pinned_program_ids(&sandbox.pin_dir())
+        .into_iter()
+        .find(|(program, _)| *program == name)
+        .with_context(|| format!("{name} is attached"))?;
+    let output = std::process::Command::new("bpftool")
+        .args(["prog", "dump", "xlated", "id", &id.to_string()])
+        .output()
+        .context("running bpftool (install it: apt-get install bpftool)")?;
+    anyhow::ensure!(output.status.success(), "bpftool: {output:?}");
+    let text = String::from_utf8_lossy(&output.stdout);
+    anyhow::ensure!(text.contains("exit"), "not a program dump: {text}");
+    Ok(text.matches("call bpf_set_retval").count())
+}
+
+/// On a kernel whose sock_addr programs cannot call `bpf_set_retval` (before 6.1: the 5.15 LTS
+/// the floor is for), the agent loads with the call switched off, the verifier removes it, the
+/// `fail` policy's syscalls fail with the plain rejection's EPERM, and the agent and `status` say
+/// so. The probe's answer is forced (`REDIRECTOR_TEST_ABSENT_FEATURES`): every kernel the tests
+/// boot has the helper (`an_empty_pool_obeys_its_policy` shows the call there without the
+/// override).
+#[test]
+fn without_bpf_set_retval_the_fail_policy_fails_with_eperm_and_says_so() -> anyhow::Result<()> {
+    let mut sandbox = Sandbox::new(tools())?;
+    sandbox.start_standard_servers()?;
+    let config = write_standard_config(&sandbox)?;
+    let config_arg = config.display().to_string();
+
+    let absent = std::ffi::OsStr::new(kernel_support::SET_RETVAL);
+    let mut agent = cli::start_agent_with(
+        &config,
+        &[],
+        &[(kernel_support::ABSENT_FOR_TESTS_VARIABLE, absent)],
+    )?;
+    assert!(
+        agent
+            .printed()
+            .iter()
+            .any(|line| line.contains("runs degraded") && line.contains("EPERM")),
+        "the agent logs what it runs without: {:?}",
+        agent.printed()
+    );
+    for name in names::SOCK_ADDR_PROGRAMS {
+        assert_eq!(
+            set_retval_calls(&sandbox, name)?,
+            0,
+            "{name}: the verifier removed the switched-off call"
+        );
+    }
+    assert_eq!(cli::set_state(&sandbox, "cluster", "upstream")?.code, 0);
+    for transport in TRANSPORTS {
+        let outcome = sandbox.query(Ns::Pod, Query::new(dns(CLUSTER_LISTENER), transport))?;
+        assert!(!outcome.ok, "{transport:?}: {outcome:?}");
+        assert_eq!(
+            outcome.errno,
+            Some(libc::EPERM),
+            "{transport:?}: {outcome:?}"
+        );
+    }
+    let maps = redirector::datapath::Maps::open_pinned(&sandbox.pin_dir())?;
+    assert_eq!(maps.counters(CLUSTER_ID)?.total().failed_empty_pool, 3);
+
+    // `status` probes the kernel too, under the same override.
+    let status = std::process::Command::new(bpf_tests::sandbox::redirector_bin())
+        .args(["status", "--config", &config_arg])
+        .env(kernel_support::ABSENT_FOR_TESTS_VARIABLE, absent)
+        .output()?;
+    assert!(status.status.success(), "{status:?}");
+    let text = String::from_utf8_lossy(&status.stdout);
+    assert!(
+        text.contains("DEGRADED without bpf_set_retval in sock_addr programs (6.1)"),
+        "{text}"
+    );
+    cli::stop_agent(&mut agent)?;
+    cli::uninstall(&config)?;
     Ok(())
 }

@@ -360,6 +360,8 @@ fn status_tells_the_truth_with_the_agent_running_and_stopped() -> anyhow::Result
         text.contains("bypass table inet redirector present"),
         "{text}"
     );
+    // Every kernel the tests run on has every feature (the degraded one is forced in steering).
+    assert!(text.contains(": every feature redirector uses\n"), "{text}");
     let row = text
         .lines()
         .find(|line| line.starts_with("node "))

@@ -98,6 +98,12 @@ pub const PROG_EGRESS: &str = "dns_egress";
 /// Every `cgroup_skb` program in the object.
 pub const SKB_PROGRAMS: [&str; 1] = [PROG_EGRESS];
 
+/// Read-only global (`u8`, 0 or 1): whether sock_addr programs may call `bpf_set_retval` (6.1).
+/// The agent sets it from its probe of the running kernel before the load; at 0 the verifier
+/// removes the call as dead code, so the programs load on kernels without the helper and the
+/// `fail` policy's syscalls fail with the plain rejection's `EPERM`.
+pub const GLOBAL_SET_RETVAL: &str = "SET_RETVAL_OK";
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,6 +1,7 @@
 //! The maps, named as `redirector_common::names` says (the statics' names are the map names).
 
 use aya_ebpf::{
+    Global,
     bindings::{BPF_F_MMAPABLE, BPF_F_NO_PREALLOC},
     btf_maps::{Array, HashMap, LruHashMap, PerCpuArray, SkStorage},
     macros::btf_map,
@@ -92,3 +93,11 @@ pub static SKIP_CGROUPS: HashMap<u64, SkipCgroup, MAX_SKIP_CGROUPS> = HashMap::n
 /// Datapath-wide settings at index 0.
 #[btf_map]
 pub static DATAPATH_CONFIG: Array<DatapathConfig, 1> = Array::new();
+
+/// `names::GLOBAL_SET_RETVAL`: 1 where the running kernel lets sock_addr programs call
+/// `bpf_set_retval` (6.1), as the agent probed it. A read-only global (`.rodata`, frozen before
+/// the load; its values are constants to the verifier since 5.5): at 0 the call is dead
+/// code the verifier removes before it resolves helpers, so an older kernel loads the programs.
+/// 0 unless the agent says otherwise: a load that forgot it still works, with `EPERM`.
+#[unsafe(no_mangle)]
+pub static SET_RETVAL_OK: Global<u8> = Global::new(0);

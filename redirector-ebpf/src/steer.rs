@@ -20,7 +20,7 @@ use crate::{
     context::{self, Family},
     maps::{
         CACHE_HEALTH, COUNTERS, DATAPATH_CONFIG, LISTENER_MODE, LISTENERS, POOLS, REVERSE_NAT,
-        SKIP_CGROUPS, SOCKET_COUNTS, STEERED_SOCKS,
+        SET_RETVAL_OK, SKIP_CGROUPS, SOCKET_COUNTS, STEERED_SOCKS,
     },
 };
 
@@ -193,10 +193,14 @@ fn empty_pool(
     );
     if listener.empty_pool_policy == EMPTY_POOL_FAIL {
         count(counters, |c| c.failed_empty_pool += 1);
-        // SAFETY: plain helper call. bpf_set_retval makes the rejected syscall fail with this
-        // errno instead of EPERM; sock_addr programs may call it since 6.1 (5.18 added it for
-        // sockopt, sysctl and device programs only).
-        unsafe { bpf_set_retval(-EHOSTUNREACH) };
+        // bpf_set_retval makes the rejected syscall fail with this errno instead of EPERM;
+        // sock_addr programs may call it since 6.1 (5.18 added it for sockopt, sysctl and device
+        // programs only). Where the agent's probe found it missing, the verifier drops the call
+        // (`SET_RETVAL_OK` is a read-only 0) and the client sees EPERM.
+        if SET_RETVAL_OK.load() != 0 {
+            // SAFETY: plain helper call.
+            unsafe { bpf_set_retval(-EHOSTUNREACH) };
+        }
         Err(Refused::EmptyPool)
     } else {
         count(counters, |c| c.passed_through += 1);

@@ -39,7 +39,8 @@ pub enum EmptyPoolPolicy {
     /// Let DNS through to the listener address untouched.
     #[default]
     Pass,
-    /// Fail the client's syscall with `EHOSTUNREACH` at once.
+    /// Fail the client's syscall at once: `EHOSTUNREACH`, or `EPERM` where the kernel's
+    /// sock_addr programs lack `bpf_set_retval` (before 6.1).
     Fail,
 }
 

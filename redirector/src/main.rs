@@ -10,6 +10,7 @@ use redirector::{
     conntrack_bypass::nft::Nft,
     datapath::Maps,
     dns_cache::{CacheConfig, CacheServer},
+    kernel_support,
     netns::NetnsWorker,
     telemetry,
 };
@@ -222,6 +223,7 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         let stop = stop_signal()?;
         let options = StartOptions {
             replace: args.replace,
+            absent_features: absent_features_for_tests()?,
         };
         let mut agent = Agent::start(&config, options).await?;
         let ran = agent
@@ -321,12 +323,13 @@ fn status(args: &StatusArgs) -> anyhow::Result<()> {
     let pin_dir = args.pin_dir.clone().unwrap_or(pin_dir);
     let runtime = runtime()?;
     let maps = Maps::open_pinned(&pin_dir)?;
+    let kernel = kernel_support::KernelSupport::probe(&absent_features_for_tests()?);
     let report = runtime.block_on(async {
         // The table is looked at in the caches' namespace; not being able to is no reason to
         // hide the rest of the report.
         let nft =
             NetnsWorker::start(cache_netns.as_deref()).map(|worker| Nft::new(&nft_binary, worker));
-        telemetry::status::gather(&maps, &pin_dir, &lock_file, nft.as_ref()).await
+        telemetry::status::gather(&maps, &pin_dir, &lock_file, nft.as_ref(), &kernel).await
     })?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
@@ -334,6 +337,17 @@ fn status(args: &StatusArgs) -> anyhow::Result<()> {
         print!("{}", telemetry::status::render_table(&report));
     }
     Ok(())
+}
+
+/// `REDIRECTOR_TEST_ABSENT_FEATURES`: kernel features the agent and `status` take as absent, so
+/// that tests run the degraded paths on kernels that have everything.
+fn absent_features_for_tests() -> anyhow::Result<Vec<&'static str>> {
+    let variable = kernel_support::ABSENT_FOR_TESTS_VARIABLE;
+    match std::env::var(variable) {
+        Ok(list) => Ok(kernel_support::parse_absent(&list)?),
+        Err(std::env::VarError::NotPresent) => Ok(Vec::new()),
+        Err(error) => Err(error).with_context(|| format!("reading {variable}")),
+    }
 }
 
 fn cache(path: &std::path::Path, log_level: &str) -> anyhow::Result<()> {

@@ -41,7 +41,7 @@ use crate::{
         ShapeDifferences,
     },
     interface::{self, InterfaceError},
-    kernel_support::{self, KernelCheck, KernelTooOld},
+    kernel_support::{self, KernelLacks, KernelSupport, Need},
     liveness::{
         binds::{TrackedCache, cache_binds},
         health::{HealthTracker, Hysteresis},
@@ -58,9 +58,9 @@ use crate::{
 /// Why the agent could not start or stop cleanly.
 #[derive(Debug, thiserror::Error)]
 pub enum AgentError {
-    /// The kernel is older than a feature the programs need.
+    /// The kernel lacks a feature the programs need.
     #[error(transparent)]
-    KernelTooOld(#[from] KernelTooOld),
+    KernelLacks(#[from] KernelLacks),
     /// The process lacks capabilities its configuration needs.
     #[error(
         "the agent lacks {missing}: grant them (systemd: CapabilityBoundingSet= and \
@@ -230,10 +230,13 @@ impl std::fmt::Display for Unmet<'_> {
 }
 
 /// How the agent starts.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub struct StartOptions {
     /// Replace pins of another layout version instead of refusing.
     pub replace: bool,
+    /// Kernel features to take as absent whatever the probes say (`kernel_support`'s ids;
+    /// `REDIRECTOR_TEST_ABSENT_FEATURES`): for tests of the degraded paths only.
+    pub absent_features: Vec<&'static str>,
 }
 
 /// One configured listener, as the agent tracks it.
@@ -325,17 +328,16 @@ impl Agent {
     /// every check passed.
     pub async fn start(config: &Config, options: StartOptions) -> Result<Self, AgentError> {
         let mut phases = StartPhases::new();
-        let kernel = KernelCheck::running();
-        kernel_support::require(&kernel)?;
         let unmet =
             crate::capabilities::unmet(&crate::capabilities::needs(config.cache_netns.is_some()));
         if !unmet.is_empty() {
             return Err(AgentError::MissingCapabilities { unmet });
         }
         crate::capabilities::check_bpf_allowed()?;
-        for feature in kernel.missing() {
-            warn!(release = %kernel.release, feature = feature.name, since = %feature.since, "the kernel is older than an optional feature");
-        }
+        let kernel = KernelSupport::probe(&options.absent_features);
+        kernel_support::require(&kernel)?;
+        log_degraded(&kernel);
+        phases.end("kernel_probe");
         let attach_path = match &config.cgroup {
             Some(path) => path.clone(),
             None => cgroup::default_attach_cgroup()?,
@@ -408,12 +410,15 @@ impl Agent {
         // after the other before); both end before anything is attached, so steered DNS is
         // untracked from the first query. A bypass failure is not fatal.
         let load = {
-            let (entries, pin_dir, kernel_log) = (
+            let (entries, pin_dir, kernel_log, set_retval) = (
                 config.reverse_nat_entries,
                 config.pin_dir.clone(),
                 config.kernel_log,
+                kernel.has(kernel_support::SET_RETVAL),
             );
-            tokio::task::spawn_blocking(move || Datapath::load(entries, &pin_dir, kernel_log))
+            tokio::task::spawn_blocking(move || {
+                Datapath::load(entries, &pin_dir, kernel_log, set_retval)
+            })
         };
         let stats = Arc::new(AgentStats::default());
         let bypass = start_conntrack_bypass(config, netns, &stats).await;
@@ -643,6 +648,21 @@ impl Agent {
             lock = %self.lock.path().display(),
             "agent stopped; steering and in-kernel failover stay in place (`redirector uninstall` removes them)"
         );
+    }
+}
+
+/// Says, once per start, what the agent runs without on this kernel.
+fn log_degraded(kernel: &KernelSupport) {
+    for finding in kernel.degraded() {
+        if let Need::Optional { without, .. } = finding.feature.need {
+            warn!(
+                release = %kernel.release,
+                feature = finding.feature.name,
+                since = %finding.feature.since,
+                decided_by = ?finding.decided_by,
+                "the kernel lacks an optional feature, so redirector runs degraded: {without}"
+            );
+        }
     }
 }
 

@@ -281,10 +281,15 @@ impl Datapath {
     /// With `kernel_log`, the programs' aya-log statements are live (`AYA_LOG_LEVEL` set to
     /// debug); without it the level is 0, a read-only global, so the verifier removes every
     /// logging branch and the programs pay nothing for them.
+    ///
+    /// `set_retval`: the kernel lets sock_addr programs call `bpf_set_retval` (probed by the
+    /// caller); without it the read-only switch stays 0, the verifier removes the call, and the
+    /// `fail` policy's syscalls fail with `EPERM`.
     pub fn load(
         reverse_nat_entries: u32,
         pin_dir: &Path,
         kernel_log: bool,
+        set_retval: bool,
     ) -> Result<(Self, Maps), DatapathError> {
         let maps_dir = pin_dir.join(PINNED_MAPS_DIR);
         std::fs::create_dir_all(&maps_dir).map_err(|source| DatapathError::PinDir {
@@ -304,6 +309,8 @@ impl Datapath {
         let mut loader = EbpfLoader::new();
         loader.map_max_entries(names::MAP_REVERSE_NAT, reverse_nat_entries);
         loader.override_global(aya_log::LEVEL, &log_level, true);
+        let set_retval = u8::from(set_retval);
+        loader.override_global(names::GLOBAL_SET_RETVAL, &set_retval, true);
         for (name, path) in &paths {
             // Opens the pinned map when there is one, else creates and pins it.
             loader.map_pin_path(name, path.as_path());

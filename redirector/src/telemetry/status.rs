@@ -9,6 +9,7 @@ use super::snapshot::{self, ListenerSnapshot};
 use crate::{
     conntrack_bypass::{nft::Nft, ruleset::TABLE},
     datapath::{self, DatapathError, Maps},
+    kernel_support::{KernelSupport, Need},
     lock,
     netns::NetnsError,
 };
@@ -22,6 +23,8 @@ pub struct StatusReport {
     pub programs: ProgramState,
     /// The nftables table.
     pub conntrack_bypass: BypassState,
+    /// The running kernel's features.
+    pub kernel: KernelState,
     /// Every listener.
     pub listeners: Vec<ListenerSnapshot>,
 }
@@ -46,6 +49,54 @@ pub struct ProgramState {
     pub expected: usize,
 }
 
+/// The running kernel, as the agent's probes see it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct KernelState {
+    /// `uname -r`.
+    pub release: String,
+    /// The optional features it lacks, which the agent runs without.
+    pub degraded: Vec<DegradedFeature>,
+    /// The required features it lacks (the agent refuses to start on it).
+    pub missing: Vec<String>,
+}
+
+/// An optional feature the kernel lacks.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct DegradedFeature {
+    /// The feature.
+    pub feature: String,
+    /// The release that brought it.
+    pub since: String,
+    /// What redirector does without it.
+    pub without: String,
+}
+
+impl KernelState {
+    /// What `kernel` found.
+    #[must_use]
+    pub fn of(kernel: &KernelSupport) -> Self {
+        Self {
+            release: kernel.release.clone(),
+            degraded: kernel
+                .degraded()
+                .filter_map(|finding| match finding.feature.need {
+                    Need::Optional { without, .. } => Some(DegradedFeature {
+                        feature: finding.feature.name.replace('`', ""),
+                        since: finding.feature.since.to_string(),
+                        without: without.replace('`', ""),
+                    }),
+                    Need::Required => None,
+                })
+                .collect(),
+            missing: kernel
+                .missing()
+                .filter(|finding| finding.feature.need == Need::Required)
+                .map(|finding| finding.feature.name.replace('`', ""))
+                .collect(),
+        }
+    }
+}
+
 /// The nftables table.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct BypassState {
@@ -56,12 +107,13 @@ pub struct BypassState {
 }
 
 /// Gathers the report: `maps` (pinned under `pin_dir`), the lock at `lock_file`, the table
-/// through `nft` (or why nft could not be run there).
+/// through `nft` (or why nft could not be run there), and what `kernel` found.
 pub async fn gather(
     maps: &Maps,
     pin_dir: &Path,
     lock_file: &Path,
     nft: Result<&Nft, &NetnsError>,
+    kernel: &KernelSupport,
 ) -> Result<StatusReport, DatapathError> {
     let listeners = snapshot::listeners(maps)?;
     let pid = lock::holder(lock_file);
@@ -100,8 +152,35 @@ pub async fn gather(
             expected: datapath::ALL_PROGRAMS.len(),
         },
         conntrack_bypass,
+        kernel: KernelState::of(kernel),
         listeners,
     })
+}
+
+/// The kernel line(s): every feature there, or what is missing and what that costs.
+fn render_kernel(text: &mut String, kernel: &KernelState) {
+    if kernel.degraded.is_empty() && kernel.missing.is_empty() {
+        let _ = writeln!(
+            text,
+            "kernel:    Linux {}: every feature redirector uses",
+            kernel.release
+        );
+        return;
+    }
+    let _ = writeln!(text, "kernel:    Linux {}:", kernel.release);
+    for missing in &kernel.missing {
+        let _ = writeln!(
+            text,
+            "           MISSING {missing}: the agent cannot start here"
+        );
+    }
+    for degraded in &kernel.degraded {
+        let _ = writeln!(
+            text,
+            "           DEGRADED without {} ({}): {}",
+            degraded.feature, degraded.since, degraded.without
+        );
+    }
 }
 
 /// The report as a table for people.
@@ -141,6 +220,7 @@ pub fn render_table(report: &StatusReport) -> String {
             (_, detail) => format!("unknown ({})", detail.as_deref().unwrap_or("nft failed")),
         }
     );
+    render_kernel(&mut text, &report.kernel);
     text.push('\n');
 
     let mut rows = vec![
@@ -263,6 +343,11 @@ mod tests {
                 table: "present",
                 detail: None,
             },
+            kernel: KernelState::of(&KernelSupport::decide(
+                "5.15.0-1064-azure",
+                &[],
+                |feature| Ok(feature.since <= crate::kernel_support::FLOOR),
+            )),
             listeners: vec![ListenerSnapshot {
                 id: 0,
                 name: "node".to_owned(),
@@ -304,6 +389,13 @@ mod tests {
         ] {
             assert!(row.contains(cell), "{cell} in {row}");
         }
+        assert!(
+            text.contains(
+                "kernel:    Linux 5.15.0-1064-azure:\n           DEGRADED without bpf_set_retval \
+                 in sock_addr programs (6.1): the fail policy's syscalls fail with EPERM"
+            ),
+            "{text}"
+        );
         let stopped = render_table(&report(false));
         assert!(
             stopped.starts_with("agent:     NOT RUNNING: the pinned programs keep steering"),
@@ -318,5 +410,7 @@ mod tests {
         assert_eq!(json["listeners"][0]["route"], "upstream");
         assert_eq!(json["listeners"][0]["pool"][0]["tcp_port"], 5353);
         assert_eq!(json["conntrack_bypass"]["table"], "present");
+        assert_eq!(json["kernel"]["degraded"][0]["since"], "6.1");
+        assert_eq!(json["kernel"]["missing"], serde_json::json!([]));
     }
 }

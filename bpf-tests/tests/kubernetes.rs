@@ -504,7 +504,7 @@ fn a_failover_and_a_failback_are_events_on_the_node() -> anyhow::Result<()> {
     assert!(
         failover["note"]
             .as_str()
-            .is_some_and(|note| note.contains("DNS goes to the upstream pool")),
+            .is_some_and(|note| note.contains("DNS goes to the upstream pool (1 target): ")),
         "{failover}"
     );
 

@@ -322,11 +322,15 @@ impl Agent {
             }
             info!(listener = %listener.name, from = ?from, to = ?to, reason = ?reason, "route changed");
             if let Some(node_events) = &self.node_events {
+                // The kernel's pool, as the programs see it (no entry: empty).
+                let upstreams = self.maps.pool(listener.id).map_or(0, |pool| pool.len);
                 node_events.route_changed(RouteChange {
                     listener: listener.name.clone(),
                     address: configured.address,
                     to,
                     reason,
+                    upstreams,
+                    empty_pool: configured.empty_pool,
                 });
             }
             self.stats.record_transition(Transition {

@@ -24,7 +24,7 @@ use redirector_common::listener::{Reason, Route};
 use tokio::{sync::mpsc, task::JoinHandle};
 use tracing::{debug, warn};
 
-use crate::{agent::AgentStats, telemetry::snapshot::reason_text};
+use crate::{agent::AgentStats, config::EmptyPoolPolicy, telemetry::snapshot::reason_text};
 
 /// `reportingController` of every Event.
 pub const REPORTING_CONTROLLER: &str = "redirector";
@@ -46,6 +46,10 @@ pub struct RouteChange {
     pub to: Route,
     /// Why.
     pub reason: Reason,
+    /// Targets in the kernel's upstream pool at the change.
+    pub upstreams: u32,
+    /// What the listener does when that pool is empty.
+    pub empty_pool: EmptyPoolPolicy,
 }
 
 /// The task publishing Events, and its queue.
@@ -91,9 +95,29 @@ fn node_reference(node: &str) -> ObjectReference {
 /// The Event for `change`.
 #[must_use]
 pub fn event_for(change: &RouteChange) -> Event {
-    let (type_, reason, goes) = match change.to {
-        Route::Upstream => (EventType::Warning, FAILOVER, "the upstream pool"),
-        Route::Cache => (EventType::Normal, FAILBACK, "the cache"),
+    let (type_, reason, goes) = match (change.to, change.upstreams, change.empty_pool) {
+        (Route::Upstream, 0, EmptyPoolPolicy::Pass) => (
+            EventType::Warning,
+            FAILOVER,
+            "the listener address untouched, as the upstream pool is empty (policy pass)"
+                .to_owned(),
+        ),
+        (Route::Upstream, 0, EmptyPoolPolicy::Fail) => (
+            EventType::Warning,
+            FAILOVER,
+            "nowhere: queries fail at once, as the upstream pool is empty (policy fail)".to_owned(),
+        ),
+        (Route::Upstream, 1, _) => (
+            EventType::Warning,
+            FAILOVER,
+            "the upstream pool (1 target)".to_owned(),
+        ),
+        (Route::Upstream, upstreams, _) => (
+            EventType::Warning,
+            FAILOVER,
+            format!("the upstream pool ({upstreams} targets)"),
+        ),
+        (Route::Cache, _, _) => (EventType::Normal, FAILBACK, "the cache".to_owned()),
     };
     Event {
         type_,
@@ -154,16 +178,48 @@ mod tests {
             address: "169.254.10.10".parse().expect("an address"),
             to: Route::Upstream,
             reason: Reason::NoSockets,
+            upstreams: 2,
+            empty_pool: EmptyPoolPolicy::Pass,
         };
         let event = event_for(&change);
         assert_eq!(event.type_, EventType::Warning);
         assert_eq!(event.reason, FAILOVER);
         let note = event.note.expect("a note");
         assert!(
-            note.starts_with("listener node (169.254.10.10): DNS goes to the upstream pool: "),
+            note.starts_with(
+                "listener node (169.254.10.10): DNS goes to the upstream pool (2 targets): "
+            ),
             "{note}"
         );
         assert!(note.ends_with(reason_text(Reason::NoSockets)), "{note}");
+        // An empty pool: the Event says what its policy does instead of naming a pool.
+        for (policy, says) in [
+            (
+                EmptyPoolPolicy::Pass,
+                "DNS goes to the listener address untouched",
+            ),
+            (
+                EmptyPoolPolicy::Fail,
+                "DNS goes to nowhere: queries fail at once",
+            ),
+        ] {
+            let note = event_for(&RouteChange {
+                upstreams: 0,
+                empty_pool: policy,
+                ..change.clone()
+            })
+            .note
+            .expect("a note");
+            assert!(note.contains(says), "{policy:?}: {note}");
+            assert!(!note.contains("target"), "{note}");
+        }
+        let one = event_for(&RouteChange {
+            upstreams: 1,
+            ..change.clone()
+        })
+        .note
+        .expect("a note");
+        assert!(one.contains("the upstream pool (1 target): "), "{one}");
         let back = event_for(&RouteChange {
             to: Route::Cache,
             reason: Reason::Healthy,

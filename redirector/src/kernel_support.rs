@@ -22,6 +22,7 @@ use aya::{
 };
 use redirector_common::names;
 use tracing::warn;
+
 /// A mainline kernel release, `major.minor`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub struct KernelVersion {

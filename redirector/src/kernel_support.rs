@@ -423,17 +423,6 @@ pub const FEATURES: &[KernelFeature] = &[
     },
 ];
 
-/// The oldest release with every required feature.
-#[must_use]
-pub fn minimum() -> KernelVersion {
-    FEATURES
-        .iter()
-        .filter(|feature| feature.need == Need::Required)
-        .map(|feature| feature.since)
-        .max()
-        .unwrap_or(KernelVersion::new(0, 0))
-}
-
 /// How a feature's presence was decided.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Decision {
@@ -461,8 +450,6 @@ pub struct Finding {
 pub struct KernelSupport {
     /// `uname -r`.
     pub release: String,
-    /// Its `major.minor`, `None` when the release string has none.
-    pub version: Option<KernelVersion>,
     /// One per feature decided before the load ([`Probe::AtUse`] features are left out).
     pub findings: Vec<Finding>,
 }
@@ -559,7 +546,6 @@ impl KernelSupport {
             .collect();
         Self {
             release: release.to_owned(),
-            version,
             findings,
         }
     }
@@ -683,7 +669,6 @@ mod tests {
 
     #[test]
     fn every_required_feature_is_at_or_below_the_floor() {
-        assert!(minimum() <= FLOOR, "{} > {FLOOR}", minimum());
         for feature in FEATURES {
             if feature.since > FLOOR {
                 assert!(

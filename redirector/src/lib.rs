@@ -10,7 +10,6 @@ pub mod cgroup;
 pub mod config;
 pub mod conntrack_bypass;
 pub mod datapath;
-pub mod dns_cache;
 pub mod dns_query;
 pub mod interface;
 pub mod kernel_support;

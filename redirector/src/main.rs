@@ -9,7 +9,6 @@ use redirector::{
     config::{Config, ConntrackSettings, DEFAULT_CONFIG_PATH, DEFAULT_LOCK_FILE, DEFAULT_PIN_DIR},
     conntrack_bypass::nft::Nft,
     datapath::Maps,
-    dns_cache::{CacheConfig, CacheServer},
     kernel_support,
     netns::NetnsWorker,
     telemetry,
@@ -43,7 +42,7 @@ enum Command {
     /// runs, from the pinned maps (works while the agent is stopped).
     Status(StatusArgs),
     /// Run the embedded caching DNS forwarder (a small stand-in for CoreDNS on a dev box or in
-    /// a demo) until SIGINT or SIGTERM.
+    /// a demo) until SIGINT or SIGTERM. Only in builds with the `embedded-cache` feature.
     Cache {
         /// Its configuration file (TOML: listen, default_servers, [[zone]], ...).
         #[arg(long)]
@@ -350,7 +349,10 @@ fn absent_features_for_tests() -> anyhow::Result<Vec<&'static str>> {
     }
 }
 
+#[cfg(feature = "embedded-cache")]
 fn cache(path: &std::path::Path, log_level: &str) -> anyhow::Result<()> {
+    use dns_cache::{CacheConfig, CacheServer};
+
     let config = CacheConfig::load(path)?;
     init_logging(log_level, LogFormat::Human)?;
     let runtime = runtime()?;
@@ -369,6 +371,16 @@ fn cache(path: &std::path::Path, log_level: &str) -> anyhow::Result<()> {
         tracing::info!("embedded cache stopped");
         anyhow::Ok(())
     })
+}
+
+/// The agent's production build leaves the embedded cache out: no deployment runs it.
+#[cfg(not(feature = "embedded-cache"))]
+fn cache(_path: &std::path::Path, _log_level: &str) -> anyhow::Result<()> {
+    bail!(
+        "this redirector was built without the embedded cache (a tool for dev boxes, demos and \
+         tests, left out of the agent's production build); build one that has it with \
+         `cargo build --package redirector --features embedded-cache`"
+    )
 }
 
 fn check_config(path: &std::path::Path) -> anyhow::Result<()> {

@@ -46,9 +46,17 @@ pub fn test(with_lints: bool, filter: Option<&str>) -> anyhow::Result<()> {
     if with_lints {
         lint::run()?;
     }
-    // The CLI tests run the real binary.
+    // The CLI tests run the real binary, with the embedded cache they use as a node cache (the
+    // features bpf-tests asks of it, so that the workspace's `cargo test` builds the same one).
     cargo(
-        &["build", "--package", "redirector", "--bins"],
+        &[
+            "build",
+            "--package",
+            "redirector",
+            "--features",
+            "redirector/embedded-cache",
+            "--bins",
+        ],
         "building the redirector binary failed",
     )?;
     pinned_rustup::check_object(&target_dir().join("debug/build"))?;

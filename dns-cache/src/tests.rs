@@ -17,19 +17,16 @@ use hickory_proto::{
     },
 };
 use tokio::{
+    io::{AsyncReadExt as _, AsyncWriteExt as _},
     net::{TcpListener, TcpStream, UdpSocket},
     sync::oneshot,
     task::JoinHandle,
 };
 
-use super::{
-    CacheConfig, CacheServer, Cidr, DEFAULT_ALLOW, Zone,
-    cache::STALE_TTL,
-    framing::{read_frame, write_frame},
-    resolver::Resolver,
-    run,
+use crate::{
+    CacheConfig, CacheServer, DEFAULT_ALLOW, Zone, config::parse_network, handler::ANY_TTL, run,
+    server::Limits, stale::STALE_TTL,
 };
-use crate::dns_query::recursive_query;
 
 /// Bounds every wait on the network in these tests.
 const WAIT: Duration = Duration::from_secs(5);
@@ -50,6 +47,8 @@ struct Behaviour {
     truncate_udp: bool,
     /// Never reply (over either transport).
     silent: bool,
+    /// Reply with this code and nothing else (SERVFAIL, REFUSED, ...).
+    failure: Option<ResponseCode>,
 }
 
 impl Behaviour {
@@ -61,6 +60,7 @@ impl Behaviour {
             nxdomain: false,
             truncate_udp: false,
             silent: false,
+            failure: None,
         }
     }
 }
@@ -138,10 +138,11 @@ async fn fake_serve(
             let Ok((stream, _)) = tcp.accept().await else {
                 continue;
             };
-            while let Ok(Some(request)) = read_frame(&stream).await {
+            let mut stream = stream;
+            while let Some(request) = read_frame(&mut stream).await {
                 tcp_queries.fetch_add(1, Ordering::SeqCst);
                 if let Some(reply) = fake_reply(&request, behaviour, false) {
-                    let _ = write_frame(&stream, &reply).await;
+                    write_frame(&mut stream, &reply).await;
                 }
             }
         }
@@ -178,7 +179,9 @@ fn fake_reply(request: &[u8], behaviour: Behaviour, over_udp: bool) -> Option<Ve
     if let Some(edns) = request.extensions() {
         reply.set_edns(edns.clone());
     }
-    if over_udp && behaviour.truncate_udp {
+    if let Some(code) = behaviour.failure {
+        reply.set_response_code(code);
+    } else if over_udp && behaviour.truncate_udp {
         reply.set_truncated(true);
     } else if behaviour.nxdomain {
         reply.set_response_code(ResponseCode::NXDomain);
@@ -212,6 +215,23 @@ fn name(text: &str) -> Name {
     Name::from_ascii(text).expect("a name")
 }
 
+/// Reads one DNS-over-TCP message (RFC 1035 section 4.2.2: a two-byte length first); `None` when
+/// the peer closed the connection.
+async fn read_frame(stream: &mut TcpStream) -> Option<Vec<u8>> {
+    let length = stream.read_u16().await.ok()?;
+    let mut message = vec![0; usize::from(length)];
+    stream.read_exact(&mut message).await.ok()?;
+    Some(message)
+}
+
+/// Writes one DNS-over-TCP message.
+async fn write_frame(stream: &mut TcpStream, message: &[u8]) {
+    let length = u16::try_from(message.len()).expect("a DNS message fits in 64 KiB");
+    let mut framed = length.to_be_bytes().to_vec();
+    framed.extend_from_slice(message);
+    stream.write_all(&framed).await.expect("send");
+}
+
 fn config(default_servers: Vec<SocketAddr>) -> CacheConfig {
     CacheConfig {
         listen: vec![SocketAddr::from((LOOPBACK, 0))],
@@ -221,7 +241,6 @@ fn config(default_servers: Vec<SocketAddr>) -> CacheConfig {
         max_negative_ttl: Duration::from_secs(300),
         stale_for: Duration::from_secs(30),
         max_entries: 1000,
-        max_bytes: 1 << 20,
         upstream_timeout: Duration::from_millis(500),
         allow: DEFAULT_ALLOW.to_vec(),
     }
@@ -230,31 +249,42 @@ fn config(default_servers: Vec<SocketAddr>) -> CacheConfig {
 /// The cache under test, serving until dropped.
 struct Running {
     address: SocketAddr,
-    resolver: Arc<Resolver>,
     stop: Option<oneshot::Sender<()>>,
     task: JoinHandle<()>,
 }
 
 impl Running {
     async fn start(config: CacheConfig) -> Self {
-        let server = CacheServer::bind(config).await.expect("bind the cache");
+        Self::start_with(config, DEFAULT_LIMITS).await
+    }
+
+    async fn start_with(config: CacheConfig, limits: Limits) -> Self {
+        let server = CacheServer::bind_with(config, limits)
+            .await
+            .expect("bind the cache");
         let address = server.local_addrs()[0];
-        let resolver = Arc::clone(&server.resolver);
         let (stop, stopped) = oneshot::channel();
         let task = tokio::spawn(server.serve(async {
             let _ = stopped.await;
         }));
         Self {
             address,
-            resolver,
             stop: Some(stop),
             task,
         }
     }
+}
 
-    fn advance(&self, by: Duration) {
-        self.resolver.clock.advance(by);
-    }
+const DEFAULT_LIMITS: Limits = Limits {
+    in_flight: 1024,
+    tcp_connections: 256,
+    tcp_idle: Duration::from_secs(10),
+};
+
+/// hickory-resolver's cache reads the real clock (it cannot be moved forward), so the tests
+/// that watch answers age sleep, with TTLs of seconds.
+async fn sleep(seconds: f64) {
+    tokio::time::sleep(Duration::from_secs_f64(seconds)).await;
 }
 
 impl Drop for Running {
@@ -271,7 +301,13 @@ fn query_bytes(id: u16, qname: &str, edns: bool) -> Vec<u8> {
 }
 
 fn typed_query_bytes(id: u16, qname: &str, record_type: RecordType, edns: bool) -> Vec<u8> {
-    let mut message = recursive_query(id, Query::query(name(qname), record_type));
+    let mut message = Message::new();
+    message
+        .set_id(id)
+        .set_message_type(MessageType::Query)
+        .set_op_code(OpCode::Query)
+        .set_recursion_desired(true)
+        .add_query(Query::query(name(qname), record_type));
     if edns {
         let mut options = Edns::new();
         options.set_max_payload(1232);
@@ -305,12 +341,9 @@ async fn udp_exchange(server: SocketAddr, request: &[u8]) -> Vec<u8> {
 /// Sends `request` over a fresh TCP connection; returns the reply's bytes.
 async fn tcp_exchange(server: SocketAddr, request: &[u8]) -> Vec<u8> {
     let exchange = async {
-        let stream = TcpStream::connect(server).await.expect("connect");
-        write_frame(&stream, request).await.expect("send");
-        read_frame(&stream)
-            .await
-            .expect("receive")
-            .expect("a reply")
+        let mut stream = TcpStream::connect(server).await.expect("connect");
+        write_frame(&mut stream, request).await;
+        read_frame(&mut stream).await.expect("a reply")
     };
     tokio::time::timeout(WAIT, exchange)
         .await
@@ -348,13 +381,13 @@ const UPSTREAM_B: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 1);
 
 #[tokio::test]
 async fn forwards_then_answers_from_the_cache() {
-    let upstream = FakeUpstream::start(Behaviour::answer(UPSTREAM_A, 300)).await;
+    let upstream = FakeUpstream::start(Behaviour::answer(UPSTREAM_A, 3)).await;
     let cache = Running::start(config(vec![upstream.address])).await;
 
     let first = udp_ask(cache.address, 0x1111, "www.example.com.").await;
     assert_eq!(first.response_code(), ResponseCode::NoError);
     assert_eq!(addresses(&first), vec![UPSTREAM_A]);
-    assert_eq!(ttls(&first), vec![300]);
+    assert_eq!(ttls(&first), vec![3]);
     assert!(first.recursion_available());
     assert!(first.extensions().is_some(), "EDNS back to an EDNS client");
     assert_eq!(upstream.udp_queries(), 1);
@@ -365,10 +398,13 @@ async fn forwards_then_answers_from_the_cache() {
     assert_eq!(second.queries()[0].name().to_ascii(), "WWW.Example.COM.");
     assert_eq!(upstream.udp_queries(), 1, "answered from the cache");
 
-    // TTLs count down with the cache's time.
-    cache.advance(Duration::from_secs(100));
+    // TTLs count down (whole seconds, rounded down).
+    sleep(1.1).await;
     let third = udp_ask_with(cache.address, 0x3333, "www.example.com.", false).await;
-    assert_eq!(ttls(&third), vec![200]);
+    let [ttl] = ttls(&third)[..] else {
+        panic!("one record: {third:?}");
+    };
+    assert!(ttl <= 1, "3 s, 1.1 s later: {ttl}");
     assert!(
         third.extensions().is_none(),
         "no EDNS to a client without it"
@@ -376,10 +412,26 @@ async fn forwards_then_answers_from_the_cache() {
     assert_eq!(upstream.udp_queries(), 1);
 
     // Expired: asked again.
-    cache.advance(Duration::from_secs(200));
+    sleep(2.1).await;
     let fourth = udp_ask(cache.address, 0x4444, "www.example.com.").await;
-    assert_eq!(ttls(&fourth), vec![300]);
+    assert_eq!(ttls(&fourth), vec![3]);
     assert_eq!(upstream.udp_queries(), 2);
+}
+
+#[tokio::test]
+async fn ttls_are_capped_at_max_ttl() {
+    let upstream = FakeUpstream::start(Behaviour::answer(UPSTREAM_A, 300)).await;
+    let mut config = config(vec![upstream.address]);
+    config.max_ttl = Duration::from_secs(60);
+    let cache = Running::start(config).await;
+    let fetched = udp_ask(cache.address, 1, "www.example.com.").await;
+    assert_eq!(ttls(&fetched), vec![60]);
+    let cached = udp_ask(cache.address, 2, "www.example.com.").await;
+    let [ttl] = ttls(&cached)[..] else {
+        panic!("one record: {cached:?}");
+    };
+    assert!((58..=60).contains(&ttl), "{ttl}");
+    assert_eq!(upstream.udp_queries(), 1);
 }
 
 #[tokio::test]
@@ -453,24 +505,45 @@ async fn servers_are_tried_in_order() {
 
 #[tokio::test]
 async fn serves_stale_when_the_upstream_is_gone_then_servfail() {
-    let upstream = FakeUpstream::start(Behaviour::answer(UPSTREAM_A, 10)).await;
-    let cache = Running::start(config(vec![upstream.address])).await;
+    let upstream = FakeUpstream::start(Behaviour::answer(UPSTREAM_A, 1)).await;
+    let mut config = config(vec![upstream.address]);
+    config.stale_for = Duration::from_secs(2);
+    let cache = Running::start(config).await;
     let fresh = udp_ask(cache.address, 1, "www.example.com.").await;
     assert_eq!(addresses(&fresh), vec![UPSTREAM_A]);
 
     upstream.stop().await;
-    // Expired 10 s ago, within stale_for (30 s): the stale answer, TTL 30.
-    cache.advance(Duration::from_secs(20));
+    // Expired a moment ago, within stale_for: the stale answer, TTL 30.
+    sleep(1.2).await;
     let stale = udp_ask(cache.address, 2, "www.example.com.").await;
     assert_eq!(stale.response_code(), ResponseCode::NoError);
     assert_eq!(addresses(&stale), vec![UPSTREAM_A]);
     assert_eq!(ttls(&stale), vec![STALE_TTL]);
 
-    // Expired 40 s ago: nothing left to serve.
-    cache.advance(Duration::from_secs(30));
+    // Expired more than stale_for ago: nothing left to serve.
+    sleep(2.0).await;
     let failed = udp_ask(cache.address, 3, "www.example.com.").await;
     assert_eq!(failed.response_code(), ResponseCode::ServFail);
     assert!(failed.answers().is_empty());
+}
+
+#[tokio::test]
+async fn an_upstreams_servfail_or_refused_is_a_failure_not_an_empty_answer() {
+    for code in [ResponseCode::ServFail, ResponseCode::Refused] {
+        let upstream = FakeUpstream::start(Behaviour {
+            failure: Some(code),
+            ..Behaviour::answer(UPSTREAM_A, 60)
+        })
+        .await;
+        let cache = Running::start(config(vec![upstream.address])).await;
+        let reply = udp_ask(cache.address, 1, "www.example.com.").await;
+        assert_eq!(
+            reply.response_code(),
+            ResponseCode::ServFail,
+            "upstream {code}"
+        );
+        assert!(reply.answers().is_empty());
+    }
 }
 
 #[tokio::test]
@@ -616,8 +689,8 @@ async fn clients_outside_allow_are_refused_with_a_small_reply() {
     let mut config = config(vec![upstream.address]);
     // The tests' client is 127.0.0.1: outside these.
     config.allow = vec![
-        "10.0.0.0/8".parse::<Cidr>().expect("CIDR"),
-        "::1/128".parse().expect("CIDR"),
+        parse_network("10.0.0.0/8").expect("CIDR"),
+        parse_network("::1/128").expect("CIDR"),
     ];
     let cache = Running::start(config).await;
 
@@ -638,12 +711,18 @@ async fn clients_outside_allow_are_refused_with_a_small_reply() {
         assert!(reply.extensions().is_none(), "no OPT record");
         assert!(!reply.recursion_available());
     }
-    // A question that does not decode: the header alone.
+    // A question that does not decode gets FORMERR before anyone looks at the client (from
+    // hickory-server), still no larger than the query.
     let garbage = [
         0x42, 0x42, 0x01, 0x00, 0, 1, 0, 0, 0, 0, 0, 0, 7, b'e', b'x',
     ];
     let reply = udp_exchange(cache.address, &garbage).await;
-    assert_eq!(reply, [0x42, 0x42, 0x81, 0x05, 0, 0, 0, 0, 0, 0, 0, 0]);
+    assert!(reply.len() <= garbage.len(), "{reply:?}");
+    let reply = Message::from_vec(&reply).expect("a DNS message");
+    assert_eq!(
+        (reply.id(), reply.response_code()),
+        (0x4242, ResponseCode::FormErr)
+    );
 
     let over_tcp = tcp_exchange(cache.address, &query_bytes(7, "www.example.com.", false)).await;
     let over_tcp = Message::from_vec(&over_tcp).expect("a DNS message");
@@ -661,7 +740,7 @@ async fn clients_outside_allow_are_refused_with_a_small_reply() {
 async fn clients_inside_allow_are_answered() {
     let upstream = FakeUpstream::start(Behaviour::answer(UPSTREAM_A, 60)).await;
     let mut config = config(vec![upstream.address]);
-    config.allow = vec!["127.0.0.1".parse::<Cidr>().expect("CIDR")];
+    config.allow = vec![parse_network("127.0.0.1").expect("CIDR")];
     let cache = Running::start(config).await;
     let reply = udp_ask(cache.address, 1, "www.example.com.").await;
     assert_eq!(reply.response_code(), ResponseCode::NoError);
@@ -685,7 +764,7 @@ async fn any_gets_the_rfc_8482_answer_without_forwarding() {
         };
         assert_eq!(record.name(), &name("www.example.com."));
         assert_eq!(record.record_type(), RecordType::HINFO);
-        assert_eq!(record.ttl(), 3600);
+        assert_eq!(record.ttl(), ANY_TTL);
         let RData::HINFO(hinfo) = record.data() else {
             panic!("HINFO: {record:?}");
         };
@@ -699,8 +778,25 @@ async fn any_gets_the_rfc_8482_answer_without_forwarding() {
 }
 
 #[tokio::test]
-async fn large_tcp_answers_are_forwarded_but_not_cached() {
-    // 300 A records: about 4.8 KB, over MAX_CACHED_MESSAGE_BYTES; UDP truncated, so over TCP.
+async fn special_use_names_are_answered_without_forwarding() {
+    let upstream = FakeUpstream::start(Behaviour::answer(UPSTREAM_A, 60)).await;
+    let cache = Running::start(config(vec![upstream.address])).await;
+    let localhost = udp_ask(cache.address, 1, "localhost.").await;
+    assert_eq!(addresses(&localhost), vec![Ipv4Addr::LOCALHOST]);
+    for (id, invalid) in [(2, "x.invalid."), (3, "x.onion.")] {
+        let reply = udp_ask(cache.address, id, invalid).await;
+        assert_eq!(reply.response_code(), ResponseCode::NXDomain, "{invalid}");
+    }
+    assert_eq!(
+        upstream.udp_queries(),
+        0,
+        "RFC 6761 names are not forwarded"
+    );
+}
+
+#[tokio::test]
+async fn large_tcp_answers_are_forwarded_and_cached() {
+    // 300 A records: about 4.8 KB; UDP truncated, so over TCP.
     let upstream = FakeUpstream::start(Behaviour {
         records: 300,
         truncate_udp: true,
@@ -713,8 +809,71 @@ async fn large_tcp_answers_are_forwarded_but_not_cached() {
         assert_eq!(reply.answers().len(), 300);
     }
     assert_eq!(
-        upstream.tcp_queries(),
-        2,
-        "asked again: the first answer was not cached"
+        (upstream.udp_queries(), upstream.tcp_queries()),
+        (1, 1),
+        "hickory-resolver's cache keeps answers of any size"
     );
+}
+
+#[tokio::test]
+async fn beyond_the_queries_in_flight_the_cache_answers_servfail_at_once() {
+    let silent = FakeUpstream::start(Behaviour {
+        silent: true,
+        ..Behaviour::answer(UPSTREAM_A, 60)
+    })
+    .await;
+    let limits = Limits {
+        in_flight: 1,
+        ..DEFAULT_LIMITS
+    };
+    let cache = Running::start_with(config(vec![silent.address]), limits).await;
+    let address = cache.address;
+    let waiting = tokio::spawn(async move { udp_ask(address, 1, "slow.example.").await });
+    // Until the first query reaches the upstream, the permit may still be free.
+    while silent.udp_queries() == 0 {
+        sleep(0.01).await;
+    }
+    let refused = udp_ask(cache.address, 2, "other.example.").await;
+    assert_eq!(refused.response_code(), ResponseCode::ServFail);
+    assert!(
+        !waiting.is_finished(),
+        "the second query was answered while the first still waited"
+    );
+    assert_eq!(
+        silent.udp_queries(),
+        1,
+        "the second query was not forwarded"
+    );
+    let first = waiting.await.expect("no panic");
+    assert_eq!(first.response_code(), ResponseCode::ServFail, "timed out");
+}
+
+#[tokio::test]
+async fn beyond_its_tcp_connections_the_cache_accepts_when_one_closes() {
+    let upstream = FakeUpstream::start(Behaviour::answer(UPSTREAM_A, 60)).await;
+    let limits = Limits {
+        tcp_connections: 1,
+        ..DEFAULT_LIMITS
+    };
+    let cache = Running::start_with(config(vec![upstream.address]), limits).await;
+    let mut first = TcpStream::connect(cache.address).await.expect("connect");
+    write_frame(&mut first, &query_bytes(1, "one.example.", false)).await;
+    read_frame(&mut first)
+        .await
+        .expect("the first connection is served");
+
+    // Connected by the kernel (the backlog), but not accepted: no answer while the first is open.
+    let mut second = TcpStream::connect(cache.address).await.expect("connect");
+    write_frame(&mut second, &query_bytes(2, "two.example.", false)).await;
+    let early = tokio::time::timeout(Duration::from_millis(300), read_frame(&mut second)).await;
+    assert!(early.is_err(), "answered beyond the bound: {early:?}");
+    assert_eq!(upstream.udp_queries(), 1);
+
+    drop(first);
+    let reply = tokio::time::timeout(WAIT, read_frame(&mut second))
+        .await
+        .expect("served once the first closed")
+        .expect("a reply");
+    let reply = Message::from_vec(&reply).expect("a DNS message");
+    assert_eq!(addresses(&reply), vec![UPSTREAM_A]);
 }

@@ -7,8 +7,7 @@
 //! max_ttl_secs = 3600              # positive answers are cached at most this long
 //! max_negative_ttl_secs = 300      # NXDOMAIN / NODATA at most this long (0: not cached)
 //! stale_for_secs = 30              # expired answers served while upstreams fail (0: never)
-//! max_entries = 10000              # the earliest-expiring entry makes room for a new one
-//! max_bytes = 16777216             # likewise, counting the cached messages' wire size
+//! max_entries = 10000              # answers cached (and kept for serving stale)
 //! upstream_timeout_ms = 2000       # per upstream server and transport
 //! allow = ["10.0.0.0/8", "127.0.0.1"]  # clients answered; others get REFUSED (default below)
 //!
@@ -23,14 +22,13 @@
 //! refused unless `allow` is given explicitly.
 
 use std::{
-    fmt,
     net::{AddrParseError, IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
     path::{Path, PathBuf},
-    str::FromStr,
     time::Duration,
 };
 
 use hickory_proto::{ProtoError, rr::Name};
+use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 use serde::Deserialize;
 
 /// Positive answers are cached at most this long unless told otherwise.
@@ -44,25 +42,26 @@ pub const DEFAULT_STALE_FOR: Duration = Duration::from_secs(30);
 pub const DEFAULT_MAX_ENTRIES: usize = 10_000;
 /// How long one upstream server gets to answer, unless told otherwise.
 pub const DEFAULT_UPSTREAM_TIMEOUT: Duration = Duration::from_secs(2);
-/// Bytes of cached messages (their wire size) unless told otherwise: 16 MiB.
-pub const DEFAULT_MAX_BYTES: usize = 16 * 1024 * 1024;
-/// The largest response that is cached, in wire bytes. Larger ones (they come over TCP, up to
-/// 64 KiB) are forwarded but not kept: a few such names would otherwise take much of the byte
-/// budget. 4096 is the EDNS buffer size resolvers long advertised; ordinary answers are far
-/// smaller.
-pub const MAX_CACHED_MESSAGE_BYTES: usize = 4096;
 /// The clients answered unless `allow` says otherwise: loopback, link-local and the private
 /// ranges (RFC 1918, RFC 4193 ULA), where pods and nodes are.
-pub const DEFAULT_ALLOW: [Cidr; 8] = [
-    Cidr::v4(Ipv4Addr::new(127, 0, 0, 0), 8),
-    Cidr::v4(Ipv4Addr::new(169, 254, 0, 0), 16),
-    Cidr::v4(Ipv4Addr::new(10, 0, 0, 0), 8),
-    Cidr::v4(Ipv4Addr::new(172, 16, 0, 0), 12),
-    Cidr::v4(Ipv4Addr::new(192, 168, 0, 0), 16),
-    Cidr::v6(Ipv6Addr::LOCALHOST, 128),
-    Cidr::v6(Ipv6Addr::new(0xfe80, 0, 0, 0, 0, 0, 0, 0), 10),
-    Cidr::v6(Ipv6Addr::new(0xfc00, 0, 0, 0, 0, 0, 0, 0), 7),
+pub const DEFAULT_ALLOW: [IpNet; 8] = [
+    v4(Ipv4Addr::new(127, 0, 0, 0), 8),
+    v4(Ipv4Addr::new(169, 254, 0, 0), 16),
+    v4(Ipv4Addr::new(10, 0, 0, 0), 8),
+    v4(Ipv4Addr::new(172, 16, 0, 0), 12),
+    v4(Ipv4Addr::new(192, 168, 0, 0), 16),
+    v6(Ipv6Addr::LOCALHOST, 128),
+    v6(Ipv6Addr::new(0xfe80, 0, 0, 0, 0, 0, 0, 0), 10),
+    v6(Ipv6Addr::new(0xfc00, 0, 0, 0, 0, 0, 0, 0), 7),
 ];
+
+const fn v4(network: Ipv4Addr, prefix_len: u8) -> IpNet {
+    IpNet::V4(Ipv4Net::new_assert(network, prefix_len))
+}
+
+const fn v6(network: Ipv6Addr, prefix_len: u8) -> IpNet {
+    IpNet::V6(Ipv6Net::new_assert(network, prefix_len))
+}
 
 /// The port upstreams and listen addresses given without one use.
 const DNS_PORT: u16 = 53;
@@ -72,11 +71,6 @@ const MAX_SECS: u64 = 7 * 24 * 3600;
 const MAX_NEGATIVE_SECS: u64 = 3 * 3600;
 /// Largest accepted `max_entries`.
 const MAX_ENTRIES: u64 = 10_000_000;
-/// Smallest accepted `max_bytes`: room for one largest cacheable answer
-/// ([`MAX_CACHED_MESSAGE_BYTES`]).
-const MIN_BYTES: u64 = 4096;
-/// Largest accepted `max_bytes`: 4 GiB.
-const MAX_BYTES: u64 = 1 << 32;
 /// Longest accepted `upstream_timeout_ms`.
 const MAX_TIMEOUT_MS: u64 = 30_000;
 
@@ -84,7 +78,7 @@ const MAX_TIMEOUT_MS: u64 = 30_000;
 #[derive(Clone, PartialEq, Eq, Debug)]
 pub struct CacheConfig {
     /// Where to answer, each on UDP and TCP. Port 0 (only from code, the file refuses it) binds
-    /// an ephemeral port, the same for both; [`crate::dns_cache::CacheServer::local_addrs`]
+    /// an ephemeral port, the same for both; [`crate::CacheServer::local_addrs`]
     /// tells which.
     pub listen: Vec<SocketAddr>,
     /// Zones with their own upstreams, lowercase and fully qualified.
@@ -97,159 +91,57 @@ pub struct CacheConfig {
     pub max_negative_ttl: Duration,
     /// How long after expiry an answer may be served stale; zero: never.
     pub stale_for: Duration,
-    /// Most cache entries.
+    /// Most answers cached (hickory-resolver's cache), and most kept for serving stale.
     pub max_entries: usize,
-    /// Most bytes of cached messages (their wire size; per-entry bookkeeping comes on top).
-    pub max_bytes: usize,
     /// How long one upstream server gets per transport (UDP, then TCP after a truncated reply).
     pub upstream_timeout: Duration,
     /// The clients answered; everyone else gets REFUSED (over UDP a reply no larger than the
     /// query). [`DEFAULT_ALLOW`] unless the file says otherwise.
-    pub allow: Vec<Cidr>,
+    pub allow: Vec<IpNet>,
 }
 
-/// An IP network: an address and a prefix length, the bits beyond the prefix zero.
-#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
-pub struct Cidr {
-    network: IpAddr,
-    prefix_len: u8,
-}
-
-impl Cidr {
-    /// The network `network`/`prefix_len`.
-    ///
-    /// # Errors
-    ///
-    /// [`CidrError::PrefixTooLong`] beyond 32 (IPv4) or 128 (IPv6) bits,
-    /// [`CidrError::HostBits`] when `network` has bits set beyond the prefix.
-    pub fn new(network: IpAddr, prefix_len: u8) -> Result<Self, CidrError> {
-        let max = max_prefix_len(network);
-        if prefix_len > max {
-            return Err(CidrError::PrefixTooLong {
-                prefix: prefix_len.to_string(),
-                max,
-            });
+/// Parses an `allow` entry: `"10.0.0.0/8"`, `"fd00::/8"`, or an address alone for just that
+/// address (`/32`, `/128`). Refuses bits set beyond the prefix, which is most likely a host
+/// address where a network was meant.
+///
+/// # Errors
+///
+/// [`NetworkError`] saying what is wrong and what to write instead.
+pub fn parse_network(text: &str) -> Result<IpNet, NetworkError> {
+    let network = match text.split_once('/') {
+        None => IpNet::from(
+            text.parse::<IpAddr>()
+                .map_err(|source| NetworkError::Address { source })?,
+        ),
+        Some((address, _)) => {
+            address
+                .parse::<IpAddr>()
+                .map_err(|source| NetworkError::Address { source })?;
+            text.parse::<IpNet>()
+                .map_err(|source| NetworkError::Prefix { source })?
         }
-        let cidr = Self {
-            network,
-            prefix_len,
-        };
-        let masked = cidr.masked(network);
-        if masked != network {
-            return Err(CidrError::HostBits {
-                network: Self {
-                    network: masked,
-                    prefix_len,
-                },
-            });
-        }
-        Ok(cidr)
+    };
+    if network.trunc() != network {
+        return Err(NetworkError::HostBits {
+            network: network.trunc(),
+        });
     }
-
-    const fn v4(network: Ipv4Addr, prefix_len: u8) -> Self {
-        Self {
-            network: IpAddr::V4(network),
-            prefix_len,
-        }
-    }
-
-    const fn v6(network: Ipv6Addr, prefix_len: u8) -> Self {
-        Self {
-            network: IpAddr::V6(network),
-            prefix_len,
-        }
-    }
-
-    /// The network address.
-    #[must_use]
-    pub fn network(&self) -> IpAddr {
-        self.network
-    }
-
-    /// The prefix length in bits.
-    #[must_use]
-    pub fn prefix_len(&self) -> u8 {
-        self.prefix_len
-    }
-
-    /// True if `address` is in this network. An IPv4-mapped IPv6 address (`::ffff:10.0.0.1`,
-    /// how a dual-stack socket sees an IPv4 client) also counts as its IPv4 address.
-    #[must_use]
-    pub fn contains(&self, address: IpAddr) -> bool {
-        let canonical = address.to_canonical();
-        [address, canonical].into_iter().any(|address| {
-            address.is_ipv4() == self.network.is_ipv4() && self.masked(address) == self.network
-        })
-    }
-
-    /// `address` with the bits beyond the prefix cleared (`address` of this family).
-    fn masked(&self, address: IpAddr) -> IpAddr {
-        match address {
-            IpAddr::V4(address) => {
-                let mask = u32::MAX
-                    .checked_shl(32 - u32::from(self.prefix_len))
-                    .unwrap_or(0);
-                IpAddr::V4(Ipv4Addr::from_bits(address.to_bits() & mask))
-            }
-            IpAddr::V6(address) => {
-                let mask = u128::MAX
-                    .checked_shl(128 - u32::from(self.prefix_len))
-                    .unwrap_or(0);
-                IpAddr::V6(Ipv6Addr::from_bits(address.to_bits() & mask))
-            }
-        }
-    }
+    Ok(network)
 }
 
-fn max_prefix_len(address: IpAddr) -> u8 {
-    if address.is_ipv4() { 32 } else { 128 }
+/// True if `client` is in one of `allow`. An IPv4-mapped IPv6 address (`::ffff:10.0.0.1`, how a
+/// dual-stack socket sees an IPv4 client) also counts as its IPv4 address.
+#[must_use]
+pub fn allowed(allow: &[IpNet], client: IpAddr) -> bool {
+    let canonical = client.to_canonical();
+    allow
+        .iter()
+        .any(|network| network.contains(&client) || network.contains(&canonical))
 }
 
-impl fmt::Display for Cidr {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}/{}", self.network, self.prefix_len)
-    }
-}
-
-impl FromStr for Cidr {
-    type Err = CidrError;
-
-    /// `"10.0.0.0/8"`, `"fd00::/8"`, or an address alone for just that address (`/32`, `/128`).
-    fn from_str(text: &str) -> Result<Self, CidrError> {
-        let (address, prefix) = match text.split_once('/') {
-            Some((address, prefix)) => (address, Some(prefix)),
-            None => (text, None),
-        };
-        let network = address
-            .parse::<IpAddr>()
-            .map_err(|source| CidrError::Address { source })?;
-        let max = max_prefix_len(network);
-        let prefix_len = match prefix {
-            None => max,
-            // Digits only: no sign, no spaces, no hex; at most three of them.
-            Some(prefix)
-                if (1..=3).contains(&prefix.len())
-                    && prefix.bytes().all(|byte| byte.is_ascii_digit()) =>
-            {
-                prefix.parse::<u8>().map_err(|_| CidrError::PrefixTooLong {
-                    prefix: prefix.to_owned(),
-                    max,
-                })?
-            }
-            Some(prefix) => {
-                return Err(CidrError::BadPrefix {
-                    prefix: prefix.to_owned(),
-                    max,
-                });
-            }
-        };
-        Self::new(network, prefix_len)
-    }
-}
-
-/// Why a text or an address and length is not a [`Cidr`].
+/// Why a text is not an `allow` network.
 #[derive(Debug, thiserror::Error)]
-pub enum CidrError {
+pub enum NetworkError {
     /// The part before the `/` is not an address.
     #[error("the part before \"/\" is not an IPv4 or IPv6 address")]
     Address {
@@ -257,27 +149,18 @@ pub enum CidrError {
         #[source]
         source: AddrParseError,
     },
-    /// The part after the `/` is not a number.
-    #[error("the prefix length {prefix:?} is not a number; give 0 to {max}")]
-    BadPrefix {
-        /// The text after the `/`.
-        prefix: String,
-        /// The longest prefix of the address family.
-        max: u8,
-    },
-    /// A prefix longer than the address.
-    #[error("the prefix length {prefix} is longer than the address; give 0 to {max}")]
-    PrefixTooLong {
-        /// The prefix length given.
-        prefix: String,
-        /// The longest prefix of the address family.
-        max: u8,
+    /// The part after the `/` is not a prefix length of the address's family.
+    #[error("the prefix length is not a number from 0 to 32 (IPv4) or 128 (IPv6)")]
+    Prefix {
+        /// The parser's complaint.
+        #[source]
+        source: ipnet::AddrParseError,
     },
     /// Bits set beyond the prefix: probably a host address where the network was meant.
     #[error("bits are set beyond the prefix length; write the network address, {network}")]
     HostBits {
         /// The network the text most likely meant.
-        network: Cidr,
+        network: IpNet,
     },
 }
 
@@ -393,7 +276,7 @@ pub enum CacheConfigError {
         value: String,
         /// What is wrong with it.
         #[source]
-        source: CidrError,
+        source: NetworkError,
     },
     /// `allow = []`.
     #[error(
@@ -413,6 +296,12 @@ pub enum CacheConfigError {
         /// The address.
         address: SocketAddr,
     },
+    /// `max_bytes`, which the cache before hickory-resolver had.
+    #[error(
+        "max_bytes: the cache no longer has a byte budget (hickory-resolver's cache counts \
+         answers); remove the key and bound the cache with max_entries"
+    )]
+    MaxBytesGone,
     /// A number out of range.
     #[error("{key}: {value} is out of range; give {allowed}")]
     OutOfRange {
@@ -438,6 +327,7 @@ struct RawCacheConfig {
     max_negative_ttl_secs: Option<u64>,
     stale_for_secs: Option<u64>,
     max_entries: Option<u64>,
+    /// Refused with [`CacheConfigError::MaxBytesGone`], not as an unknown key: it was valid once.
     max_bytes: Option<u64>,
     upstream_timeout_ms: Option<u64>,
     allow: Option<Vec<String>>,
@@ -510,13 +400,11 @@ impl CacheConfig {
                 .iter()
                 .enumerate()
                 .map(|(index, value)| {
-                    value
-                        .parse::<Cidr>()
-                        .map_err(|source| CacheConfigError::BadCidr {
-                            key: format!("allow[{index}]"),
-                            value: value.clone(),
-                            source,
-                        })
+                    parse_network(value).map_err(|source| CacheConfigError::BadCidr {
+                        key: format!("allow[{index}]"),
+                        value: value.clone(),
+                        source,
+                    })
                 })
                 .collect::<Result<Vec<_>, _>>()?,
         };
@@ -591,17 +479,9 @@ impl CacheConfig {
                 });
             }
         };
-        let max_bytes = match raw.max_bytes {
-            None => DEFAULT_MAX_BYTES,
-            Some(value @ MIN_BYTES..=MAX_BYTES) => usize::try_from(value).unwrap_or(usize::MAX),
-            Some(value) => {
-                return Err(CacheConfigError::OutOfRange {
-                    key: "max_bytes",
-                    value,
-                    allowed: "4096 (one largest cacheable answer) to 4294967296 bytes",
-                });
-            }
-        };
+        if raw.max_bytes.is_some() {
+            return Err(CacheConfigError::MaxBytesGone);
+        }
         let upstream_timeout = match raw.upstream_timeout_ms {
             None => DEFAULT_UPSTREAM_TIMEOUT,
             Some(value @ 1..=MAX_TIMEOUT_MS) => Duration::from_millis(value),
@@ -622,7 +502,6 @@ impl CacheConfig {
             max_negative_ttl,
             stale_for,
             max_entries,
-            max_bytes,
             upstream_timeout,
             allow,
         })
@@ -632,13 +511,18 @@ impl CacheConfig {
     /// `default_servers` (possibly empty).
     #[must_use]
     pub fn upstreams_for(&self, name: &Name) -> &[SocketAddr] {
-        let name = name.to_lowercase();
-        self.zones
-            .iter()
-            .filter(|zone| zone.name.zone_of_case(&name))
-            .max_by_key(|zone| zone.name.iter().len())
-            .map_or(&self.default_servers, |zone| &zone.servers)
+        longest_zone(&self.zones, name).map_or(&self.default_servers, |(_, zone)| &zone.servers)
     }
+}
+
+/// The longest of `zones` that contains `name` (any case), with its index.
+pub(crate) fn longest_zone<'z>(zones: &'z [Zone], name: &Name) -> Option<(usize, &'z Zone)> {
+    let name = name.to_lowercase();
+    zones
+        .iter()
+        .enumerate()
+        .filter(|(_, zone)| zone.name.zone_of_case(&name))
+        .max_by_key(|(_, zone)| zone.name.num_labels())
 }
 
 /// Parses `values` (the list at `key`) as socket addresses, port 53 when none is given.
@@ -731,7 +615,6 @@ mod tests {
             max_negative_ttl_secs = 0
             stale_for_secs = 45
             max_entries = 100
-            max_bytes = 65536
             upstream_timeout_ms = 750
             allow = ["10.0.0.0/8", "192.0.2.7", "fd00::/8", "0.0.0.0/0"]
 
@@ -769,7 +652,6 @@ mod tests {
         assert_eq!(config.max_negative_ttl, Duration::ZERO);
         assert_eq!(config.stale_for, Duration::from_secs(45));
         assert_eq!(config.max_entries, 100);
-        assert_eq!(config.max_bytes, 65536);
         assert_eq!(config.upstream_timeout, Duration::from_millis(750));
         assert_eq!(
             config
@@ -795,17 +677,15 @@ mod tests {
         assert_eq!(config.max_negative_ttl, DEFAULT_MAX_NEGATIVE_TTL);
         assert_eq!(config.stale_for, DEFAULT_STALE_FOR);
         assert_eq!(config.max_entries, DEFAULT_MAX_ENTRIES);
-        assert_eq!(config.max_bytes, DEFAULT_MAX_BYTES);
-        assert_eq!(config.max_bytes, 16 * 1024 * 1024);
         assert_eq!(config.upstream_timeout, DEFAULT_UPSTREAM_TIMEOUT);
         assert_eq!(config.allow, DEFAULT_ALLOW);
     }
 
     #[test]
     fn the_default_allow_is_loopback_link_local_and_private() {
-        let allowed = |text: &str| {
+        let is_allowed = |text: &str| {
             let address: IpAddr = text.parse().expect("address");
-            DEFAULT_ALLOW.iter().any(|cidr| cidr.contains(address))
+            allowed(&DEFAULT_ALLOW, address)
         };
         for inside in [
             "127.0.0.1",
@@ -823,7 +703,7 @@ mod tests {
             "fd00:1::2",
             "::ffff:10.1.2.3",
         ] {
-            assert!(allowed(inside), "{inside} is allowed");
+            assert!(is_allowed(inside), "{inside} is allowed");
         }
         for outside in [
             "8.8.8.8",
@@ -844,24 +724,22 @@ mod tests {
             "2001:db8::1",
             "::ffff:8.8.8.8",
         ] {
-            assert!(!allowed(outside), "{outside} is refused");
+            assert!(!is_allowed(outside), "{outside} is refused");
         }
-        for cidr in DEFAULT_ALLOW {
-            assert_eq!(
-                Cidr::new(cidr.network(), cidr.prefix_len()).ok(),
-                Some(cidr),
-                "{cidr} is a valid network"
-            );
+        for network in DEFAULT_ALLOW {
+            assert_eq!(network.trunc(), network, "{network} is a network address");
         }
     }
 
     #[test]
     fn cidrs_parse_strictly() {
-        let cidr = |text: &str| text.parse::<Cidr>();
+        const PREFIX: &str = "the prefix length is not a number from 0 to 32 (IPv4) or 128 (IPv6)";
+        let cidr = parse_network;
         let contains = |network: &str, address: &str| {
-            cidr(network)
-                .expect("CIDR")
-                .contains(address.parse().expect("address"))
+            allowed(
+                &[cidr(network).expect("CIDR")],
+                address.parse().expect("address"),
+            )
         };
         assert!(contains("0.0.0.0/0", "203.0.113.9"));
         assert!(!contains("0.0.0.0/0", "2001:db8::1"), "one family");
@@ -880,17 +758,14 @@ mod tests {
         for (text, expected) in [
             ("10.0.0.1/8", "write the network address, 10.0.0.0/8"),
             ("fd00::1/8", "write the network address, fd00::/8"),
-            (
-                "10.0.0.0/33",
-                "the prefix length 33 is longer than the address; give 0 to 32",
-            ),
-            ("fd00::/129", "give 0 to 128"),
-            ("10.0.0.0/999", "the prefix length 999 is longer"),
-            ("10.0.0.0/", "the prefix length \"\" is not a number"),
-            ("10.0.0.0/+8", "\"+8\" is not a number"),
-            ("10.0.0.0/ 8", "is not a number"),
-            ("10.0.0.0/0008", "is not a number"),
-            ("10.0.0.0/8/8", "is not a number"),
+            ("10.0.0.0/33", PREFIX),
+            ("fd00::/129", PREFIX),
+            ("10.0.0.0/999", PREFIX),
+            ("10.0.0.0/", PREFIX),
+            ("10.0.0.0/+8", PREFIX),
+            ("10.0.0.0/ 8", PREFIX),
+            ("10.0.0.0/0008", PREFIX),
+            ("10.0.0.0/8/8", PREFIX),
             ("example.com/8", "is not an IPv4 or IPv6 address"),
             ("", "is not an IPv4 or IPv6 address"),
             ("10.0.0.0:53", "is not an IPv4 or IPv6 address"),
@@ -990,12 +865,8 @@ mod tests {
             ),
             (&format!("{base}max_ttl_secs = \"1h\"\n"), "max_ttl_secs"),
             (
-                &format!("{base}max_bytes = 4095\n"),
-                "max_bytes: 4095 is out of range; give 4096",
-            ),
-            (
-                &format!("{base}max_bytes = 8589934592\n"),
-                "max_bytes: 8589934592 is out of range",
+                &format!("{base}max_bytes = 16777216\n"),
+                "max_bytes: the cache no longer has a byte budget",
             ),
             (
                 &format!("{base}allow = []\n"),

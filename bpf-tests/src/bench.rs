@@ -5,15 +5,18 @@ use std::{net::SocketAddr, sync::Arc, thread::JoinHandle, time::Duration};
 
 use anyhow::Context as _;
 use redirector::{
-    agent::{Agent, AgentStats, StartOptions, uninstall},
+    agent::{Agent, StartOptions, uninstall},
     config::Config,
     datapath::Maps,
     sources::Upstream,
+    telemetry::stats::AgentStats,
 };
 use redirector_common::{
     counters::ListenerCounters,
     listener::SocketCounts,
+    pool::Target,
     reverse::{ReverseKey, ReverseValue},
+    settings::Mode,
 };
 
 use crate::sandbox::{CacheSpec, Sandbox, Tools};
@@ -238,15 +241,18 @@ impl Bench {
         Self::start(tools, Sandbox::start_standard_servers, standard_listeners)
     }
 
-    /// Sets a listener's mode (`MODE_*`), as `redirector state` does.
-    pub fn set_mode(&mut self, id: u32, mode: u32) -> anyhow::Result<()> {
+    /// Sets a listener's mode, as `redirector state` does.
+    pub fn set_mode(&mut self, id: u32, mode: Mode) -> anyhow::Result<()> {
         Ok(self.maps.set_mode(id, mode)?)
     }
 
     /// Replaces a listener's upstream pool.
     pub fn set_pool(&mut self, id: u32, upstreams: &[SocketAddr]) -> anyhow::Result<()> {
-        let upstreams: Vec<Upstream> = upstreams.iter().copied().map(Upstream::from).collect();
-        self.maps.set_pool(id, &upstreams)?;
+        let targets: Vec<Target> = upstreams
+            .iter()
+            .map(|&address| Upstream::from(address).target())
+            .collect();
+        self.maps.set_pool(id, &targets)?;
         Ok(())
     }
 

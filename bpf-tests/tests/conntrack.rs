@@ -18,7 +18,7 @@ use bpf_tests::{
     },
 };
 use redirector::conntrack_bypass::BypassStatus;
-use redirector_common::listener::MODE_UPSTREAM;
+use redirector_common::settings::Mode;
 
 fn tools() -> Tools {
     bpf_tests::tools!()
@@ -115,8 +115,8 @@ fn failover_traffic_stays_tracked_and_its_replies_arrive() -> anyhow::Result<()>
     let sandbox = tracked_sandbox()?;
     let text = config(&sandbox, "");
     let mut bench = Bench::with_config(sandbox, &text)?;
-    bench.set_mode(NODE_ID, MODE_UPSTREAM)?;
-    bench.set_mode(V6_ID, MODE_UPSTREAM)?;
+    bench.set_mode(NODE_ID, Mode::Upstream)?;
+    bench.set_mode(V6_ID, Mode::Upstream)?;
     let (answered, sent) = query_everything(&bench.sandbox)?;
     assert_eq!(answered.len(), sent);
     assert!(

@@ -13,11 +13,7 @@ use bpf_tests::{
 };
 use std::time::{Duration, Instant};
 
-use redirector_common::{
-    counters::ListenerCounters,
-    listener::{MODE_CACHE, MODE_UPSTREAM},
-    stale::FAILBACK_GRACE_NS,
-};
+use redirector_common::{counters::ListenerCounters, settings::Mode, stale::FAILBACK_GRACE_NS};
 
 fn tools() -> Tools {
     bpf_tests::tools!()
@@ -119,13 +115,13 @@ fn a_connected_socket_follows_every_route_change_at_its_next_send() -> anyhow::R
     for (id, query) in cases {
         let before = moves(&bench, id)?;
         let (mut client, _) = held(&bench, query, 4, "cache")?;
-        bench.set_mode(id, MODE_UPSTREAM)?;
+        bench.set_mode(id, Mode::Upstream)?;
         assert_answered(&client.ask()?, &query, "upstream", Some(EPERM));
         let reopened = Instant::now();
         // Nothing changed: the socket stays where it is.
         assert_answered(&client.ask()?, &query, "upstream", None);
         outlast_failback_grace(reopened);
-        bench.set_mode(id, MODE_CACHE)?;
+        bench.set_mode(id, Mode::Cache)?;
         assert_answered(&client.ask()?, &query, "cache", Some(EPERM));
         let after = moves(&bench, id)?;
         assert_eq!(
@@ -147,12 +143,12 @@ fn a_socket_connected_just_before_a_failback_finishes_on_its_upstream() -> anyho
     let mut bench = Bench::standard(tools())?;
     let query = Query::new(dns(NODE_LISTENER), Transport::UdpConnected);
 
-    bench.set_mode(NODE_ID, MODE_UPSTREAM)?;
+    bench.set_mode(NODE_ID, Mode::Upstream)?;
     let mut on_upstream =
         bench
             .sandbox
             .held_client_idle(Ns::Pod, bench.sandbox.cgroup(), query, 2, true)?;
-    bench.set_mode(NODE_ID, MODE_CACHE)?;
+    bench.set_mode(NODE_ID, Mode::Cache)?;
     let first = on_upstream.ask()?;
     // Timed from the connect (the client's clock, the kernel's monotonic one), not from the
     // client's start: a slow VM may take over a second to start a process in the pod.
@@ -174,7 +170,7 @@ fn a_socket_connected_just_before_a_failback_finishes_on_its_upstream() -> anyho
         bench
             .sandbox
             .held_client_idle(Ns::Pod, bench.sandbox.cgroup(), query, 1, true)?;
-    bench.set_mode(NODE_ID, MODE_UPSTREAM)?;
+    bench.set_mode(NODE_ID, Mode::Upstream)?;
     assert_answered(&on_cache.ask()?, &query, "upstream", Some(EPERM));
     assert_eq!(moves(&bench, NODE_ID)?, (1, 1));
     Ok(())
@@ -185,9 +181,9 @@ fn an_unconnected_socket_follows_the_route_and_is_never_refused() -> anyhow::Res
     let mut bench = Bench::standard(tools())?;
     let query = Query::new(dns(NODE_LISTENER), Transport::Udp);
     let (mut client, _) = held(&bench, query, 3, "cache")?;
-    bench.set_mode(NODE_ID, MODE_UPSTREAM)?;
+    bench.set_mode(NODE_ID, Mode::Upstream)?;
     assert_answered(&client.ask()?, &query, "upstream", None);
-    bench.set_mode(NODE_ID, MODE_CACHE)?;
+    bench.set_mode(NODE_ID, Mode::Cache)?;
     assert_answered(&client.ask()?, &query, "cache", None);
     assert_eq!(moves(&bench, NODE_ID)?, (0, 0));
     Ok(())
@@ -204,7 +200,7 @@ fn a_connected_socket_of_a_skipped_cgroup_is_never_refused() -> anyhow::Result<(
             .sandbox
             .held_client(Ns::Pod, bench.sandbox.skipped_cgroup(), query, 2, true)?;
     assert_answered(&client.ask()?, &query, "cache", None);
-    bench.set_mode(NODE_ID, MODE_UPSTREAM)?;
+    bench.set_mode(NODE_ID, Mode::Upstream)?;
     assert_answered(&client.ask()?, &query, "cache", None);
     assert_eq!(moves(&bench, NODE_ID)?, (0, 0));
     Ok(())

@@ -18,10 +18,7 @@ use bpf_tests::{
     },
 };
 use redirector::kernel_support;
-use redirector_common::{
-    listener::{MODE_AUTO, MODE_CACHE, MODE_UPSTREAM},
-    names,
-};
+use redirector_common::{names, settings::Mode};
 
 fn tools() -> Tools {
     bpf_tests::tools!()
@@ -105,7 +102,7 @@ fn cache_answers_every_transport_while_it_serves() -> anyhow::Result<()> {
 #[test]
 fn upstream_mode_steers_every_transport_and_rewrites_replies() -> anyhow::Result<()> {
     let mut bench = Bench::standard(tools())?;
-    bench.set_mode(NODE_ID, MODE_UPSTREAM)?;
+    bench.set_mode(NODE_ID, Mode::Upstream)?;
     let mut queries = 0;
     for (ns, query) in every_client(NODE_LISTENER) {
         let outcome = bench.sandbox.query(ns, query)?;
@@ -146,8 +143,8 @@ fn an_unconnected_socket_asking_two_listeners_at_once_sees_each_reply_from_its_l
     let mut bench = Bench::standard(tools())?;
     let a = dns(UPSTREAM_A_V4);
     let b = dns(UPSTREAM_B_V4);
-    bench.set_mode(NODE_ID, MODE_UPSTREAM)?;
-    bench.set_mode(CLUSTER_ID, MODE_UPSTREAM)?;
+    bench.set_mode(NODE_ID, Mode::Upstream)?;
+    bench.set_mode(CLUSTER_ID, Mode::Upstream)?;
     // The same index of the two pools is never the same upstream.
     bench.set_pool(CLUSTER_ID, &[b, a])?;
     let query = Query::new(dns(NODE_LISTENER), Transport::Udp).also(dns(CLUSTER_LISTENER));
@@ -195,7 +192,7 @@ fn an_unconnected_socket_asking_two_listeners_at_once_sees_each_reply_from_its_l
 #[test]
 fn each_socket_keeps_one_upstream_and_sockets_spread_over_the_pool() -> anyhow::Result<()> {
     let mut bench = Bench::standard(tools())?;
-    bench.set_mode(NODE_ID, MODE_UPSTREAM)?;
+    bench.set_mode(NODE_ID, Mode::Upstream)?;
     let mut seen = std::collections::BTreeMap::new();
     for _ in 0..16 {
         let outcome = bench
@@ -229,14 +226,14 @@ fn flipping_the_mode_moves_answers_and_back() -> anyhow::Result<()> {
     };
     // The cache is alive (its sockets are counted, its probes pass): `auto` follows it.
     for (mode, expected) in [
-        (MODE_AUTO, "cache"),
-        (MODE_UPSTREAM, "upstream"),
-        (MODE_CACHE, "cache"),
-        (MODE_UPSTREAM, "upstream"),
-        (MODE_AUTO, "cache"),
+        (Mode::Auto, "cache"),
+        (Mode::Upstream, "upstream"),
+        (Mode::Cache, "cache"),
+        (Mode::Upstream, "upstream"),
+        (Mode::Auto, "cache"),
     ] {
         bench.set_mode(NODE_ID, mode)?;
-        assert_eq!(ask(&bench)?, expected, "mode {mode}");
+        assert_eq!(ask(&bench)?, expected, "mode {mode:?}");
     }
     Ok(())
 }
@@ -244,7 +241,7 @@ fn flipping_the_mode_moves_answers_and_back() -> anyhow::Result<()> {
 #[test]
 fn dig_and_glibc_resolve_through_the_listener() -> anyhow::Result<()> {
     let mut bench = Bench::standard(tools())?;
-    for mode in [MODE_CACHE, MODE_UPSTREAM] {
+    for mode in [Mode::Cache, Mode::Upstream] {
         bench.set_mode(NODE_ID, mode)?;
         for ns in [Ns::Pod, Ns::Node] {
             for tcp in [false, true] {
@@ -257,7 +254,7 @@ fn dig_and_glibc_resolve_through_the_listener() -> anyhow::Result<()> {
                     dig.output
                 );
                 let answered_by = who(dig.answer());
-                if mode == MODE_CACHE {
+                if mode == Mode::Cache {
                     assert_eq!(answered_by, "cache", "{ns:?} tcp={tcp}: {}", dig.output);
                 } else {
                     assert!(
@@ -270,7 +267,7 @@ fn dig_and_glibc_resolve_through_the_listener() -> anyhow::Result<()> {
             // glibc: resolv.conf names the listener; ahosts asks A and AAAA on one socket.
             let addresses = bench.sandbox.getent(ns, "ahosts")?;
             for address in &addresses {
-                if mode == MODE_CACHE {
+                if mode == Mode::Cache {
                     assert_eq!(who(Some(*address)), "cache", "{ns:?}: {addresses:?}");
                 } else {
                     assert!(is_upstream(Some(*address)), "{ns:?}: {addresses:?}");
@@ -300,7 +297,7 @@ fn replies_from_a_target_on_another_port_are_translated() -> anyhow::Result<()> 
     bench.set_pool(NODE_ID, &[elsewhere])?;
     assert!(bench.maps.replies_allowed_from(port_be(5353))?);
     assert!(!bench.maps.replies_allowed_from(port_be(5354))?);
-    bench.set_mode(NODE_ID, MODE_UPSTREAM)?;
+    bench.set_mode(NODE_ID, Mode::Upstream)?;
     for (ns, query) in every_client(NODE_LISTENER) {
         let outcome = bench.sandbox.query(ns, query)?;
         assert_eq!(
@@ -327,7 +324,7 @@ fn other_ports_other_addresses_and_unconfigured_servers_are_untouched() -> anyho
         &[SocketAddr::new(IpAddr::V4(NODE_LISTENER), 5353)],
         OTHER_PORT,
     )?;
-    bench.set_mode(NODE_ID, MODE_UPSTREAM)?;
+    bench.set_mode(NODE_ID, Mode::Upstream)?;
     for transport in TRANSPORTS {
         // The listener address, another port: not DNS for us.
         let outcome = bench.sandbox.query(
@@ -367,8 +364,8 @@ fn other_ports_other_addresses_and_unconfigured_servers_are_untouched() -> anyho
 #[test]
 fn sockets_of_a_skipped_cgroup_reach_the_listener_untouched() -> anyhow::Result<()> {
     let mut bench = Bench::standard(tools())?;
-    bench.set_mode(NODE_ID, MODE_UPSTREAM)?;
-    bench.set_mode(V6_ID, MODE_UPSTREAM)?;
+    bench.set_mode(NODE_ID, Mode::Upstream)?;
+    bench.set_mode(V6_ID, Mode::Upstream)?;
     let skipped = bench.sandbox.skipped_cgroup();
     for transport in TRANSPORTS {
         let outcome =
@@ -398,7 +395,7 @@ fn sockets_of_a_skipped_cgroup_reach_the_listener_untouched() -> anyhow::Result<
 fn an_empty_pool_obeys_its_policy() -> anyhow::Result<()> {
     let mut bench = Bench::standard(tools())?;
     // `cluster` has no upstreams and policy `fail`: the syscall fails at once.
-    bench.set_mode(CLUSTER_ID, MODE_UPSTREAM)?;
+    bench.set_mode(CLUSTER_ID, Mode::Upstream)?;
     for transport in TRANSPORTS {
         let outcome = bench
             .sandbox
@@ -417,7 +414,7 @@ fn an_empty_pool_obeys_its_policy() -> anyhow::Result<()> {
     assert!(set_retval_calls(&bench.sandbox, names::PROG_CONNECT4)? >= 1);
 
     // `node` with its pool emptied and policy `pass`: DNS reaches the listener address as sent.
-    bench.set_mode(NODE_ID, MODE_UPSTREAM)?;
+    bench.set_mode(NODE_ID, Mode::Upstream)?;
     bench.set_pool(NODE_ID, &[])?;
     for transport in TRANSPORTS {
         let outcome = bench
@@ -434,7 +431,7 @@ fn an_empty_pool_obeys_its_policy() -> anyhow::Result<()> {
 #[test]
 fn pool_updates_apply_to_the_next_socket() -> anyhow::Result<()> {
     let mut bench = Bench::standard(tools())?;
-    bench.set_mode(NODE_ID, MODE_UPSTREAM)?;
+    bench.set_mode(NODE_ID, Mode::Upstream)?;
     for (pool, expected) in [(UPSTREAM_B_V4, "upstream B"), (UPSTREAM_A_V4, "upstream A")] {
         bench.set_pool(NODE_ID, &[dns(pool)])?;
         for _ in 0..4 {
@@ -450,7 +447,7 @@ fn pool_updates_apply_to_the_next_socket() -> anyhow::Result<()> {
 #[test]
 fn ipv6_listener_is_steered_and_translated() -> anyhow::Result<()> {
     let mut bench = Bench::standard(tools())?;
-    for (mode, upstream) in [(MODE_CACHE, false), (MODE_UPSTREAM, true)] {
+    for (mode, upstream) in [(Mode::Cache, false), (Mode::Upstream, true)] {
         bench.set_mode(V6_ID, mode)?;
         for ns in [Ns::Pod, Ns::Node] {
             for transport in TRANSPORTS {
@@ -513,7 +510,7 @@ fn a_connected_dual_stack_socket_is_moved_never_redirected() -> anyhow::Result<(
         &["--kinds", "connected", "--mapped"],
     )?;
     pause(500);
-    bench.set_mode(NODE_ID, MODE_UPSTREAM)?;
+    bench.set_mode(NODE_ID, Mode::Upstream)?;
     let report = stream.finish()?;
     assert!(report.records.len() > 20, "{}", report.summary());
     let answered: Vec<&str> = report
@@ -572,7 +569,7 @@ fn long_lived_sockets_keep_their_translation_when_the_lru_churns() -> anyhow::Re
         sandbox.config_toml(&bpf_tests::bench::standard_listeners(&sandbox))
     );
     let mut bench = Bench::with_config(sandbox, &config)?;
-    bench.set_mode(NODE_ID, MODE_UPSTREAM)?;
+    bench.set_mode(NODE_ID, Mode::Upstream)?;
     let listener = dns(NODE_LISTENER);
     let mut held = Vec::new();
     for transport in [Transport::Udp, Transport::UdpConnected] {
@@ -597,7 +594,7 @@ fn long_lived_sockets_keep_their_translation_when_the_lru_churns() -> anyhow::Re
     // Twice the map's size in fresh sockets, each with an entry of its own: each asks both
     // listeners at once, and the cluster listener's pool puts it on the other upstream, so its
     // second send pushes its first translation into the map.
-    bench.set_mode(CLUSTER_ID, MODE_UPSTREAM)?;
+    bench.set_mode(CLUSTER_ID, Mode::Upstream)?;
     bench.set_pool(CLUSTER_ID, &[dns(UPSTREAM_B_V4), dns(UPSTREAM_A_V4)])?;
     let cluster = dns(CLUSTER_LISTENER);
     let churn = 2 * ENTRIES;

@@ -17,7 +17,7 @@ use bpf_tests::{
     topology::{NODE_LISTENER, dns, who},
 };
 use nix::sys::signal::Signal;
-use redirector_common::listener::MODE_UPSTREAM;
+use redirector_common::settings::Mode;
 
 fn tools() -> Tools {
     bpf_tests::tools!()
@@ -53,7 +53,7 @@ fn metrics_agree_with_the_kernel_and_with_what_happened() -> anyhow::Result<()> 
             .iter()
             .all(|who| *who == "cache")
     );
-    bench.set_mode(NODE_ID, MODE_UPSTREAM)?;
+    bench.set_mode(NODE_ID, Mode::Upstream)?;
     assert!(
         queries(&bench.sandbox, 3)?
             .iter()

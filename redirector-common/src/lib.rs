@@ -22,6 +22,8 @@ pub mod stale;
 
 #[cfg(feature = "user")]
 mod pod;
+#[cfg(feature = "user")]
+pub mod settings;
 
 /// The only destination port redirector ever steers: DNS.
 pub const DNS_PORT: u16 = 53;

@@ -15,6 +15,7 @@ use redirector_common::{
     listener::{LISTENER_NAME_MAX, MAX_LISTENERS},
     pool::MAX_POOL_TARGETS,
     reverse::REVERSE_NAT_DEFAULT_ENTRIES,
+    settings::{EmptyPoolPolicy, Liveness},
 };
 use serde::Deserialize;
 
@@ -31,18 +32,6 @@ pub const DEFAULT_INTERFACE: &str = "redirector0";
 pub const DEFAULT_LOCK_FILE: &str = "/run/redirector/agent.lock";
 /// How often socket counts are reconciled unless told otherwise.
 pub const DEFAULT_SOCKET_RECONCILE_INTERVAL: Duration = Duration::from_secs(5);
-
-/// What a listener does when its cache is down and its upstream pool is empty.
-#[derive(Clone, Copy, PartialEq, Eq, Debug, Default, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum EmptyPoolPolicy {
-    /// Let DNS through to the listener address untouched.
-    #[default]
-    Pass,
-    /// Fail the client's syscall at once: `EHOSTUNREACH`, or `EPERM` where the kernel's
-    /// sock_addr programs lack `bpf_set_retval` (before 6.1).
-    Fail,
-}
 
 /// A validated configuration.
 #[derive(Clone, PartialEq, Eq, Debug)]
@@ -221,17 +210,6 @@ impl Default for ConntrackSettings {
             check_interval: Duration::from_secs(5),
         }
     }
-}
-
-/// What judges a listener's cache alive.
-#[derive(Clone, Copy, PartialEq, Eq, Debug, Default, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum Liveness {
-    /// Its sockets, counted in the kernel (instant failover on the last close), and probes.
-    #[default]
-    SocketsAndProbes,
-    /// Probes only (the cache's sockets are not in `cache_netns`).
-    Probes,
 }
 
 /// One listener address and where its DNS goes.

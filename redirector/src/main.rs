@@ -13,9 +13,7 @@ use redirector::{
     netns::NetnsWorker,
     telemetry,
 };
-use redirector_common::listener::{
-    LIVENESS_SOCKETS_AND_PROBES, MODE_AUTO, MODE_CACHE, MODE_UPSTREAM, Route, explain,
-};
+use redirector_common::listener::{LIVENESS_SOCKETS_AND_PROBES, Route, explain};
 use tracing_subscriber::EnvFilter;
 
 #[derive(Parser, Debug)]
@@ -130,12 +128,12 @@ enum Mode {
     Auto,
 }
 
-impl Mode {
-    fn raw(self) -> u32 {
-        match self {
-            Self::Cache => MODE_CACHE,
-            Self::Upstream => MODE_UPSTREAM,
-            Self::Auto => MODE_AUTO,
+impl From<Mode> for redirector_common::settings::Mode {
+    fn from(mode: Mode) -> Self {
+        match mode {
+            Mode::Cache => Self::Cache,
+            Mode::Upstream => Self::Upstream,
+            Mode::Auto => Self::Auto,
         }
     }
 }
@@ -281,7 +279,7 @@ fn set_state(args: &StateArgs) -> anyhow::Result<()> {
     };
     let address = std::net::IpAddr::from(info.addr);
     let previous = maps.mode(id)?;
-    maps.set_mode(id, args.set.raw())?;
+    maps.set_mode(id, args.set.into())?;
     let mode = maps.mode(id)?;
     let liveness = maps
         .listener_config(address)?

@@ -1316,12 +1316,12 @@ fn served_metrics() -> String {
         empty_pool: "pass",
         counters: redirector::telemetry::snapshot::CounterSnapshot::default(),
     };
-    let stats = redirector::agent::AgentStats::default();
+    let stats = redirector::telemetry::stats::AgentStats::default();
     stats.record_probe("node", true, std::time::Duration::from_millis(1));
     stats.record_probe_servfail("node");
     stats.record_pool_left_out("node", 0);
     stats.record_source_sync("kubernetes", std::time::Duration::from_millis(1));
-    stats.record_transition(redirector::agent::Transition {
+    stats.record_transition(redirector::telemetry::stats::Transition {
         listener: "node".to_owned(),
         from: redirector_common::listener::Route::Cache,
         to: redirector_common::listener::Route::Upstream,

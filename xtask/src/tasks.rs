@@ -33,6 +33,18 @@ fn require_root(task: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `cargo` arguments that build the redirector binary the tests run: with the embedded cache
+/// they use as a node cache (the feature bpf-tests asks of it, so that the workspace's
+/// `cargo test` builds the same binary and does not build it again).
+pub const TESTED_BINARY_BUILD: &[&str] = &[
+    "build",
+    "--package",
+    "redirector",
+    "--features",
+    "redirector/embedded-cache",
+    "--bins",
+];
+
 /// Builds everything (the eBPF object comes with the `redirector` crate's build script).
 pub fn build() -> anyhow::Result<()> {
     cargo(&["build", "--all-targets"], "the build failed")
@@ -46,19 +58,8 @@ pub fn test(with_lints: bool, filter: Option<&str>) -> anyhow::Result<()> {
     if with_lints {
         lint::run()?;
     }
-    // The CLI tests run the real binary, with the embedded cache they use as a node cache (the
-    // features bpf-tests asks of it, so that the workspace's `cargo test` builds the same one).
-    cargo(
-        &[
-            "build",
-            "--package",
-            "redirector",
-            "--features",
-            "redirector/embedded-cache",
-            "--bins",
-        ],
-        "building the redirector binary failed",
-    )?;
+    // The CLI tests run the real binary.
+    cargo(TESTED_BINARY_BUILD, "building the redirector binary failed")?;
     pinned_rustup::check_object(&target_dir().join("debug/build"))?;
     let binary = target_dir().join("debug/redirector");
     let mut test = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned()));

@@ -16,14 +16,17 @@ use tokio::{
 };
 use tracing::{debug, info, warn};
 
-use super::{Agent, AgentError, Transition, current_route};
-use redirector_common::pool::MAX_POOL_TARGETS;
+use super::{Agent, AgentError, current_route};
+use redirector_common::pool::{MAX_POOL_TARGETS, Target};
 
 use crate::{
     liveness::probe::ProbeOutcome,
     sd_notify,
-    sources::{SourceEvent, SourceKind, subset},
-    telemetry::node_events::RouteChange,
+    sources::{SourceEvent, SourceKind, Upstream, subset},
+    telemetry::{
+        node_events::RouteChange,
+        stats::{ErrorKind, Transition},
+    },
 };
 
 /// How long source events are collected before the pools are written: a burst of endpoint
@@ -154,7 +157,7 @@ impl Agent {
             }
             SourceEvent::Failed { source } => {
                 if source == SourceKind::Kubernetes {
-                    self.stats.record_error("kube_api");
+                    self.stats.record_error(ErrorKind::KubeApi);
                 }
                 None
             }
@@ -175,7 +178,8 @@ impl Agent {
             let started = Instant::now();
             let (pool, left_out) = subset::for_node(desired, &self.node, MAX_POOL_TARGETS);
             self.stats.record_pool_left_out(&runtime.name, left_out);
-            let written = self.maps.set_pool(id, &pool);
+            let targets: Vec<Target> = pool.iter().map(Upstream::target).collect();
+            let written = self.maps.set_pool(id, &targets);
             if written.is_ok() {
                 runtime.synced = true;
                 self.stats
@@ -199,7 +203,7 @@ impl Agent {
                 Ok(false) => {}
                 Err(error) => {
                     warn!(listener = %runtime.name, error = %error, "writing the upstream pool failed; retrying");
-                    self.stats.record_error("pool_write");
+                    self.stats.record_error(ErrorKind::PoolWrite);
                     failed.insert(id);
                 }
             }

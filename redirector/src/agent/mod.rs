@@ -10,7 +10,6 @@
 mod controller;
 mod environment;
 mod ids;
-mod stats;
 mod uninstall;
 
 use std::{
@@ -20,17 +19,18 @@ use std::{
     sync::Arc,
 };
 
-use redirector_common::listener::{
-    LIVENESS_PROBES, LIVENESS_SOCKETS_AND_PROBES, Reason, Route, explain,
+use redirector_common::{
+    listener::{Reason, Route, explain},
+    pool::Target,
+    settings::Liveness,
 };
-pub use stats::{AgentStats, ERROR_KINDS, SourceSyncs, Transition};
 use tokio::{sync::mpsc, task::JoinHandle};
 use tracing::{info, warn};
 pub use uninstall::{UninstallReport, uninstall};
 
 use crate::{
     cgroup::{self, Cgroup, CgroupError},
-    config::{Config, EmptyPoolPolicy, Liveness, UpstreamSource},
+    config::{Config, UpstreamSource},
     conntrack_bypass::{
         self, BypassStatus, ConntrackBypass,
         nft::{Nft, NftError},
@@ -52,7 +52,10 @@ use crate::{
     lock::{InstanceLock, LockError},
     netns::{self, NetnsError, NetnsWorker},
     sources::{self, FedListener, SourceEvent, Upstream},
-    telemetry,
+    telemetry::{
+        self,
+        stats::{AgentStats, ErrorKind},
+    },
 };
 
 /// Why the agent could not start or stop cleanly.
@@ -488,7 +491,8 @@ impl Agent {
                 empty_pool: listener.empty_pool,
                 liveness: listener.liveness,
             };
-            let pool = static_pool(listener);
+            let pool: Option<Vec<Target>> =
+                static_pool(listener).map(|pool| pool.iter().map(Upstream::target).collect());
             maps.install_listener(&entry, pool.as_deref())?;
         }
 
@@ -588,11 +592,8 @@ impl Agent {
                 address = %listener.address,
                 cache = %listener.cache,
                 upstreams = %upstreams,
-                empty_pool = match listener.empty_pool {
-                    EmptyPoolPolicy::Pass => "pass",
-                    EmptyPoolPolicy::Fail => "fail",
-                },
-                liveness = ?listener.liveness,
+                empty_pool = listener.empty_pool.label(),
+                liveness = listener.liveness.label(),
                 cache_udp_sockets = counts.udp,
                 cache_tcp_sockets = counts.tcp,
                 route = ?runtime.observed.0,
@@ -721,7 +722,7 @@ async fn start_conntrack_bypass(
         let status = bypass.status().clone();
         // A failure is counted when it starts, not at every check of a node without nftables.
         if status != BypassStatus::Active && reported.as_ref() != Some(&status) {
-            stats.record_error("nftables");
+            stats.record_error(ErrorKind::Nftables);
         }
         stats.record_conntrack_bypass(status.clone(), bypass.restorations());
         reported = Some(status);
@@ -946,12 +947,8 @@ fn start_sources(
 /// The route the kernel takes for listener `id` now, and why: the same truth table, on the same
 /// map values.
 fn current_route(maps: &Maps, id: u32, liveness: Liveness) -> Result<(Route, Reason), AgentError> {
-    let liveness = match liveness {
-        Liveness::SocketsAndProbes => LIVENESS_SOCKETS_AND_PROBES,
-        Liveness::Probes => LIVENESS_PROBES,
-    };
     Ok(explain(
-        liveness,
+        liveness.value(),
         &maps.mode(id)?,
         &maps.health(id)?,
         &maps.socket_counts(id)?,

@@ -17,23 +17,19 @@ use redirector_common::{
     datapath::listener_bit,
     datapath::{DatapathConfig, SkipCgroup, level_mask},
     listener::{
-        CacheHealth, EMPTY_POOL_FAIL, EMPTY_POOL_PASS, LISTENER_NAME_MAX, LIVENESS_PROBES,
-        LIVENESS_SOCKETS_AND_PROBES, ListenerConfig, ListenerInfo, ListenerMode, MAX_LISTENERS,
+        CacheHealth, LISTENER_NAME_MAX, ListenerConfig, ListenerInfo, ListenerMode, MAX_LISTENERS,
         SocketCounts,
     },
     names,
     pool::{Pool, Target},
     reverse::{ReverseKey, ReverseValue, reply_port_bit},
+    settings::{EmptyPoolPolicy, Liveness, Mode},
 };
 
 use super::{
     PINNED_MAPS_DIR,
     error::{DatapathError, read, write},
     socket_counts::SharedSocketCounts,
-};
-use crate::{
-    config::{EmptyPoolPolicy, Liveness},
-    sources::Upstream,
 };
 
 /// `BPF_NOEXIST`: insert only if the key is absent.
@@ -121,16 +117,6 @@ fn io_kind(error: &(dyn std::error::Error + 'static)) -> Option<std::io::ErrorKi
     None
 }
 
-/// A `Target` for an upstream.
-#[must_use]
-pub fn target_of_upstream(upstream: &Upstream) -> Target {
-    Target {
-        addr: NetAddr::from(upstream.ip),
-        udp_port_be: port_be(upstream.udp_port),
-        tcp_port_be: port_be(upstream.tcp_port),
-    }
-}
-
 /// A `Target` for a socket address (one port for UDP and TCP).
 #[must_use]
 pub fn target_of(address: SocketAddr) -> Target {
@@ -213,7 +199,7 @@ impl Maps {
     pub fn install_listener(
         &mut self,
         listener: &ListenerEntry<'_>,
-        pool: Option<&[Upstream]>,
+        pool: Option<&[Target]>,
     ) -> Result<(), DatapathError> {
         let id = checked_id(listener.id)?;
         let mut name = [0u8; LISTENER_NAME_MAX];
@@ -242,7 +228,7 @@ impl Maps {
             )
             .map_err(write(names::MAP_LISTENER_INFO))?;
         if !adopted {
-            self.set_mode(id, ListenerMode::default().mode)?;
+            self.set_mode(id, Mode::default())?;
             self.set_pool(id, pool.unwrap_or_default())?;
         } else if let Some(pool) = pool {
             self.set_pool(id, pool)?;
@@ -251,15 +237,9 @@ impl Maps {
         self.allow_replies_from(&[cache])?;
         let config = ListenerConfig {
             id,
-            empty_pool_policy: match listener.empty_pool {
-                EmptyPoolPolicy::Pass => EMPTY_POOL_PASS,
-                EmptyPoolPolicy::Fail => EMPTY_POOL_FAIL,
-            },
+            empty_pool_policy: listener.empty_pool.value(),
             cache,
-            liveness: match listener.liveness {
-                Liveness::SocketsAndProbes => LIVENESS_SOCKETS_AND_PROBES,
-                Liveness::Probes => LIVENESS_PROBES,
-            },
+            liveness: listener.liveness.value(),
         };
         self.listeners
             .insert(address, config, 0)
@@ -285,7 +265,7 @@ impl Maps {
         self.listener_info
             .set(id, unused, 0)
             .map_err(write(names::MAP_LISTENER_INFO))?;
-        self.set_mode(id, ListenerMode::default().mode)?;
+        self.set_mode(id, Mode::default())?;
         self.set_health(id, CacheHealth::default())?;
         match self.pools.remove(&id) {
             Ok(()) => Ok(()),
@@ -324,14 +304,13 @@ impl Maps {
 
     /// Replaces a listener's upstream pool in one update. Returns false (and writes nothing)
     /// when the kernel already has exactly this pool.
-    pub fn set_pool(&mut self, id: u32, upstreams: &[Upstream]) -> Result<bool, DatapathError> {
+    pub fn set_pool(&mut self, id: u32, targets: &[Target]) -> Result<bool, DatapathError> {
         let id = checked_id(id)?;
-        let targets: Vec<Target> = upstreams.iter().map(target_of_upstream).collect();
-        let pool = Pool::from_targets(&targets);
+        let pool = Pool::from_targets(targets);
         if self.pool(id)? == pool && self.pools.get(&id, 0).is_ok() {
             return Ok(false);
         }
-        self.allow_replies_from(&targets)?;
+        self.allow_replies_from(targets)?;
         self.pools
             .insert(id, pool, 0)
             .map_err(write(names::MAP_POOLS))?;
@@ -379,11 +358,11 @@ impl Maps {
         }
     }
 
-    /// Sets the operator's override of a listener (`MODE_*`).
-    pub fn set_mode(&mut self, id: u32, mode: u32) -> Result<(), DatapathError> {
+    /// Sets the operator's override of a listener.
+    pub fn set_mode(&mut self, id: u32, mode: Mode) -> Result<(), DatapathError> {
         let id = checked_id(id)?;
         self.listener_mode
-            .set(id, ListenerMode { mode }, 0)
+            .set(id, ListenerMode { mode: mode.value() }, 0)
             .map_err(write(names::MAP_LISTENER_MODE))
     }
 

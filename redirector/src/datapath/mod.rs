@@ -25,7 +25,7 @@ use aya::{
     },
 };
 pub use error::DatapathError;
-pub use maps::{ListenerEntry, ListenerTotals, Maps, SkipEntry, target_of, target_of_upstream};
+pub use maps::{ListenerEntry, ListenerTotals, Maps, SkipEntry, target_of};
 use redirector_common::{LAYOUT_VERSION, datapath::DatapathConfig, names};
 use tracing::{info, warn};
 

@@ -13,7 +13,11 @@ use std::{
     net::{IpAddr, SocketAddr},
 };
 
-use redirector_common::DNS_PORT;
+use redirector_common::{
+    DNS_PORT,
+    addr::{NetAddr, port_be},
+    pool::Target,
+};
 use tokio::sync::mpsc;
 use tracing::{debug, warn};
 
@@ -41,6 +45,16 @@ impl From<SocketAddr> for Upstream {
 }
 
 impl Upstream {
+    /// The pool entry the programs read.
+    #[must_use]
+    pub fn target(&self) -> Target {
+        Target {
+            addr: NetAddr::from(self.ip),
+            udp_port_be: port_be(self.udp_port),
+            tcp_port_be: port_be(self.tcp_port),
+        }
+    }
+
     /// Port 53 for both protocols.
     #[must_use]
     pub fn dns(ip: IpAddr) -> Self {

@@ -15,8 +15,8 @@ use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::{net::TcpListener, task::AbortHandle};
 use tracing::{debug, warn};
 
-use super::{metrics, snapshot};
-use crate::{agent::AgentStats, datapath::Maps};
+use super::{metrics, snapshot, stats::AgentStats};
+use crate::datapath::Maps;
 
 /// The endpoint could not be opened.
 #[derive(Debug, thiserror::Error)]

@@ -24,7 +24,7 @@ const REASONS: [&str; 6] = [
     reason_label(Reason::Unprobed),
     reason_label(Reason::Healthy),
 ];
-use crate::agent::{AgentStats, ERROR_KINDS};
+use super::stats::{AgentStats, ErrorKind};
 
 type Labels = Vec<(&'static str, String)>;
 type CounterFamily = Family<Labels, Counter>;
@@ -310,10 +310,10 @@ fn register_agent(registry: &mut Registry, stats: &AgentStats) {
         errors.clone(),
     );
     let seen = stats.errors();
-    for kind in ERROR_KINDS {
+    for kind in ErrorKind::ALL {
         errors
-            .get_or_create(&labels(&[("kind", kind)]))
-            .inc_by(seen.get(kind).copied().unwrap_or(0));
+            .get_or_create(&labels(&[("kind", kind.label())]))
+            .inc_by(seen.get(&kind).copied().unwrap_or(0));
     }
     let (bypass, restorations) = stats.conntrack_bypass();
     let active = GaugeFamily::default();

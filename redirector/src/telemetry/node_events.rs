@@ -20,11 +20,17 @@ use std::{collections::HashMap, net::IpAddr, sync::Arc};
 
 use k8s_openapi::api::core::v1::ObjectReference;
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
-use redirector_common::listener::{Reason, Route};
+use redirector_common::{
+    listener::{Reason, Route},
+    settings::EmptyPoolPolicy,
+};
 use tokio::{sync::mpsc, task::JoinHandle};
 use tracing::{debug, warn};
 
-use crate::{agent::AgentStats, config::EmptyPoolPolicy, telemetry::snapshot::reason_text};
+use super::{
+    snapshot::reason_text,
+    stats::{AgentStats, ErrorKind},
+};
 
 /// `reportingController` of every Event.
 pub const REPORTING_CONTROLLER: &str = "redirector";
@@ -161,7 +167,7 @@ async fn publish(
             Err(error) => {
                 // Forbidden: the RBAC of deploy/kubernetes/node-events is not applied.
                 warn!(listener = %change.listener, reason = %event.reason, error = %error, "cannot publish an Event on the Node (the agent needs create and patch on events.k8s.io events in the default namespace: deploy/kubernetes/node-events)");
-                stats.record_error("kube_api");
+                stats.record_error(ErrorKind::KubeApi);
             }
         }
     }

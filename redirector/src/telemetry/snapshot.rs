@@ -5,10 +5,8 @@ use std::net::{IpAddr, SocketAddr};
 
 use redirector_common::{
     addr::port_from_be,
-    listener::{
-        EMPTY_POOL_FAIL, HEALTH_DOWN, HEALTH_UP, LIVENESS_PROBES, MODE_CACHE, MODE_UPSTREAM,
-        Reason, Route, explain,
-    },
+    listener::{HEALTH_DOWN, HEALTH_UP, LIVENESS_PROBES, Reason, Route, explain},
+    settings::{EmptyPoolPolicy, Mode},
 };
 use serde::Serialize;
 
@@ -153,14 +151,10 @@ pub fn verdict_name(verdict: u32) -> &'static str {
     }
 }
 
-/// The name of a raw mode.
+/// The name of a raw mode; a value this build does not know is `auto`, as the programs read it.
 #[must_use]
 pub fn mode_name(mode: u32) -> &'static str {
-    match mode {
-        MODE_CACHE => "cache",
-        MODE_UPSTREAM => "upstream",
-        _ => "auto",
-    }
+    Mode::try_from(mode).unwrap_or_default().label()
 }
 
 /// Every listener in the maps, by id.
@@ -204,11 +198,10 @@ pub fn listeners(maps: &Maps) -> Result<Vec<ListenerSnapshot>, DatapathError> {
             cache_sockets: (config.liveness != LIVENESS_PROBES).then_some((counts.udp, counts.tcp)),
             probe_verdict: verdict_name(health.verdict),
             pool,
-            empty_pool: if config.empty_pool_policy == EMPTY_POOL_FAIL {
-                "fail"
-            } else {
-                "pass"
-            },
+            // A value this build does not know is `pass`, as the programs read it.
+            empty_pool: EmptyPoolPolicy::try_from(config.empty_pool_policy)
+                .unwrap_or_default()
+                .label(),
             counters: maps.counters(id)?.into(),
         });
     }

@@ -125,14 +125,7 @@ fn cargo_executables(args: &[&str], failure: &str) -> anyhow::Result<Vec<Built>>
 /// (every one when empty).
 pub fn build(only: &[String]) -> anyhow::Result<Artifacts> {
     let redirector = cargo_executables(
-        &[
-            "build",
-            "--package",
-            "redirector",
-            "--features",
-            "redirector/embedded-cache",
-            "--bins",
-        ],
+        crate::tasks::TESTED_BINARY_BUILD,
         "building the redirector binary failed",
     )?;
     // The default members, as the host run's `cargo test` builds them: a build of one package

@@ -39,7 +39,30 @@ pub struct Transition {
 
 /// Kinds of errors the agent survives and counts. Errors while it sets up (attaching, pinning,
 /// the listener interface) stop it with a message instead: a half-set-up agent must not run.
-pub const ERROR_KINDS: [&str; 3] = ["pool_write", "nftables", "kube_api"];
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ErrorKind {
+    /// Writing a pool into the kernel's map failed.
+    PoolWrite,
+    /// `nft` failed to install or restore the conntrack bypass table.
+    Nftables,
+    /// A call to the Kubernetes API failed (the EndpointSlice watch, an Event).
+    KubeApi,
+}
+
+impl ErrorKind {
+    /// Every kind, in the order metrics list them.
+    pub const ALL: [Self; 3] = [Self::PoolWrite, Self::Nftables, Self::KubeApi];
+
+    /// The `kind` label of `redirector_errors_total`.
+    #[must_use]
+    pub const fn label(self) -> &'static str {
+        match self {
+            Self::PoolWrite => "pool_write",
+            Self::Nftables => "nftables",
+            Self::KubeApi => "kube_api",
+        }
+    }
+}
 
 /// The label set of a per-listener histogram.
 pub type ListenerLabel = [(&'static str, String); 1];
@@ -65,7 +88,7 @@ struct Observations {
     pool_writes: HashMap<String, u64>,
     source_syncs: HashMap<&'static str, SourceSyncs>,
     rejections: HashMap<(&'static str, &'static str), u64>,
-    errors: HashMap<&'static str, u64>,
+    errors: HashMap<ErrorKind, u64>,
     /// Per listener: time spent away from the cache before the current episode, and since when
     /// the current one lasts.
     failover: HashMap<String, (Duration, Option<Instant>)>,
@@ -223,8 +246,8 @@ impl AgentStats {
         *observations.rejections.entry((source, reason)).or_default() += 1;
     }
 
-    /// Records an error the agent survived, by kind (one of [`ERROR_KINDS`]).
-    pub fn record_error(&self, kind: &'static str) {
+    /// Records an error the agent survived, by kind.
+    pub fn record_error(&self, kind: ErrorKind) {
         let mut observations = self.observations();
         *observations.errors.entry(kind).or_default() += 1;
     }
@@ -309,7 +332,7 @@ impl AgentStats {
 
     /// Errors survived, by kind.
     #[must_use]
-    pub fn errors(&self) -> HashMap<&'static str, u64> {
+    pub fn errors(&self) -> HashMap<ErrorKind, u64> {
         self.observations().errors.clone()
     }
 

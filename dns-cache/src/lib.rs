@@ -7,16 +7,16 @@
 //! hickory-resolver's forwarding (each zone's servers in order, one timeout per server, a
 //! truncated UDP reply asked again over TCP, replies matched to their query) and its answer cache
 //! (TTLs counted down, positive and negative lifetimes capped). What is ours is a thin
-//! [`hickory_server::server::RequestHandler`] around them ([`handler`]):
+//! `RequestHandler` (hickory-server) around them (`handler.rs`):
 //! - clients outside `allow` get REFUSED, never larger than their query, and nothing is
-//!   forwarded for them; a `0.0.0.0` or `::` listener needs an explicit `allow` ([`config`]);
+//!   forwarded for them; a `0.0.0.0` or `::` listener needs an explicit `allow` (`config.rs`);
 //! - ANY gets the RFC 8482 answer (`HINFO "RFC8482" ""`), never forwarded;
 //! - when every upstream fails, an answer that expired less than `stale_for` ago is served stale
-//!   with TTL 30 (RFC 8767, [`stale`]); else SERVFAIL. An upstream's SERVFAIL or REFUSED is a
+//!   with TTL 30 (RFC 8767, `stale.rs`); else SERVFAIL. An upstream's SERVFAIL or REFUSED is a
 //!   failure too, never passed off as an empty answer;
 //! - a UDP client without EDNS gets at most 512 bytes (TC beyond), one with EDNS at most what it
 //!   announced;
-//! - bounds: queries in flight, and TCP connections (each closed after an idle spell) ([`server`]).
+//! - bounds: queries in flight, and TCP connections (each closed after an idle spell) (`server.rs`).
 //!
 //! Deliberately small: no DNSSEC, no coalescing of identical concurrent queries, no prefetch.
 //!

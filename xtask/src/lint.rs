@@ -14,7 +14,12 @@ pub fn run() -> anyhow::Result<()> {
         "rustfmt found unformatted code: run `cargo fmt --all`",
     )?;
     cargo(
-        &["clippy", "--all-targets", "--", "-D", "warnings"],
+        &[
+            &["clippy", "--all-targets"],
+            &crate::tasks::USERSPACE[..],
+            &["--", "-D", "warnings"],
+        ]
+        .concat(),
         "clippy reported warnings in the userspace crates",
     )?;
     let mut ebpf = Pin::ebpf()?.run("cargo");

@@ -33,6 +33,10 @@ fn require_root(task: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `cargo` arguments that select every userspace crate, bpf-tests with its privileged tests
+/// included (it is not a default member, so that a plain `cargo test` needs no root).
+pub const USERSPACE: [&str; 3] = ["--workspace", "--exclude", "redirector-ebpf"];
+
 /// `cargo` arguments that build the redirector binary the tests run: with the embedded cache
 /// they use as a node cache (the feature bpf-tests asks of it, so that the workspace's
 /// `cargo test` builds the same binary and does not build it again).
@@ -47,7 +51,10 @@ pub const TESTED_BINARY_BUILD: &[&str] = &[
 
 /// Builds everything (the eBPF object comes with the `redirector` crate's build script).
 pub fn build() -> anyhow::Result<()> {
-    cargo(&["build", "--all-targets"], "the build failed")
+    cargo(
+        &[&["build", "--all-targets"], &USERSPACE[..]].concat(),
+        "the build failed",
+    )
 }
 
 /// Every test. Privileged tests are not optional: without root this fails before running any.
@@ -63,7 +70,9 @@ pub fn test(with_lints: bool, filter: Option<&str>) -> anyhow::Result<()> {
     pinned_rustup::check_object(&target_dir().join("debug/build"))?;
     let binary = target_dir().join("debug/redirector");
     let mut test = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned()));
-    test.args(["test", "--no-fail-fast"])
+    test.arg("test")
+        .args(USERSPACE)
+        .arg("--no-fail-fast")
         .env("REDIRECTOR_BIN", &binary);
     if let Some(filter) = filter {
         test.args(["--", filter]);

@@ -8,8 +8,9 @@ use std::{
 };
 
 use anyhow::{Context as _, bail};
-
 use serde::Deserialize;
+
+use crate::tasks::{TESTED_BINARY_BUILD, USERSPACE};
 
 /// The test target the systemd boot runs.
 pub const SYSTEMD_BOOT: &str = "systemd_boot";
@@ -124,25 +125,29 @@ fn cargo_executables(args: &[&str], failure: &str) -> anyhow::Result<Vec<Built>>
 /// programs cargo builds for them), and keeps the tests named in `only`
 /// (every one when empty).
 pub fn build(only: &[String]) -> anyhow::Result<Artifacts> {
-    let redirector = cargo_executables(
-        crate::tasks::TESTED_BINARY_BUILD,
-        "building the redirector binary failed",
-    )?;
-    // The default members, as the host run's `cargo test` builds them: a build of one package
+    let redirector =
+        cargo_executables(TESTED_BINARY_BUILD, "building the redirector binary failed")?;
+    // The crates the host run's `cargo test` selects (`USERSPACE`): a build of one package
     // unifies the dependencies' features differently and would compile everything again.
-    let bpf_tests: Vec<Built> =
-        cargo_executables(&["test", "--no-run"], "building the bpf-tests failed")?
-            .into_iter()
-            .filter(|built| {
-                built
-                    .manifest_path
-                    .parent()
-                    .is_some_and(|dir| dir.ends_with("bpf-tests"))
-            })
-            .collect();
-    // Selected by name over the default members, so that features unify as above.
+    let bpf_tests: Vec<Built> = cargo_executables(
+        &[&["test", "--no-run"], &USERSPACE[..]].concat(),
+        "building the bpf-tests failed",
+    )?
+    .into_iter()
+    .filter(|built| {
+        built
+            .manifest_path
+            .parent()
+            .is_some_and(|dir| dir.ends_with("bpf-tests"))
+    })
+    .collect();
+    // Selected by name over the same crates, so that features unify as above.
     let systemd_boot = cargo_executables(
-        &["test", "--no-run", "--test", SYSTEMD_BOOT],
+        &[
+            &["test", "--no-run", "--test", SYSTEMD_BOOT],
+            &USERSPACE[..],
+        ]
+        .concat(),
         "building the systemd boot's tests failed",
     )?
     .into_iter()

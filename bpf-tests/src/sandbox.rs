@@ -314,7 +314,7 @@ impl Sandbox {
                 ^ nanos)
                 & 0x00ff_ffff
         );
-        let root = redirector::cgroup::default_attach_cgroup()
+        let root = redirector::sys::cgroup::default_attach_cgroup()
             .context("finding the cgroup v2 hierarchy")?;
         let scratch = ScratchDir(std::env::temp_dir().join(format!("{PREFIX}-{tag}-files")));
         std::fs::create_dir_all(&scratch.0)

@@ -66,7 +66,7 @@ fn wait_answered_by(sandbox: &Sandbox, expected: &str, limit: Duration) -> anyho
 /// /sys/fs/cgroup, the pins below /sys/fs/bpf, the lock in /run/redirector, and no cache_netns
 /// (the container is in the node's namespace, as a hostNetwork pod is).
 fn container_config(sandbox: &Sandbox) -> anyhow::Result<String> {
-    let hierarchy = redirector::cgroup::default_attach_cgroup()?;
+    let hierarchy = redirector::sys::cgroup::default_attach_cgroup()?;
     let inside = |path: &Path| -> anyhow::Result<String> {
         let relative = path.strip_prefix(&hierarchy)?;
         Ok(Path::new("/sys/fs/cgroup")
@@ -121,7 +121,7 @@ fn agent_container(
     } else {
         privileges.seccomp.to_owned()
     };
-    let hierarchy = redirector::cgroup::default_attach_cgroup()?;
+    let hierarchy = redirector::sys::cgroup::default_attach_cgroup()?;
     let mut command = podman.command();
     command
         .args(["run", "--rm", "--name", name])
@@ -181,7 +181,7 @@ struct ContainerCgroups {
 
 impl ContainerCgroups {
     fn below(sandbox: &Sandbox, name: &str) -> anyhow::Result<Self> {
-        let hierarchy = redirector::cgroup::default_attach_cgroup()?;
+        let hierarchy = redirector::sys::cgroup::default_attach_cgroup()?;
         let sandbox_cgroup = sandbox.cgroup().path().strip_prefix(&hierarchy)?;
         Ok(Self {
             parent: Path::new("/")
@@ -206,7 +206,7 @@ fn remove_empty_tree(dir: &Path) {
 
 impl Drop for ContainerCgroups {
     fn drop(&mut self) {
-        let Ok(hierarchy) = redirector::cgroup::default_attach_cgroup() else {
+        let Ok(hierarchy) = redirector::sys::cgroup::default_attach_cgroup() else {
             return;
         };
         let relative = Path::new(self.parent.trim_start_matches('/'));

@@ -610,7 +610,7 @@ fn uninstall_removes_only_what_the_agent_added_to_a_link_it_adopted() -> anyhow:
         stop_agent(&mut agent)?;
     }
     let record = sandbox.lock_file().with_file_name("interface.json");
-    let owned: redirector::interface::Ownership =
+    let owned: redirector::sys::interface::Ownership =
         serde_json::from_str(&std::fs::read_to_string(&record)?)?;
     assert_eq!(owned.created, None, "the link was there before");
     assert_eq!(owned.added, ["169.254.20.11".parse::<IpAddr>()?]);

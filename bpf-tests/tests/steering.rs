@@ -17,7 +17,7 @@ use bpf_tests::{
         UPSTREAM_B_V4, V6_LISTENER, dns, who,
     },
 };
-use redirector::kernel_support;
+use redirector::sys::kernel_support;
 use redirector_common::{names, settings::Mode};
 
 fn tools() -> Tools {

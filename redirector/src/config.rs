@@ -980,14 +980,7 @@ mod tests {
 
     fn refusal(text: &str) -> String {
         let error = Config::parse(text).expect_err("the configuration must be refused");
-        let mut message = error.to_string();
-        let mut source = std::error::Error::source(&error);
-        while let Some(cause) = source {
-            message.push_str(": ");
-            message.push_str(&cause.to_string());
-            source = cause.source();
-        }
-        message
+        crate::error_chain(&error)
     }
 
     const AKS: &str = r#"

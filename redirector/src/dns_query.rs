@@ -1,5 +1,5 @@
-//! The DNS query redirector writes wherever it asks a server itself (the health probes, the
-//! embedded cache's forwarding; the tests' clients too): a standard query with recursion desired.
+//! The DNS query redirector writes wherever it asks a server itself (the health probes; the
+//! tests' clients too): a standard query with recursion desired.
 
 use hickory_proto::op::{Message, MessageType, OpCode, Query};
 

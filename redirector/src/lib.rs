@@ -5,19 +5,13 @@
 //! privileged tests in `bpf-tests` drive the same code.
 
 pub mod agent;
-pub mod capabilities;
-pub mod cgroup;
 pub mod config;
 pub mod conntrack_bypass;
 pub mod datapath;
 pub mod dns_query;
-pub mod interface;
-pub mod kernel_support;
 pub mod liveness;
-pub mod lock;
-pub mod netns;
-pub mod sd_notify;
 pub mod sources;
+pub mod sys;
 pub mod telemetry;
 
 /// An error with its causes, `outer: inner: innermost`, for logs (a `tracing` field shows only

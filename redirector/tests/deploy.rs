@@ -150,15 +150,8 @@ fn configmap_config() -> (ConfigMap, String) {
 }
 
 fn parse_config(name: &str, text: &str) -> Config {
-    Config::parse(text).unwrap_or_else(|error| {
-        let mut message = error.to_string();
-        let mut source = std::error::Error::source(&error);
-        while let Some(cause) = source {
-            message.push_str(&format!(": {cause}"));
-            source = cause.source();
-        }
-        panic!("{name}: {message}")
-    })
+    Config::parse(text)
+        .unwrap_or_else(|error| panic!("{name}: {}", redirector::error_chain(&error)))
 }
 
 /// The host directory a path of the agent's container comes from, when a hostPath volume

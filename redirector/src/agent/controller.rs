@@ -21,8 +21,8 @@ use redirector_common::pool::{MAX_POOL_TARGETS, Target};
 
 use crate::{
     liveness::probe::ProbeOutcome,
-    sd_notify,
     sources::{SourceEvent, SourceKind, Upstream, subset},
+    sys::sd_notify,
     telemetry::{
         node_events::RouteChange,
         stats::{ErrorKind, Transition},

@@ -8,9 +8,9 @@ use tracing::{info, warn};
 
 use super::AgentError;
 use crate::{
-    cgroup::{self, Cgroup},
     config::Config,
     datapath::SkipEntry,
+    sys::cgroup::{self, Cgroup},
 };
 
 /// Every listener's skipped cgroups, resolved (and so checked) before anything is loaded.

@@ -29,7 +29,6 @@ use tracing::{info, warn};
 pub use uninstall::{UninstallReport, uninstall};
 
 use crate::{
-    cgroup::{self, Cgroup, CgroupError},
     config::{Config, UpstreamSource},
     conntrack_bypass::{
         self, BypassStatus, ConntrackBypass,
@@ -40,8 +39,6 @@ use crate::{
         self, Datapath, DatapathError, Incompatibility, ListenerEntry, Maps, PinnedState,
         ShapeDifferences,
     },
-    interface::{self, InterfaceError},
-    kernel_support::{self, KernelLacks, KernelSupport, Need},
     liveness::{
         binds::{TrackedCache, cache_binds},
         health::{HealthTracker, Hysteresis},
@@ -49,9 +46,14 @@ use crate::{
         reconcile::{ReconcileError, Reconciler},
         sockdiag::{SockDiagError, SocketTable},
     },
-    lock::{InstanceLock, LockError},
-    netns::{self, NetnsError, NetnsWorker},
     sources::{self, FedListener, SourceEvent, Upstream},
+    sys::{
+        cgroup::{self, Cgroup, CgroupError},
+        interface::{self, InterfaceError},
+        kernel_support::{self, KernelLacks, KernelSupport, Need},
+        lock::{InstanceLock, LockError},
+        netns::{self, NetnsError, NetnsWorker},
+    },
     telemetry::{
         self,
         stats::{AgentStats, ErrorKind},
@@ -73,11 +75,11 @@ pub enum AgentError {
     )]
     MissingCapabilities {
         /// What is missing, and what for.
-        unmet: Vec<crate::capabilities::Need>,
+        unmet: Vec<crate::sys::capabilities::Need>,
     },
     /// bpf(2) is refused to a process that holds the capabilities.
     #[error(transparent)]
-    BpfRefused(#[from] crate::capabilities::BpfRefused),
+    BpfRefused(#[from] crate::sys::capabilities::BpfRefused),
     /// A cgroup in the configuration is unusable.
     #[error(transparent)]
     Cgroup(#[from] CgroupError),
@@ -220,7 +222,7 @@ pub enum AgentError {
 }
 
 /// Unmet capability needs, for the error.
-struct Unmet<'a>(&'a [crate::capabilities::Need]);
+struct Unmet<'a>(&'a [crate::sys::capabilities::Need]);
 
 impl std::fmt::Display for Unmet<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -331,12 +333,13 @@ impl Agent {
     /// every check passed.
     pub async fn start(config: &Config, options: StartOptions) -> Result<Self, AgentError> {
         let mut phases = StartPhases::new();
-        let unmet =
-            crate::capabilities::unmet(&crate::capabilities::needs(config.cache_netns.is_some()));
+        let unmet = crate::sys::capabilities::unmet(&crate::sys::capabilities::needs(
+            config.cache_netns.is_some(),
+        ));
         if !unmet.is_empty() {
             return Err(AgentError::MissingCapabilities { unmet });
         }
-        crate::capabilities::check_bpf_allowed()?;
+        crate::sys::capabilities::check_bpf_allowed()?;
         let kernel = KernelSupport::probe(&options.absent_features);
         kernel_support::require(&kernel)?;
         log_degraded(&kernel);
@@ -632,7 +635,7 @@ impl Agent {
     /// failing over (a hung cache is not noticed without the agent's probes). `uninstall`
     /// removes everything.
     pub fn shutdown(self) {
-        if let Err(error) = crate::sd_notify::notify("STOPPING=1") {
+        if let Err(error) = crate::sys::sd_notify::notify("STOPPING=1") {
             warn!(error = %error, "cannot tell systemd the agent is stopping");
         }
         for source in &self.sources {

@@ -7,9 +7,8 @@ use super::AgentError;
 use crate::{
     config::Config,
     conntrack_bypass::{self, nft::Nft},
-    datapath, interface,
-    lock::InstanceLock,
-    netns::NetnsWorker,
+    datapath,
+    sys::{interface, lock::InstanceLock, netns::NetnsWorker},
 };
 
 /// What `uninstall` removed.

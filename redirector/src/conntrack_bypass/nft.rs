@@ -14,7 +14,7 @@ use std::{
     time::Duration,
 };
 
-use crate::netns::{NetnsError, NetnsWorker};
+use crate::sys::netns::{NetnsError, NetnsWorker};
 
 /// Why `nft` could not do its work.
 #[derive(Debug, thiserror::Error)]

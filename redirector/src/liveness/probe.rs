@@ -19,7 +19,7 @@ use hickory_proto::{
     rr::{Name, RecordType},
 };
 
-use crate::{dns_query::recursive_query, netns::NetnsWorker};
+use crate::{dns_query::recursive_query, sys::netns::NetnsWorker};
 
 /// What one probe found.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -17,7 +17,7 @@ use redirector_common::{
     counters::{PROTOCOL_TCP, PROTOCOL_UDP},
 };
 
-use crate::netns::{self, NetnsError};
+use crate::sys::netns::{self, NetnsError};
 
 /// A socket bound to an address and port.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

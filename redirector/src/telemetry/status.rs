@@ -9,9 +9,11 @@ use super::snapshot::{self, ListenerSnapshot};
 use crate::{
     conntrack_bypass::{nft::Nft, ruleset::TABLE},
     datapath::{self, DatapathError, Maps},
-    kernel_support::{KernelSupport, Need},
-    lock,
-    netns::NetnsError,
+    sys::{
+        kernel_support::{KernelSupport, Need},
+        lock,
+        netns::NetnsError,
+    },
 };
 
 /// Everything `status` reports.
@@ -346,7 +348,7 @@ mod tests {
             kernel: KernelState::of(&KernelSupport::decide(
                 "5.15.0-1064-azure",
                 &[],
-                |feature| Ok(feature.since <= crate::kernel_support::FLOOR),
+                |feature| Ok(feature.since <= crate::sys::kernel_support::FLOOR),
             )),
             listeners: vec![ListenerSnapshot {
                 id: 0,

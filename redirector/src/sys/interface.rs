@@ -28,7 +28,7 @@ use tracing::{info, warn};
 
 use crate::{
     config::{InterfaceKind, InterfaceSettings},
-    netns::{NetnsError, NetnsWorker},
+    sys::netns::{NetnsError, NetnsWorker},
 };
 
 /// Why the listener interface could not be set up or removed.

@@ -954,7 +954,7 @@ mod tests {
 
     #[test]
     fn the_readme_table_is_this_table() {
-        let readme = include_str!("../../README.md");
+        let readme = include_str!("../../../README.md");
         let section = readme
             .split("## Supported kernels")
             .nth(1)

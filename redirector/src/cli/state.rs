@@ -1,0 +1,77 @@
+//! `redirector state`: the operator's override of a listener.
+
+use std::path::PathBuf;
+
+use anyhow::bail;
+use clap::ValueEnum;
+use redirector::{config::DEFAULT_PIN_DIR, datapath::Maps, telemetry};
+use redirector_common::listener::{LIVENESS_SOCKETS_AND_PROBES, Route, explain};
+
+#[derive(clap::Args, Debug)]
+pub(crate) struct StateArgs {
+    /// The listener's name, as in the configuration.
+    #[arg(long)]
+    pub(crate) listener: String,
+    /// The new mode.
+    #[arg(long, value_enum)]
+    pub(crate) set: Mode,
+    /// The running agent's pin directory.
+    #[arg(long, env = "REDIRECTOR_PIN_DIR", default_value = DEFAULT_PIN_DIR)]
+    pub(crate) pin_dir: PathBuf,
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Mode {
+    /// Always the cache.
+    Cache,
+    /// Always the upstream pool.
+    Upstream,
+    /// Follow the cache's health.
+    Auto,
+}
+
+impl From<Mode> for redirector_common::settings::Mode {
+    fn from(mode: Mode) -> Self {
+        match mode {
+            Mode::Cache => Self::Cache,
+            Mode::Upstream => Self::Upstream,
+            Mode::Auto => Self::Auto,
+        }
+    }
+}
+
+pub(crate) fn set_state(args: &StateArgs) -> anyhow::Result<()> {
+    let mut maps = Maps::open_pinned(&args.pin_dir)?;
+    let Some((id, info)) = maps.listener_by_name(&args.listener)? else {
+        let known: Vec<String> = maps
+            .listeners()?
+            .iter()
+            .filter_map(|(_, info)| info.name().map(str::to_owned))
+            .collect();
+        bail!(
+            "there is no listener {:?}; the running agent has: {}",
+            args.listener,
+            known.join(", ")
+        );
+    };
+    let address = std::net::IpAddr::from(info.addr);
+    let previous = maps.mode(id)?;
+    maps.set_mode(id, args.set.into())?;
+    let mode = maps.mode(id)?;
+    let liveness = maps
+        .listener_config(address)?
+        .map_or(LIVENESS_SOCKETS_AND_PROBES, |config| config.liveness);
+    let (route, reason) = explain(liveness, &mode, &maps.health(id)?, &maps.socket_counts(id)?);
+    let target = match route {
+        Route::Cache => "the cache",
+        Route::Upstream => "the upstream pool",
+    };
+    println!(
+        "listener {} ({address}): mode {} (was {}); DNS goes to {target} ({})",
+        args.listener,
+        telemetry::snapshot::mode_name(mode.mode),
+        telemetry::snapshot::mode_name(previous.mode),
+        telemetry::snapshot::reason_text(reason),
+    );
+    Ok(())
+}

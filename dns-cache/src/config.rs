@@ -145,14 +145,12 @@ pub enum NetworkError {
     /// The part before the `/` is not an address.
     #[error("the part before \"/\" is not an IPv4 or IPv6 address")]
     Address {
-        /// The parser's complaint.
         #[source]
         source: AddrParseError,
     },
     /// The part after the `/` is not a prefix length of the address's family.
     #[error("the prefix length is not a number from 0 to 32 (IPv4) or 128 (IPv6)")]
     Prefix {
-        /// The parser's complaint.
         #[source]
         source: ipnet::AddrParseError,
     },
@@ -173,7 +171,9 @@ pub struct Zone {
     pub servers: Vec<SocketAddr>,
 }
 
-/// Why a cache configuration was refused.
+/// Why a cache configuration was refused. In every variant `key` is the path of the offending
+/// key in the file (`zone[1].servers[0]`), `value` the text given there, and `source` what the
+/// parser or the OS said.
 #[derive(Debug, thiserror::Error)]
 pub enum CacheConfigError {
     /// The file could not be read.
@@ -181,7 +181,6 @@ pub enum CacheConfigError {
     Read {
         /// The file.
         path: PathBuf,
-        /// What the OS said.
         #[source]
         source: std::io::Error,
     },
@@ -202,26 +201,17 @@ pub enum CacheConfigError {
         "{key}: {value:?} is not an address like \"10.0.0.10\", \"10.0.0.10:53\" or \"[fd00::10]:53\""
     )]
     BadAddress {
-        /// The offending key.
         key: String,
-        /// The text given.
         value: String,
-        /// The parser's complaint.
         #[source]
         source: AddrParseError,
     },
     /// Port 0.
     #[error("{key}: {value:?} has port 0; give a real port, or none for 53")]
-    PortZero {
-        /// The offending key.
-        key: String,
-        /// The text given.
-        value: String,
-    },
+    PortZero { key: String, value: String },
     /// The same address twice in one list.
     #[error("{key}: {address} is already given as {first}")]
     DuplicateAddress {
-        /// The offending key.
         key: String,
         /// The address.
         address: SocketAddr,
@@ -231,24 +221,17 @@ pub enum CacheConfigError {
     /// A zone name that is not a DNS name.
     #[error("{key}: {value:?} is not a DNS name")]
     BadZoneName {
-        /// The offending key.
         key: String,
-        /// The text given.
         value: String,
-        /// The parser's complaint.
         #[source]
         source: ProtoError,
     },
     /// A zone for the root.
     #[error("{key}: the root zone \".\" is configured with default_servers, not as a [[zone]]")]
-    RootZone {
-        /// The offending key.
-        key: String,
-    },
+    RootZone { key: String },
     /// The same zone twice.
     #[error("{key}: the zone {name} is already configured as {first}")]
     DuplicateZone {
-        /// The offending key.
         key: String,
         /// The zone.
         name: String,
@@ -257,10 +240,7 @@ pub enum CacheConfigError {
     },
     /// A zone without servers.
     #[error("{key}: no server given; give at least one, e.g. servers = [\"10.96.0.10:53\"]")]
-    NoServers {
-        /// The offending key.
-        key: String,
-    },
+    NoServers { key: String },
     /// Neither zones nor default servers.
     #[error(
         "default_servers: empty and no [[zone]] is configured, so every query would be refused; \
@@ -270,9 +250,7 @@ pub enum CacheConfigError {
     /// Not a CIDR.
     #[error("{key}: {value:?} is not a network like \"10.0.0.0/8\", \"fd00::/8\" or \"10.1.2.3\"")]
     BadCidr {
-        /// The offending key.
         key: String,
-        /// The text given.
         value: String,
         /// What is wrong with it.
         #[source]
@@ -291,7 +269,6 @@ pub enum CacheConfigError {
          address, or say which clients may use it with allow = [\"10.0.0.0/8\", ...]"
     )]
     UnspecifiedListen {
-        /// The offending key.
         key: String,
         /// The address.
         address: SocketAddr,
@@ -305,9 +282,7 @@ pub enum CacheConfigError {
     /// A number out of range.
     #[error("{key}: {value} is out of range; give {allowed}")]
     OutOfRange {
-        /// The offending key.
         key: &'static str,
-        /// The value given.
         value: u64,
         /// What is accepted, and why.
         allowed: &'static str,

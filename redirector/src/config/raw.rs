@@ -1,0 +1,93 @@
+//! The file as serde reads it, before validation: every key optional, unknown keys refused.
+
+use std::path::PathBuf;
+
+use redirector_common::settings::{EmptyPoolPolicy, Liveness};
+use serde::Deserialize;
+
+use super::InterfaceKind;
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawConfig {
+    pub(super) cgroup: Option<PathBuf>,
+    pub(super) pin_dir: Option<PathBuf>,
+    pub(super) log_level: Option<String>,
+    pub(super) reverse_nat_entries: Option<u32>,
+    #[serde(default)]
+    pub(super) kernel_log: bool,
+    pub(super) cache_netns: Option<PathBuf>,
+    pub(super) socket_reconcile_interval_ms: Option<u64>,
+    pub(super) lock_file: Option<PathBuf>,
+    #[serde(default)]
+    pub(super) probe: RawProbe,
+    #[serde(default)]
+    pub(super) interface: RawInterface,
+    #[serde(default)]
+    pub(super) kubernetes: RawKubernetes,
+    #[serde(default)]
+    pub(super) conntrack: RawConntrack,
+    #[serde(default)]
+    pub(super) metrics: RawMetrics,
+    #[serde(default, rename = "listener")]
+    pub(super) listeners: Vec<RawListener>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawInterface {
+    pub(super) manage: Option<bool>,
+    pub(super) name: Option<String>,
+    pub(super) kind: Option<InterfaceKind>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawKubernetes {
+    pub(super) kubeconfig: Option<PathBuf>,
+    pub(super) resync_interval_ms: Option<u64>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawMetrics {
+    pub(super) enabled: Option<bool>,
+    pub(super) address: Option<String>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawConntrack {
+    pub(super) bypass: Option<bool>,
+    pub(super) nft: Option<PathBuf>,
+    pub(super) check_interval_ms: Option<u64>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawProbe {
+    pub(super) name: Option<String>,
+    pub(super) interval_ms: Option<u64>,
+    pub(super) timeout_ms: Option<u64>,
+    pub(super) failures_to_fail_over: Option<u32>,
+    pub(super) successes_to_fail_back: Option<u32>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawListener {
+    pub(super) name: String,
+    pub(super) address: String,
+    pub(super) cache: Option<String>,
+    #[serde(default)]
+    pub(super) upstreams: Vec<String>,
+    pub(super) kube_dns: Option<String>,
+    pub(super) resolv_conf: Option<PathBuf>,
+    #[serde(default)]
+    pub(super) empty_pool: EmptyPoolPolicy,
+    #[serde(default)]
+    pub(super) skip_cgroups: Vec<PathBuf>,
+    #[serde(default)]
+    pub(super) liveness: Liveness,
+    pub(super) probe_name: Option<String>,
+}

@@ -6,7 +6,6 @@
 //! processes the sandbox started are ever signalled; and everything is removed on drop.
 
 pub mod bench;
-pub mod benchmarks;
 pub mod bpffs;
 pub mod caches;
 pub mod cgroup;
@@ -19,7 +18,6 @@ pub mod fake_kube;
 pub mod http;
 pub mod netns;
 pub mod pace;
-pub mod program_cost;
 pub mod resolvers;
 pub mod sandbox;
 pub mod stream;

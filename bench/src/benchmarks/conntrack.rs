@@ -8,7 +8,7 @@ use super::{
     rig::{CACHE_ADDRESS, LISTENER, Rig, VIP},
     steering::Path,
 };
-use crate::{
+use bpf_tests::{
     conntrack,
     sandbox::{Ns, Query, Transport},
     topology::dns,

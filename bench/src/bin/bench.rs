@@ -1,9 +1,10 @@
 //! `cargo xtask bench`: redirector against the incumbents, side by side in one run (see
-//! `bpf_tests::benchmarks`). Writes results.json, results.md and SVG charts into `--out`.
+//! `redirector_bench::benchmarks`). Writes results.json, results.md and SVG charts into `--out`.
 
 use std::{collections::BTreeMap, path::PathBuf, time::Duration};
 
-use bpf_tests::benchmarks::{
+use clap::Parser;
+use redirector_bench::benchmarks::{
     Machine, Report, Spread, conntrack,
     failover::{self, Event, FailoverTrials},
     layouts, output,
@@ -12,7 +13,6 @@ use bpf_tests::benchmarks::{
     steering::{HOOK_OPERATIONS, Path, TRIALS},
     sync,
 };
-use clap::Parser;
 
 /// Failover trials of redirector per event (about 8 s each).
 const FAILOVER_TRIALS: usize = 5;

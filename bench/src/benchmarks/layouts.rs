@@ -18,7 +18,7 @@ use super::{
     setup::SETTLE,
     steering::{self, TRIALS},
 };
-use crate::caches::{CacheKind, start_cache_at};
+use bpf_tests::caches::{CacheKind, start_cache_at};
 
 /// Where the cache listens.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]

@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 
 use super::percentile;
-use crate::{
+use bpf_tests::{
     bench::{Bench, CLUSTER_ID},
     fake_kube::{FakeKube, endpoint_slice},
     sandbox::{Sandbox, Tools},

@@ -19,7 +19,7 @@ use super::{
     Spread,
     rig::{CACHE_ADDRESS, LISTENER, Rig},
 };
-use crate::{
+use bpf_tests::{
     caches::{CacheKind, start_cache_at},
     dns::now_ms,
     sandbox::{Ns, Query, Transport},

@@ -12,7 +12,7 @@ use super::{
     setup::SETTLE,
     steering::{Path, parse_run, run_dnsperf_to},
 };
-use crate::{cli::logged_metrics_address, http};
+use bpf_tests::{cli::logged_metrics_address, http};
 
 /// What one soak saw.
 #[derive(Clone, Debug, Serialize)]

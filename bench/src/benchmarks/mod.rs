@@ -95,7 +95,7 @@ impl Machine {
                     .map(|(_, model)| model.trim().to_owned())
             })
             .unwrap_or_else(|| "unknown".to_owned());
-        let date = crate::command::run("date", ["-u", "+%Y-%m-%d %H:%M UTC"])
+        let date = bpf_tests::command::run("date", ["-u", "+%Y-%m-%d %H:%M UTC"])
             .unwrap_or_default()
             .trim()
             .to_owned();

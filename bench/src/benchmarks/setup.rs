@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 
 use super::{Spread, rig::Rig};
-use crate::{command::TestProcess, sandbox::Ns};
+use bpf_tests::{command::TestProcess, sandbox::Ns};
 
 /// How long one way of setting up took.
 #[derive(Clone, Debug, Serialize)]
@@ -168,7 +168,7 @@ pub fn memory(rig: &Rig, agent: &TestProcess, since: (f64, Instant)) -> anyhow::
     let mut maps = Vec::new();
     for name in redirector_common::names::ALL_MAPS {
         let pin = rig.sandbox.pin_dir().join("maps").join(name);
-        let shown = crate::command::run(
+        let shown = bpf_tests::command::run(
             "bpftool",
             [
                 "map",

@@ -9,7 +9,7 @@ use std::{
 
 use anyhow::Context as _;
 
-use crate::{
+use bpf_tests::{
     caches::{CacheKind, start_cache_at},
     cli::start_agent,
     command::{TestProcess, output_within},
@@ -21,7 +21,7 @@ use crate::{
 /// rewrites (the realistic path) and the incumbents can address it directly.
 pub const CACHE_ADDRESS: Ipv4Addr = Ipv4Addr::new(169, 254, 10, 20);
 /// The listener redirector steers to the cache.
-pub const LISTENER: Ipv4Addr = crate::topology::NODE_LISTENER;
+pub const LISTENER: Ipv4Addr = bpf_tests::topology::NODE_LISTENER;
 /// A service VIP the incumbent NATs to the cache (a ClusterIP stand-in).
 pub const VIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
 
@@ -188,8 +188,11 @@ impl Rig {
 
     /// Removes what a stopped agent left.
     pub fn uninstall(&self, _stopped: Stopped) -> anyhow::Result<()> {
-        let uninstall =
-            crate::cli::redirector(&["uninstall", "--config", &self.config.display().to_string()])?;
+        let uninstall = bpf_tests::cli::redirector(&[
+            "uninstall",
+            "--config",
+            &self.config.display().to_string(),
+        ])?;
         anyhow::ensure!(
             uninstall.code == 0,
             "uninstall failed: {}",

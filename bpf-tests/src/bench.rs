@@ -201,7 +201,7 @@ impl Bench {
     ) -> anyhow::Result<Self> {
         let mut sandbox = Sandbox::new(tools)?;
         setup(&mut sandbox)?;
-        let agent = start_agent(&sandbox, &listeners(&sandbox))?;
+        let agent = start_agent_thread(&sandbox, &listeners(&sandbox))?;
         let maps = Maps::open_pinned(&sandbox.pin_dir())?;
         Ok(Self {
             agent,
@@ -304,8 +304,8 @@ impl Bench {
     }
 }
 
-/// Starts an in-process agent for the sandbox with `listeners`.
-pub fn start_agent(sandbox: &Sandbox, listeners: &str) -> anyhow::Result<AgentThread> {
+/// Starts an in-process agent for the sandbox with `listeners` (`cli::start_agent` starts the binary).
+pub fn start_agent_thread(sandbox: &Sandbox, listeners: &str) -> anyhow::Result<AgentThread> {
     let config = Config::parse(&sandbox.config_toml(listeners))
         .context("the test configuration is valid")?;
     AgentThread::start(&config)

@@ -8,13 +8,10 @@ use bpf_tests::{
     bench::write_standard_config,
     cli::{redirector, set_state, start_agent},
     command::output_within,
-    sandbox::{Ns, Query, Sandbox, Tools, Transport, redirector_bin},
+    sandbox::{Ns, Query, Sandbox, Transport, redirector_bin},
+    tools,
     topology::{NODE_LISTENER, dns, who},
 };
-
-fn tools() -> Tools {
-    bpf_tests::tools!()
-}
 
 fn answered_by(sandbox: &Sandbox) -> anyhow::Result<&'static str> {
     let outcome = sandbox.query(Ns::Pod, Query::new(dns(NODE_LISTENER), Transport::Udp))?;
@@ -26,7 +23,7 @@ fn answered_by(sandbox: &Sandbox) -> anyhow::Result<&'static str> {
 
 #[test]
 fn run_steers_until_sigterm_and_state_flips_listeners() -> anyhow::Result<()> {
-    let mut sandbox = Sandbox::new(tools())?;
+    let mut sandbox = Sandbox::new(tools!())?;
     sandbox.start_standard_servers()?;
     let config = write_standard_config(&sandbox)?;
 
@@ -105,7 +102,7 @@ fn run_steers_until_sigterm_and_state_flips_listeners() -> anyhow::Result<()> {
 
 #[test]
 fn a_bad_configuration_is_refused_before_anything_is_attached() -> anyhow::Result<()> {
-    let sandbox = Sandbox::new(tools())?;
+    let sandbox = Sandbox::new(tools!())?;
     let cgroup = sandbox.cgroup().path().display().to_string();
     let pin_dir = sandbox.pin_dir().display().to_string();
     let listener = "[[listener]]\nname = \"node\"\naddress = \"169.254.10.10\"\n";
@@ -161,7 +158,7 @@ fn a_bad_configuration_is_refused_before_anything_is_attached() -> anyhow::Resul
 
 #[test]
 fn run_without_root_says_so() -> anyhow::Result<()> {
-    let sandbox = Sandbox::new(tools())?;
+    let sandbox = Sandbox::new(tools!())?;
     let config = sandbox.write_file(
         "config.toml",
         &sandbox.config_toml("[[listener]]\nname = \"node\"\naddress = \"169.254.10.10\"\n"),
@@ -181,7 +178,7 @@ fn run_without_root_says_so() -> anyhow::Result<()> {
 
 #[test]
 fn a_start_without_a_needed_capability_names_it() -> anyhow::Result<()> {
-    let mut sandbox = Sandbox::new(tools())?;
+    let mut sandbox = Sandbox::new(tools!())?;
     sandbox.start_standard_servers()?;
     let node = sandbox.node_netns_path().display().to_string();
     let standard = sandbox.config_toml(&bpf_tests::bench::standard_listeners(&sandbox));
@@ -251,7 +248,7 @@ fn the_capabilities_the_unit_grants_steer_and_fail_over() -> anyhow::Result<()> 
     assert!(!granted.is_empty());
     let bounding = format!("--bounding-set=-all,+{}", granted.join(",+"));
 
-    let mut sandbox = Sandbox::new(tools())?;
+    let mut sandbox = Sandbox::new(tools!())?;
     sandbox.start_standard_servers()?;
     // The unit's agent runs in the node's namespace, with no cache_netns to enter (that would
     // need CAP_SYS_ADMIN, which the unit leaves out): nsenter puts it there.

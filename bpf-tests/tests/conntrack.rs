@@ -11,7 +11,8 @@ use bpf_tests::{
     cli::start_agent,
     conntrack,
     pace::pause,
-    sandbox::{Ns, Query, Sandbox, Tools, Transport},
+    sandbox::{Ns, Query, Sandbox, Transport},
+    tools,
     topology::{
         NODE_LISTENER, UPSTREAM_A_V4, UPSTREAM_A_V6, UPSTREAM_B_V4, UPSTREAM_B_V6, V6_LISTENER,
         dns, who,
@@ -20,16 +21,12 @@ use bpf_tests::{
 use redirector::conntrack_bypass::BypassStatus;
 use redirector_common::settings::Mode;
 
-fn tools() -> Tools {
-    bpf_tests::tools!()
-}
-
 /// Queries per client namespace, transport and family.
 const QUERIES: u16 = 25;
 
 /// A sandbox with the standard servers and conntrack on in the node namespace.
 fn tracked_sandbox() -> anyhow::Result<Sandbox> {
-    let mut sandbox = Sandbox::new(tools())?;
+    let mut sandbox = Sandbox::new(tools!())?;
     sandbox.start_standard_servers()?;
     conntrack::activate(sandbox.netns(Ns::Node))?;
     Ok(sandbox)
@@ -255,7 +252,7 @@ fn other_rules_are_untouched_a_flushed_table_is_restored_and_uninstall_removes_i
 
 #[test]
 fn a_node_without_nftables_still_steers_and_says_so_once() -> anyhow::Result<()> {
-    let mut sandbox = Sandbox::new(tools())?;
+    let mut sandbox = Sandbox::new(tools!())?;
     sandbox.start_standard_servers()?;
     // What nft prints on a kernel built without nf_tables (the netlink subsystem is missing).
     let fake_nft = sandbox.write_executable(

@@ -16,13 +16,10 @@ use bpf_tests::{
     command::{TestProcess, kill_pid},
     container::{Image, Named, Podman, build_image},
     pace::paced,
-    sandbox::{CacheSpec, Ns, Query, Sandbox, Tools, Transport, redirector_bin},
+    sandbox::{CacheSpec, Ns, Query, Sandbox, Transport, redirector_bin},
+    tools,
     topology::{NODE_LISTENER, dns, who},
 };
-
-fn tools() -> Tools {
-    bpf_tests::tools!()
-}
 
 fn workspace() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
@@ -282,7 +279,7 @@ fn start_agent_container(
 fn the_image_steers_fails_over_and_is_adopted_by_its_next_container() -> anyhow::Result<()> {
     let podman = podman()?;
     image(&podman)?;
-    let mut sandbox = Sandbox::new(tools())?;
+    let mut sandbox = Sandbox::new(tools!())?;
     sandbox.start_standard_servers()?;
     let dirs = AgentDirs::new(&sandbox)?;
     let first = Named::new(&podman, &format!("rdt-{}-agent", sandbox.tag()));
@@ -387,7 +384,7 @@ fn under_the_runtimes_default_seccomp_profile_the_agent_names_what_refuses_bpf()
 -> anyhow::Result<()> {
     let podman = podman()?;
     image(&podman)?;
-    let mut sandbox = Sandbox::new(tools())?;
+    let mut sandbox = Sandbox::new(tools!())?;
     sandbox.start_standard_servers()?;
     let dirs = AgentDirs::new(&sandbox)?;
     let named = Named::new(&podman, &format!("rdt-{}-default", sandbox.tag()));
@@ -543,7 +540,7 @@ fn prepare_node_mounts_a_missing_bpffs_on_the_node_and_installs_the_seccomp_prof
 -> anyhow::Result<()> {
     let podman = podman()?;
     image(&podman)?;
-    let sandbox = Sandbox::new(tools())?;
+    let sandbox = Sandbox::new(tools!())?;
     let scratch = sandbox
         .write_file("prepare-node", "")?
         .with_file_name("prepare-node.d");

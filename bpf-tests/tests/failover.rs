@@ -11,8 +11,9 @@ use bpf_tests::{
     cli::{set_state, start_agent, stop_agent},
     dns::now_ms,
     pace::{paced, paced_ms, pause},
-    sandbox::{CacheSpec, Ns, Query, Sandbox, Tools, Transport},
+    sandbox::{CacheSpec, Ns, Query, Sandbox, Transport},
     stream::{Stream, StreamReport},
+    tools,
     topology::{NODE_LISTENER, dns, who},
 };
 use nix::sys::signal::Signal;
@@ -21,14 +22,10 @@ use redirector_common::{
     listener::{HEALTH_UP, Reason, Route},
 };
 
-fn tools() -> Tools {
-    bpf_tests::tools!()
-}
-
 /// A bench whose only cache is `kind` on the node listener, and both upstreams.
 fn bench_with(kind: CacheKind) -> anyhow::Result<Bench> {
     Bench::start(
-        tools(),
+        tools!(),
         |sandbox| {
             start_cache(sandbox, kind, "cache")?;
             sandbox.start_upstreams()
@@ -303,7 +300,7 @@ fn hang_and_resume(kind: CacheKind) -> anyhow::Result<()> {
 #[test]
 fn probes_keep_their_pace_while_a_hung_cache_leaves_earlier_ones_unanswered() -> anyhow::Result<()>
 {
-    let mut sandbox = Sandbox::new(tools())?;
+    let mut sandbox = Sandbox::new(tools!())?;
     sandbox.start_standard_servers()?;
     let config = sandbox.config_toml_probing(
         &standard_listeners(&sandbox),
@@ -450,7 +447,7 @@ fn a_cache_that_binds_before_it_answers_gets_no_dns() -> anyhow::Result<()> {
 #[test]
 fn wildcard_and_reuseport_sockets_are_counted_one_by_one() -> anyhow::Result<()> {
     let mut bench = Bench::start(
-        tools(),
+        tools!(),
         |sandbox| {
             sandbox.start_cache(
                 "cache",
@@ -502,7 +499,7 @@ fn wildcard_and_reuseport_sockets_are_counted_one_by_one() -> anyhow::Result<()>
 
 #[test]
 fn a_dns_server_in_another_namespace_does_not_keep_the_listener_alive() -> anyhow::Result<()> {
-    let mut bench = Bench::start(tools(), Sandbox::start_upstreams, standard_listeners)?;
+    let mut bench = Bench::start(tools!(), Sandbox::start_upstreams, standard_listeners)?;
     // A pod runs its own DNS server on :53, in the cgroup the programs watch.
     let cgroup = bench.sandbox.cgroup().path().to_owned();
     let program = bench.sandbox.tools().dns_server.display().to_string();
@@ -534,7 +531,7 @@ fn a_dns_server_in_another_namespace_does_not_keep_the_listener_alive() -> anyho
 fn an_agent_started_after_the_cache_sees_it_alive_and_one_started_before_waits_for_it()
 -> anyhow::Result<()> {
     // After: the standard bench starts the cache first.
-    let mut bench = Bench::standard(tools())?;
+    let mut bench = Bench::standard(tools!())?;
     let sockets = bench.sockets(NODE_ID)?;
     assert_eq!(
         (sockets.udp, sockets.tcp),
@@ -580,7 +577,7 @@ fn an_agent_started_after_the_cache_sees_it_alive_and_one_started_before_waits_f
     assert!(answered_by(&bench.sandbox)?.starts_with("upstream"));
 
     // Before: no cache yet.
-    let mut bench = Bench::start(tools(), Sandbox::start_upstreams, standard_listeners)?;
+    let mut bench = Bench::start(tools!(), Sandbox::start_upstreams, standard_listeners)?;
     assert!(answered_by(&bench.sandbox)?.starts_with("upstream"));
     bench.sandbox.start_cache("cache", &CacheSpec::standard())?;
     bench.wait_until(
@@ -593,7 +590,7 @@ fn an_agent_started_after_the_cache_sees_it_alive_and_one_started_before_waits_f
 
 #[test]
 fn the_kernel_fails_over_alone_after_the_agent_is_killed() -> anyhow::Result<()> {
-    let mut sandbox = Sandbox::new(tools())?;
+    let mut sandbox = Sandbox::new(tools!())?;
     sandbox.start_standard_servers()?;
     let config = write_standard_config(&sandbox)?;
     let agent = start_agent(&config)?;
@@ -635,7 +632,7 @@ fn the_kernel_fails_over_alone_after_the_agent_is_killed() -> anyhow::Result<()>
 fn the_agents_probes_are_never_steered() -> anyhow::Result<()> {
     // The agent runs inside the cgroup the programs attach to (as on a node, where they attach to
     // the root): its own cgroup must be skipped, or its probes would follow the listener.
-    let mut sandbox = Sandbox::new(tools())?;
+    let mut sandbox = Sandbox::new(tools!())?;
     sandbox.start_cache("cache", &CacheSpec::standard())?;
     // No upstream runs: a steered probe would fail.
     let agent_cgroup = sandbox.cgroup().child("agent")?;
@@ -670,7 +667,7 @@ fn the_agents_probes_are_never_steered() -> anyhow::Result<()> {
 
 #[test]
 fn a_miscount_heals_on_the_next_reconciles() -> anyhow::Result<()> {
-    let mut bench = Bench::standard(tools())?;
+    let mut bench = Bench::standard(tools!())?;
     let counted = bench.maps.cache_sockets();
     let (cookie, _) = *counted
         .iter()
@@ -719,7 +716,7 @@ fn a_cache_answering_servfail_keeps_its_dns_and_one_answering_refused_loses_it()
 -> anyhow::Result<()> {
     for (rcode, route) in [("servfail", "cache"), ("refused", "upstream")] {
         let bench = Bench::start(
-            tools(),
+            tools!(),
             |sandbox| {
                 sandbox.start_cache(
                     "cache",
@@ -754,7 +751,7 @@ fn a_cache_answering_servfail_keeps_its_dns_and_one_answering_refused_loses_it()
 
 #[test]
 fn a_restart_keeps_the_pinned_verdict_until_the_probes_turn_it() -> anyhow::Result<()> {
-    let mut sandbox = Sandbox::new(tools())?;
+    let mut sandbox = Sandbox::new(tools!())?;
     sandbox.start_standard_servers()?;
     let config = write_standard_config(&sandbox)?;
     stop_agent(&mut start_agent(&config)?)?;
@@ -794,7 +791,7 @@ fn an_answer_from_a_cache_that_died_meanwhile_does_not_vouch_for_its_successor()
         cli::logged_metrics_address,
         http::{get, sample},
     };
-    let mut sandbox = Sandbox::new(tools())?;
+    let mut sandbox = Sandbox::new(tools!())?;
     // A slow cache: it answers each query 300 ms after it came, and says when one comes.
     let delay = paced_ms(300);
     sandbox.start_cache(

@@ -8,13 +8,10 @@ use bpf_tests::{
     bench::{Bench, CLUSTER_ID},
     fake_kube::{FakeKube, endpoint_slice},
     pace::pause,
-    sandbox::{Sandbox, Tools},
+    sandbox::Sandbox,
+    tools,
 };
 use redirector_common::addr::port_from_be;
-
-fn tools() -> Tools {
-    bpf_tests::tools!()
-}
 
 /// The kernel pool of a listener as (address, udp port, tcp port), sorted.
 fn kernel_pool(bench: &Bench, id: u32) -> anyhow::Result<Vec<(IpAddr, u16, u16)>> {
@@ -65,7 +62,7 @@ fn wait_for_pool(
 
 /// A bench whose cluster (v4) and v6 listeners follow kube-system/kube-dns through `kube`.
 fn bench(kube: &FakeKube) -> anyhow::Result<Bench> {
-    let mut sandbox = Sandbox::new(tools())?;
+    let mut sandbox = Sandbox::new(tools!())?;
     sandbox.start_standard_servers()?;
     let kubeconfig = sandbox.write_file("kubeconfig", &kube.kubeconfig())?;
     let listeners = r#"
@@ -379,7 +376,7 @@ fn a_pool_larger_than_the_kernels_is_cut_per_node_and_counted() -> anyhow::Resul
         53,
         &endpoints,
     ));
-    let mut sandbox = Sandbox::new(tools())?;
+    let mut sandbox = Sandbox::new(tools!())?;
     sandbox.start_standard_servers()?;
     let kubeconfig = sandbox.write_file("kubeconfig", &kube.kubeconfig())?;
     let listeners = "[[listener]]\nname = \"cluster\"\naddress = \"169.254.10.11\"\nkube_dns = \"kube-system/kube-dns\"\n";

@@ -10,16 +10,13 @@ use bpf_tests::{
     command::run,
     dns::now_ms,
     pace::{paced_ms, pause, wait_until},
-    sandbox::{CacheSpec, Ns, Query, Sandbox, Tools, Transport},
+    sandbox::{CacheSpec, Ns, Query, Sandbox, Transport},
     stream::Stream,
+    tools,
     topology::{NODE_LISTENER, UPSTREAM_A_V4, UPSTREAM_B_V4, dns, who},
 };
 use nix::sys::signal::Signal;
 use redirector_common::{LAYOUT_VERSION, addr::port_from_be};
-
-fn tools() -> Tools {
-    bpf_tests::tools!()
-}
 
 fn answered_by(sandbox: &Sandbox) -> anyhow::Result<&'static str> {
     let outcome = sandbox.query(Ns::Pod, Query::new(dns(NODE_LISTENER), Transport::Udp))?;
@@ -28,7 +25,7 @@ fn answered_by(sandbox: &Sandbox) -> anyhow::Result<&'static str> {
 
 #[test]
 fn restarts_under_a_query_stream_lose_no_query_and_keep_state() -> anyhow::Result<()> {
-    let mut sandbox = Sandbox::new(tools())?;
+    let mut sandbox = Sandbox::new(tools!())?;
     sandbox.start_standard_servers()?;
     let config = write_standard_config(&sandbox)?;
     let mut agent = start_agent(&config)?;
@@ -128,7 +125,7 @@ fn restarts_under_a_query_stream_lose_no_query_and_keep_state() -> anyhow::Resul
 
 #[test]
 fn one_agent_per_node_and_pins_of_another_version_are_refused() -> anyhow::Result<()> {
-    let mut sandbox = Sandbox::new(tools())?;
+    let mut sandbox = Sandbox::new(tools!())?;
     sandbox.start_standard_servers()?;
     let config = write_standard_config(&sandbox)?;
     let config_arg = config.display().to_string();
@@ -192,7 +189,7 @@ fn one_agent_per_node_and_pins_of_another_version_are_refused() -> anyhow::Resul
 
 #[test]
 fn uninstall_leaves_no_program_map_pin_address_or_lock_behind() -> anyhow::Result<()> {
-    let mut sandbox = Sandbox::new(tools())?;
+    let mut sandbox = Sandbox::new(tools!())?;
     // A link of the sandbox's own for the listener addresses (the kernel has no dummy driver).
     let link = sandbox.add_listener_link()?;
     let listeners = "[[listener]]\nname = \"owned\"\naddress = \"169.254.20.10\"\nupstreams = [\"198.18.2.2\"]\n\n[[listener]]\nname = \"owned6\"\naddress = \"fd00:53::20\"\nupstreams = [\"fd00:2::2\"]\n";
@@ -275,7 +272,7 @@ fn uninstall_leaves_no_program_map_pin_address_or_lock_behind() -> anyhow::Resul
 
 #[test]
 fn listener_ids_and_modes_survive_a_changed_configuration() -> anyhow::Result<()> {
-    let mut sandbox = Sandbox::new(tools())?;
+    let mut sandbox = Sandbox::new(tools!())?;
     sandbox.start_standard_servers()?;
     let listeners = |names: &[&str]| -> String {
         names
@@ -333,7 +330,7 @@ fn listener_ids_and_modes_survive_a_changed_configuration() -> anyhow::Result<()
 
 #[test]
 fn the_node_pool_follows_its_resolv_conf() -> anyhow::Result<()> {
-    let mut sandbox = Sandbox::new(tools())?;
+    let mut sandbox = Sandbox::new(tools!())?;
     sandbox.start_standard_servers()?;
     let resolv = sandbox.write_file("resolv.conf", &format!("nameserver {UPSTREAM_A_V4}\n"))?;
     let listeners = format!(
@@ -394,7 +391,7 @@ fn the_node_pool_follows_its_resolv_conf() -> anyhow::Result<()> {
 #[test]
 fn an_agent_in_a_cgroup_namespace_of_its_own_finds_its_cgroup_and_probes_unsteered()
 -> anyhow::Result<()> {
-    let mut sandbox = Sandbox::new(tools())?;
+    let mut sandbox = Sandbox::new(tools!())?;
     sandbox.start_standard_servers()?;
     let config = write_standard_config(&sandbox)?;
     // The agent inside the attach cgroup, in a cgroup namespace rooted at its own cgroup (a
@@ -459,7 +456,7 @@ fn an_agent_in_a_cgroup_namespace_of_its_own_finds_its_cgroup_and_probes_unsteer
 
 #[test]
 fn a_failed_start_leaves_nothing_that_locks_the_next_one_out() -> anyhow::Result<()> {
-    let mut sandbox = Sandbox::new(tools())?;
+    let mut sandbox = Sandbox::new(tools!())?;
     sandbox.start_standard_servers()?;
     let listeners = standard_listeners(&sandbox);
     // A listener interface that cannot be set up fails the start after the maps were created.
@@ -534,7 +531,7 @@ fn a_failed_start_leaves_nothing_that_locks_the_next_one_out() -> anyhow::Result
 
 #[test]
 fn pinned_maps_of_another_shape_are_refused_with_what_differs() -> anyhow::Result<()> {
-    let mut sandbox = Sandbox::new(tools())?;
+    let mut sandbox = Sandbox::new(tools!())?;
     sandbox.start_standard_servers()?;
     let config = write_standard_config(&sandbox)?;
     let mut agent = start_agent(&config)?;
@@ -589,7 +586,7 @@ fn pinned_maps_of_another_shape_are_refused_with_what_differs() -> anyhow::Resul
 
 #[test]
 fn uninstall_removes_only_what_the_agent_added_to_a_link_it_adopted() -> anyhow::Result<()> {
-    let sandbox = Sandbox::new(tools())?;
+    let sandbox = Sandbox::new(tools!())?;
     let link = sandbox.add_listener_link()?;
     let node = sandbox.netns(Ns::Node).name().to_owned();
     // There before the agent: one listener's address (as NodeLocal DNSCache leaves its link) and
@@ -632,7 +629,7 @@ fn uninstall_removes_only_what_the_agent_added_to_a_link_it_adopted() -> anyhow:
 
 #[test]
 fn an_agent_whose_cache_namespace_is_replaced_exits_to_follow_it() -> anyhow::Result<()> {
-    let sandbox = Sandbox::new(tools())?;
+    let sandbox = Sandbox::new(tools!())?;
     // The caches' namespace of its own, which a cache's pod would bring (and a new pod replace).
     let name = format!("{}{}-caches", bpf_tests::sandbox::PREFIX, sandbox.tag());
     let caches = bpf_tests::netns::NetNs::create(&name)?;

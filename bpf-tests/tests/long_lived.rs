@@ -8,16 +8,13 @@ use anyhow::Context as _;
 use bpf_tests::{
     bench::{Bench, CacheEvent, NODE_ID, V6_ID, socket_addr},
     dns::QueryOutcome,
-    sandbox::{HeldClient, Ns, Query, Tools, Transport},
+    sandbox::{HeldClient, Ns, Query, Transport},
+    tools,
     topology::{NODE_LISTENER, V6_LISTENER, dns, who},
 };
 use std::time::{Duration, Instant};
 
 use redirector_common::{counters::ListenerCounters, settings::Mode, stale::FAILBACK_GRACE_NS};
-
-fn tools() -> Tools {
-    bpf_tests::tools!()
-}
 
 /// `EPERM`: what a send dropped at cgroup egress fails with.
 const EPERM: i32 = 1;
@@ -100,7 +97,7 @@ fn moves(bench: &Bench, id: u32) -> anyhow::Result<(u64, u64)> {
 
 #[test]
 fn a_connected_socket_follows_every_route_change_at_its_next_send() -> anyhow::Result<()> {
-    let mut bench = Bench::standard(tools())?;
+    let mut bench = Bench::standard(tools!())?;
     let cases = [
         (
             NODE_ID,
@@ -140,7 +137,7 @@ fn a_connected_socket_follows_every_route_change_at_its_next_send() -> anyhow::R
 /// hung is refused at its first send, which the cache would lose.
 #[test]
 fn a_socket_connected_just_before_a_failback_finishes_on_its_upstream() -> anyhow::Result<()> {
-    let mut bench = Bench::standard(tools())?;
+    let mut bench = Bench::standard(tools!())?;
     let query = Query::new(dns(NODE_LISTENER), Transport::UdpConnected);
 
     bench.set_mode(NODE_ID, Mode::Upstream)?;
@@ -178,7 +175,7 @@ fn a_socket_connected_just_before_a_failback_finishes_on_its_upstream() -> anyho
 
 #[test]
 fn an_unconnected_socket_follows_the_route_and_is_never_refused() -> anyhow::Result<()> {
-    let mut bench = Bench::standard(tools())?;
+    let mut bench = Bench::standard(tools!())?;
     let query = Query::new(dns(NODE_LISTENER), Transport::Udp);
     let (mut client, _) = held(&bench, query, 3, "cache")?;
     bench.set_mode(NODE_ID, Mode::Upstream)?;
@@ -193,7 +190,7 @@ fn an_unconnected_socket_follows_the_route_and_is_never_refused() -> anyhow::Res
 /// cache forwards to the very address it serves, over a socket the programs leave alone.
 #[test]
 fn a_connected_socket_of_a_skipped_cgroup_is_never_refused() -> anyhow::Result<()> {
-    let mut bench = Bench::standard(tools())?;
+    let mut bench = Bench::standard(tools!())?;
     let query = Query::new(dns(NODE_LISTENER), Transport::UdpConnected);
     let mut client =
         bench
@@ -211,7 +208,7 @@ fn a_connected_socket_of_a_skipped_cgroup_is_never_refused() -> anyhow::Result<(
 /// sending into a closed port and waiting for the ICMP error), and moves back once the cache is
 /// confirmed again.
 fn leaves_and_returns(event: CacheEvent) -> anyhow::Result<()> {
-    let mut bench = Bench::standard(tools())?;
+    let mut bench = Bench::standard(tools!())?;
     let query = Query::new(dns(NODE_LISTENER), Transport::UdpConnected);
     let (mut client, _) = held(&bench, query, 3, "cache")?;
     event.strike(&mut bench.sandbox)?;

@@ -21,16 +21,13 @@ use bpf_tests::{
     dns::now_ms,
     pace::{paced_ms, pause},
     resolvers::{Resolver, ResolverReport, ResolverStream},
-    sandbox::{Ns, Tools},
+    sandbox::Ns,
+    tools,
     topology::NODE_LISTENER,
 };
 
-fn tools() -> Tools {
-    bpf_tests::tools!()
-}
-
 fn through(resolver: Resolver, event: CacheEvent) -> anyhow::Result<()> {
-    let mut bench = Bench::standard(tools())?;
+    let mut bench = Bench::standard(tools!())?;
     let started = now_ms();
     let stream = ResolverStream::start(&bench.sandbox, Ns::Pod, NODE_LISTENER.into(), resolver)?;
     pause(1500);

@@ -11,7 +11,8 @@ use bpf_tests::{
     bench::{Bench, CLUSTER_ID, NODE_ID, V6_ID, mapped, socket_addr, write_standard_config},
     cli,
     pace::{paced, pause},
-    sandbox::{Ns, Query, Sandbox, Tools, Transport},
+    sandbox::{Ns, Query, Sandbox, Transport},
+    tools,
     topology::{
         CLUSTER_LISTENER, NODE_LISTENER, OTHER_PORT, UPSTREAM_A, UPSTREAM_A_V4, UPSTREAM_B,
         UPSTREAM_B_V4, V6_LISTENER, dns, who,
@@ -19,10 +20,6 @@ use bpf_tests::{
 };
 use redirector::sys::kernel_support;
 use redirector_common::{names, settings::Mode};
-
-fn tools() -> Tools {
-    bpf_tests::tools!()
-}
 
 const TRANSPORTS: [Transport; 3] = [Transport::Udp, Transport::UdpConnected, Transport::Tcp];
 
@@ -68,7 +65,7 @@ fn seen_peer(outcome: &bpf_tests::dns::QueryOutcome) -> Option<SocketAddr> {
 
 #[test]
 fn cache_answers_every_transport_while_it_serves() -> anyhow::Result<()> {
-    let bench = Bench::standard(tools())?;
+    let bench = Bench::standard(tools!())?;
     let mut decisions = 0;
     for (ns, query) in every_client(NODE_LISTENER) {
         let outcome = bench.sandbox.query(ns, query)?;
@@ -101,7 +98,7 @@ fn cache_answers_every_transport_while_it_serves() -> anyhow::Result<()> {
 
 #[test]
 fn upstream_mode_steers_every_transport_and_rewrites_replies() -> anyhow::Result<()> {
-    let mut bench = Bench::standard(tools())?;
+    let mut bench = Bench::standard(tools!())?;
     bench.set_mode(NODE_ID, Mode::Upstream)?;
     let mut queries = 0;
     for (ns, query) in every_client(NODE_LISTENER) {
@@ -140,7 +137,7 @@ fn upstream_mode_steers_every_transport_and_rewrites_replies() -> anyhow::Result
 #[test]
 fn an_unconnected_socket_asking_two_listeners_at_once_sees_each_reply_from_its_listener()
 -> anyhow::Result<()> {
-    let mut bench = Bench::standard(tools())?;
+    let mut bench = Bench::standard(tools!())?;
     let a = dns(UPSTREAM_A_V4);
     let b = dns(UPSTREAM_B_V4);
     bench.set_mode(NODE_ID, Mode::Upstream)?;
@@ -191,7 +188,7 @@ fn an_unconnected_socket_asking_two_listeners_at_once_sees_each_reply_from_its_l
 
 #[test]
 fn each_socket_keeps_one_upstream_and_sockets_spread_over_the_pool() -> anyhow::Result<()> {
-    let mut bench = Bench::standard(tools())?;
+    let mut bench = Bench::standard(tools!())?;
     bench.set_mode(NODE_ID, Mode::Upstream)?;
     let mut seen = std::collections::BTreeMap::new();
     for _ in 0..16 {
@@ -212,7 +209,7 @@ fn each_socket_keeps_one_upstream_and_sockets_spread_over_the_pool() -> anyhow::
 
 #[test]
 fn flipping_the_mode_moves_answers_and_back() -> anyhow::Result<()> {
-    let mut bench = Bench::standard(tools())?;
+    let mut bench = Bench::standard(tools!())?;
     let ask = |bench: &Bench| -> anyhow::Result<&'static str> {
         let outcome = bench
             .sandbox
@@ -240,7 +237,7 @@ fn flipping_the_mode_moves_answers_and_back() -> anyhow::Result<()> {
 
 #[test]
 fn dig_and_glibc_resolve_through_the_listener() -> anyhow::Result<()> {
-    let mut bench = Bench::standard(tools())?;
+    let mut bench = Bench::standard(tools!())?;
     for mode in [Mode::Cache, Mode::Upstream] {
         bench.set_mode(NODE_ID, mode)?;
         for ns in [Ns::Pod, Ns::Node] {
@@ -286,7 +283,7 @@ fn dig_and_glibc_resolve_through_the_listener() -> anyhow::Result<()> {
 /// a target on another port must have its port let through before any socket reaches it.
 #[test]
 fn replies_from_a_target_on_another_port_are_translated() -> anyhow::Result<()> {
-    let mut bench = Bench::standard(tools())?;
+    let mut bench = Bench::standard(tools!())?;
     let elsewhere = SocketAddr::new(IpAddr::V4(UPSTREAM_A_V4), 5353);
     bench
         .sandbox
@@ -317,7 +314,7 @@ fn replies_from_a_target_on_another_port_are_translated() -> anyhow::Result<()> 
 
 #[test]
 fn other_ports_other_addresses_and_unconfigured_servers_are_untouched() -> anyhow::Result<()> {
-    let mut bench = Bench::standard(tools())?;
+    let mut bench = Bench::standard(tools!())?;
     bench.sandbox.start_server(
         "other port",
         Ns::Node,
@@ -363,7 +360,7 @@ fn other_ports_other_addresses_and_unconfigured_servers_are_untouched() -> anyho
 
 #[test]
 fn sockets_of_a_skipped_cgroup_reach_the_listener_untouched() -> anyhow::Result<()> {
-    let mut bench = Bench::standard(tools())?;
+    let mut bench = Bench::standard(tools!())?;
     bench.set_mode(NODE_ID, Mode::Upstream)?;
     bench.set_mode(V6_ID, Mode::Upstream)?;
     let skipped = bench.sandbox.skipped_cgroup();
@@ -393,7 +390,7 @@ fn sockets_of_a_skipped_cgroup_reach_the_listener_untouched() -> anyhow::Result<
 
 #[test]
 fn an_empty_pool_obeys_its_policy() -> anyhow::Result<()> {
-    let mut bench = Bench::standard(tools())?;
+    let mut bench = Bench::standard(tools!())?;
     // `cluster` has no upstreams and policy `fail`: the syscall fails at once.
     bench.set_mode(CLUSTER_ID, Mode::Upstream)?;
     for transport in TRANSPORTS {
@@ -430,7 +427,7 @@ fn an_empty_pool_obeys_its_policy() -> anyhow::Result<()> {
 
 #[test]
 fn pool_updates_apply_to_the_next_socket() -> anyhow::Result<()> {
-    let mut bench = Bench::standard(tools())?;
+    let mut bench = Bench::standard(tools!())?;
     bench.set_mode(NODE_ID, Mode::Upstream)?;
     for (pool, expected) in [(UPSTREAM_B_V4, "upstream B"), (UPSTREAM_A_V4, "upstream A")] {
         bench.set_pool(NODE_ID, &[dns(pool)])?;
@@ -446,7 +443,7 @@ fn pool_updates_apply_to_the_next_socket() -> anyhow::Result<()> {
 
 #[test]
 fn ipv6_listener_is_steered_and_translated() -> anyhow::Result<()> {
-    let mut bench = Bench::standard(tools())?;
+    let mut bench = Bench::standard(tools!())?;
     for (mode, upstream) in [(Mode::Cache, false), (Mode::Upstream, true)] {
         bench.set_mode(V6_ID, mode)?;
         for ns in [Ns::Pod, Ns::Node] {
@@ -501,7 +498,7 @@ fn a_connected_dual_stack_socket_is_moved_never_redirected() -> anyhow::Result<(
     // drop the replies (they come from another address), and every query would time out.
     // Instead its first send after the flip is refused (the egress program), the client reopens
     // as c-ares does, and the new socket is steered at its connect.
-    let mut bench = Bench::standard(tools())?;
+    let mut bench = Bench::standard(tools!())?;
     let stream = bpf_tests::stream::Stream::start_with(
         &bench.sandbox,
         Ns::Pod,
@@ -562,7 +559,7 @@ fn a_connected_dual_stack_socket_is_moved_never_redirected() -> anyhow::Result<(
 #[test]
 fn long_lived_sockets_keep_their_translation_when_the_lru_churns() -> anyhow::Result<()> {
     const ENTRIES: usize = 1024;
-    let mut sandbox = Sandbox::new(tools())?;
+    let mut sandbox = Sandbox::new(tools!())?;
     sandbox.start_standard_servers()?;
     let config = format!(
         "reverse_nat_entries = {ENTRIES}\n{}",
@@ -677,7 +674,7 @@ fn set_retval_calls(sandbox: &Sandbox, name: &str) -> anyhow::Result<usize> {
 /// override).
 #[test]
 fn without_bpf_set_retval_the_fail_policy_fails_with_eperm_and_says_so() -> anyhow::Result<()> {
-    let mut sandbox = Sandbox::new(tools())?;
+    let mut sandbox = Sandbox::new(tools!())?;
     sandbox.start_standard_servers()?;
     let config = write_standard_config(&sandbox)?;
     let config_arg = config.display().to_string();

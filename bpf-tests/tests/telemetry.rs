@@ -13,19 +13,16 @@ use bpf_tests::{
     fake_kube::{FakeKube, endpoint_slice},
     http::{get, sample},
     pace::pause,
-    sandbox::{Ns, Query, Sandbox, Tools, Transport},
+    sandbox::{Ns, Query, Sandbox, Transport},
+    tools,
     topology::{NODE_LISTENER, dns, who},
 };
 use nix::sys::signal::Signal;
 use redirector_common::settings::Mode;
 
-fn tools() -> Tools {
-    bpf_tests::tools!()
-}
-
 /// A sandbox with the standard servers, and an agent configuration for it.
 fn standard_sandbox() -> anyhow::Result<(Sandbox, std::path::PathBuf)> {
-    let mut sandbox = Sandbox::new(tools())?;
+    let mut sandbox = Sandbox::new(tools!())?;
     sandbox.start_standard_servers()?;
     let config = write_standard_config(&sandbox)?;
     Ok((sandbox, config))
@@ -46,7 +43,7 @@ fn queries(sandbox: &Sandbox, count: u16) -> anyhow::Result<Vec<&'static str>> {
 
 #[test]
 fn metrics_agree_with_the_kernel_and_with_what_happened() -> anyhow::Result<()> {
-    let mut bench = Bench::standard(tools())?;
+    let mut bench = Bench::standard(tools!())?;
     let address = bench.agent.metrics.expect("metrics are served");
     assert!(
         queries(&bench.sandbox, 5)?
@@ -190,7 +187,7 @@ fn readyz_waits_for_every_pool_and_healthz_does_not() -> anyhow::Result<()> {
         &[("10.244.0.5", true, false)],
     ));
     kube.set_down(true);
-    let mut sandbox = Sandbox::new(tools())?;
+    let mut sandbox = Sandbox::new(tools!())?;
     sandbox.start_standard_servers()?;
     let kubeconfig = sandbox.write_file("kubeconfig", &kube.kubeconfig())?;
     let listeners = "[[listener]]\nname = \"node\"\naddress = \"169.254.10.10\"\nupstreams = [\"198.18.2.2\"]\n\n[[listener]]\nname = \"cluster\"\naddress = \"169.254.10.11\"\nkube_dns = \"kube-system/kube-dns\"\n";
@@ -253,7 +250,7 @@ fn readyz_waits_for_every_pool_and_healthz_does_not() -> anyhow::Result<()> {
 #[test]
 fn healthz_answers_through_a_flood_of_idle_and_slow_connections() -> anyhow::Result<()> {
     use std::io::{Read, Write};
-    let bench = Bench::standard(tools())?;
+    let bench = Bench::standard(tools!())?;
     let address = bench.agent.metrics.expect("metrics are served");
     // Twice the agent's connection limit: half that never send a byte, half that send a
     // request head slowly (slowloris), all held open.

@@ -29,6 +29,7 @@ use std::{
 
 use hickory_proto::{ProtoError, rr::Name};
 use ipnet::{IpNet, Ipv4Net, Ipv6Net};
+use redirector_common::parse_dns_server;
 use serde::Deserialize;
 
 /// Positive answers are cached at most this long unless told otherwise.
@@ -63,8 +64,6 @@ const fn v6(network: Ipv6Addr, prefix_len: u8) -> IpNet {
     IpNet::V6(Ipv6Net::new_assert(network, prefix_len))
 }
 
-/// The port upstreams and listen addresses given without one use.
-const DNS_PORT: u16 = 53;
 /// Longest accepted `max_ttl_secs` and `stale_for_secs`: 7 days (RFC 8767's suggested cap).
 const MAX_SECS: u64 = 7 * 24 * 3600;
 /// Longest accepted `max_negative_ttl_secs`: 3 hours (RFC 2308's suggested cap).
@@ -505,19 +504,11 @@ fn parse_addresses(key: &str, values: &[String]) -> Result<Vec<SocketAddr>, Cach
     let mut addresses: Vec<SocketAddr> = Vec::with_capacity(values.len());
     for (index, value) in values.iter().enumerate() {
         let item_key = format!("{key}[{index}]");
-        let address = match value.parse::<SocketAddr>() {
-            Ok(address) => address,
-            Err(source) => match value.parse::<IpAddr>() {
-                Ok(ip) => SocketAddr::new(ip, DNS_PORT),
-                Err(_) => {
-                    return Err(CacheConfigError::BadAddress {
-                        key: item_key,
-                        value: value.clone(),
-                        source,
-                    });
-                }
-            },
-        };
+        let address = parse_dns_server(value).map_err(|source| CacheConfigError::BadAddress {
+            key: item_key.clone(),
+            value: value.clone(),
+            source,
+        })?;
         if address.port() == 0 {
             return Err(CacheConfigError::PortZero {
                 key: item_key,

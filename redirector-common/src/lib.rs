@@ -28,6 +28,59 @@ pub mod settings;
 /// The only destination port redirector ever steers: DNS.
 pub const DNS_PORT: u16 = 53;
 
+/// A DNS server's address as configuration files write it: `ip:port`, `[ipv6]:port`, or an
+/// address alone for port [`DNS_PORT`]. The error is the one for `ip:port`, the form that says
+/// the most.
+///
+/// # Errors
+///
+/// [`core::net::AddrParseError`] when `text` is neither form.
+pub fn parse_dns_server(text: &str) -> Result<core::net::SocketAddr, core::net::AddrParseError> {
+    text.parse::<core::net::SocketAddr>().or_else(|with_port| {
+        text.parse::<core::net::IpAddr>()
+            .map(|ip| core::net::SocketAddr::new(ip, DNS_PORT))
+            .map_err(|_| with_port)
+    })
+}
+
 /// Version of the map layout defined in this crate. Bump it whenever a key or value changes
 /// shape or meaning; the agent refuses to adopt pinned maps of another version.
 pub const LAYOUT_VERSION: u32 = 5;
+
+#[cfg(test)]
+mod tests {
+    use core::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+
+    use super::*;
+
+    #[test]
+    fn a_dns_server_is_an_address_with_or_without_its_port() {
+        let v4 = IpAddr::V4(Ipv4Addr::new(10, 0, 0, 10));
+        assert_eq!(
+            parse_dns_server("10.0.0.10"),
+            Ok(SocketAddr::new(v4, DNS_PORT))
+        );
+        assert_eq!(
+            parse_dns_server("10.0.0.10:5353"),
+            Ok(SocketAddr::new(v4, 5353))
+        );
+        let v6 = IpAddr::V6(Ipv6Addr::new(0xfd00, 0, 0, 0, 0, 0, 0, 0x10));
+        assert_eq!(
+            parse_dns_server("fd00::10"),
+            Ok(SocketAddr::new(v6, DNS_PORT))
+        );
+        assert_eq!(
+            parse_dns_server("[fd00::10]:53"),
+            Ok(SocketAddr::new(v6, 53))
+        );
+        for text in [
+            "",
+            "example.com",
+            "10.0.0.10:",
+            "fd00::10:53:x",
+            "[fd00::10]",
+        ] {
+            assert!(parse_dns_server(text).is_err(), "{text:?}");
+        }
+    }
+}

@@ -13,6 +13,7 @@ use std::{
 use redirector_common::{
     DNS_PORT,
     listener::{LISTENER_NAME_MAX, MAX_LISTENERS},
+    parse_dns_server,
     pool::MAX_POOL_TARGETS,
     reverse::REVERSE_NAT_DEFAULT_ENTRIES,
     settings::{EmptyPoolPolicy, Liveness},
@@ -648,20 +649,12 @@ fn parse_listener_address(key: &str, text: &str) -> Result<IpAddr, ConfigError> 
 
 /// `ip`, `ip:port` or `[ipv6]:port`; port 53 when none is given.
 fn parse_target(key: &str, text: &str) -> Result<SocketAddr, ConfigError> {
-    let target = match text.parse::<SocketAddr>() {
-        Ok(target) => target,
-        Err(with_port) => match text.parse::<IpAddr>() {
-            Ok(ip) => SocketAddr::new(ip, DNS_PORT),
-            Err(_) => {
-                return Err(ConfigError::BadAddress {
-                    key: key.to_owned(),
-                    value: text.to_owned(),
-                    expected: "an address, `ip:port` or `[ipv6]:port`",
-                    source: with_port,
-                });
-            }
-        },
-    };
+    let target = parse_dns_server(text).map_err(|source| ConfigError::BadAddress {
+        key: key.to_owned(),
+        value: text.to_owned(),
+        expected: "an address, `ip:port` or `[ipv6]:port`",
+        source,
+    })?;
     if target.port() == 0 {
         return Err(ConfigError::PortZero {
             key: key.to_owned(),

@@ -218,7 +218,7 @@ async fn serve_connection(
 }
 
 /// FORMERR (the header alone) for a query hickory cannot decode, if it has a header and is not
-/// itself a response; hickory-server answers UDP ones the same way.
+/// itself a response; hickory-server answers UDP ones with FORMERR too.
 fn format_error(request: &[u8]) -> Option<Vec<u8>> {
     let header = Header::from_bytes(request.get(..Header::len())?).ok()?;
     if header.message_type() == MessageType::Response {

@@ -1,6 +1,9 @@
 //! DNS messages for the test servers and clients (hickory-proto does the wire format).
 
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::{
+    io::{self, Read, Write},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
+};
 
 use anyhow::{Context as _, bail};
 use hickory_proto::{
@@ -152,6 +155,34 @@ pub struct StreamRecord {
     /// once from a new socket (as c-ares does); this record is the second attempt's.
     #[serde(default)]
     pub reopened: bool,
+}
+
+/// Writes one DNS-over-TCP message: its length in two bytes, network order, then the message
+/// (RFC 1035 section 4.2.2), in one write.
+pub fn write_tcp_message(stream: &mut impl Write, message: &[u8]) -> anyhow::Result<()> {
+    let length =
+        u16::try_from(message.len()).context("a DNS message over TCP is at most 64 KiB")?;
+    let mut framed = Vec::with_capacity(2 + message.len());
+    framed.extend_from_slice(&length.to_be_bytes());
+    framed.extend_from_slice(message);
+    stream
+        .write_all(&framed)
+        .context("sending a DNS message over TCP")
+}
+
+/// Reads one DNS-over-TCP message; `None` when the peer closed the connection before the next.
+pub fn read_tcp_message(stream: &mut impl Read) -> anyhow::Result<Option<Vec<u8>>> {
+    let mut length = [0u8; 2];
+    match stream.read_exact(&mut length) {
+        Ok(()) => {}
+        Err(error) if error.kind() == io::ErrorKind::UnexpectedEof => return Ok(None),
+        Err(error) => return Err(error).context("receiving a DNS message's length over TCP"),
+    }
+    let mut message = vec![0u8; usize::from(u16::from_be_bytes(length))];
+    stream
+        .read_exact(&mut message)
+        .context("receiving a DNS message over TCP")?;
+    Ok(Some(message))
 }
 
 /// Milliseconds since the Unix epoch (the stream's and the tests' shared clock).

@@ -5,9 +5,9 @@
 use std::{os::unix::process::CommandExt as _, process::Command, time::Duration};
 
 use bpf_tests::{
-    bench::write_standard_config,
     cli::{redirector, set_state, start_agent},
     command::output_within,
+    harness::write_standard_config,
     sandbox::{Ns, Query, Sandbox, Transport, redirector_bin},
     tools,
     topology::{NODE_LISTENER, dns, who},
@@ -181,7 +181,7 @@ fn a_start_without_a_needed_capability_names_it() -> anyhow::Result<()> {
     let mut sandbox = Sandbox::new(tools!())?;
     sandbox.start_standard_servers()?;
     let node = sandbox.node_netns_path().display().to_string();
-    let standard = sandbox.config_toml(&bpf_tests::bench::standard_listeners(&sandbox));
+    let standard = sandbox.config_toml(&bpf_tests::harness::standard_listeners(&sandbox));
     // Without cache_netns (nsenter puts the agent in the node's namespace, changing nothing
     // else) it needs no CAP_SYS_ADMIN, but CAP_PERFMON; with it, CAP_SYS_ADMIN.
     let in_node = standard.replace(&format!("cache_netns = {node:?}\n"), "");
@@ -254,7 +254,7 @@ fn the_capabilities_the_unit_grants_steer_and_fail_over() -> anyhow::Result<()> 
     // need CAP_SYS_ADMIN, which the unit leaves out): nsenter puts it there.
     let node = sandbox.node_netns_path().display().to_string();
     let in_node = sandbox
-        .config_toml(&bpf_tests::bench::standard_listeners(&sandbox))
+        .config_toml(&bpf_tests::harness::standard_listeners(&sandbox))
         .replace(&format!("cache_netns = {node:?}\n"), "");
     assert!(!in_node.contains("cache_netns"), "{in_node}");
     let config = sandbox.write_file("config.toml", &in_node)?;

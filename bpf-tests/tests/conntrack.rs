@@ -7,9 +7,9 @@
 use std::{net::IpAddr, time::Duration};
 
 use bpf_tests::{
-    bench::{Bench, NODE_ID, V6_ID, standard_listeners},
     cli::start_agent,
     conntrack,
+    harness::{Harness, NODE_ID, V6_ID, standard_listeners},
     pace::pause,
     sandbox::{Ns, Query, Sandbox, Transport},
     tools,
@@ -89,15 +89,15 @@ fn dns_to_the_cache_leaves_no_conntrack_entry() -> anyhow::Result<()> {
     conntrack::flush(node)?;
 
     let text = config(&sandbox, "check_interval_ms = 500\n");
-    let bench = Bench::with_config(sandbox, &text)?;
+    let harness = Harness::with_config(sandbox, &text)?;
     assert_eq!(
-        bench.agent.stats.conntrack_bypass(),
+        harness.agent.stats.conntrack_bypass(),
         (BypassStatus::Active, 0)
     );
-    let (answered, sent) = query_everything(&bench.sandbox)?;
+    let (answered, sent) = query_everything(&harness.sandbox)?;
     assert_eq!(answered.len(), sent);
     assert!(answered.iter().all(|who| *who == "cache"), "{answered:?}");
-    let untracked = entries_for(&bench.sandbox, &LISTENERS)?;
+    let untracked = entries_for(&harness.sandbox, &LISTENERS)?;
     println!(
         "conntrack entries for the listeners after {sent} fresh-socket queries (pod and node, UDP \
          and TCP, IPv4 and IPv6): {tracked} without the bypass, {} with it",
@@ -111,17 +111,17 @@ fn dns_to_the_cache_leaves_no_conntrack_entry() -> anyhow::Result<()> {
 fn failover_traffic_stays_tracked_and_its_replies_arrive() -> anyhow::Result<()> {
     let sandbox = tracked_sandbox()?;
     let text = config(&sandbox, "");
-    let mut bench = Bench::with_config(sandbox, &text)?;
-    bench.set_mode(NODE_ID, Mode::Upstream)?;
-    bench.set_mode(V6_ID, Mode::Upstream)?;
-    let (answered, sent) = query_everything(&bench.sandbox)?;
+    let mut harness = Harness::with_config(sandbox, &text)?;
+    harness.set_mode(NODE_ID, Mode::Upstream)?;
+    harness.set_mode(V6_ID, Mode::Upstream)?;
+    let (answered, sent) = query_everything(&harness.sandbox)?;
     assert_eq!(answered.len(), sent);
     assert!(
         answered.iter().all(|who| who.starts_with("upstream")),
         "every reply reached its client from an upstream: {answered:?}"
     );
-    let upstream_entries = entries_for(&bench.sandbox, &UPSTREAMS)?.len();
-    let listener_entries = entries_for(&bench.sandbox, &LISTENERS)?;
+    let upstream_entries = entries_for(&harness.sandbox, &UPSTREAMS)?.len();
+    let listener_entries = entries_for(&harness.sandbox, &LISTENERS)?;
     println!("{sent} failover queries left {upstream_entries} entries for the upstreams");
     assert!(listener_entries.is_empty(), "{listener_entries:#?}");
     assert!(
@@ -198,8 +198,8 @@ fn other_rules_are_untouched_a_flushed_table_is_restored_and_uninstall_removes_i
     );
 
     let text = config(&sandbox, "check_interval_ms = 200\n");
-    let bench = Bench::with_config(sandbox, &text)?;
-    let node = bench.sandbox.netns(Ns::Node);
+    let harness = Harness::with_config(sandbox, &text)?;
+    let node = harness.sandbox.netns(Ns::Node);
     let installed = conntrack::bypass_table(node)?.expect("the agent installed its table");
     assert!(installed.contains("notrack"), "{installed}");
     assert_eq!(
@@ -213,10 +213,10 @@ fn other_rules_are_untouched_a_flushed_table_is_restored_and_uninstall_removes_i
         ("flushed", "flush table inet redirector"),
         ("deleted", "delete table inet redirector"),
     ] {
-        let before = bench.agent.stats.conntrack_bypass().1;
+        let before = harness.agent.stats.conntrack_bypass().1;
         node.run("nft", &[script])?;
-        bench.wait_until(what, Duration::from_secs(5), |bench| {
-            Ok(bench.agent.stats.conntrack_bypass().1 > before)
+        harness.wait_until(what, Duration::from_secs(5), |harness| {
+            Ok(harness.agent.stats.conntrack_bypass().1 > before)
         })?;
         assert_eq!(
             conntrack::bypass_table(node)?.as_deref(),
@@ -226,16 +226,16 @@ fn other_rules_are_untouched_a_flushed_table_is_restored_and_uninstall_removes_i
     }
     // Restored, it works: no entry for the cache's DNS.
     conntrack::flush(node)?;
-    let (answered, _) = query_everything(&bench.sandbox)?;
+    let (answered, _) = query_everything(&harness.sandbox)?;
     assert!(answered.iter().all(|who| *who == "cache"), "{answered:?}");
-    assert!(entries_for(&bench.sandbox, &LISTENERS)?.is_empty());
+    assert!(entries_for(&harness.sandbox, &LISTENERS)?.is_empty());
     assert_eq!(
         conntrack::other_rules(node)?,
         others,
         "restoring touched other rules"
     );
 
-    let sandbox = bench.stop(); // uninstalls
+    let sandbox = harness.stop(); // uninstalls
     let node = sandbox.netns(Ns::Node);
     assert_eq!(
         conntrack::bypass_table(node)?,
@@ -285,9 +285,9 @@ fn a_node_without_nftables_still_steers_and_says_so_once() -> anyhow::Result<()>
     drop(agent);
 
     // The same in-process, where the state is visible.
-    let bench = Bench::with_config(sandbox, &text)?;
+    let harness = Harness::with_config(sandbox, &text)?;
     assert_eq!(
-        bench.agent.stats.conntrack_bypass().0,
+        harness.agent.stats.conntrack_bypass().0,
         BypassStatus::Unavailable
     );
     Ok(())

@@ -12,9 +12,9 @@ use std::{
 };
 
 use bpf_tests::{
-    bench::standard_listeners,
     command::{TestProcess, kill_pid},
     container::{Image, Named, Podman, build_image},
+    harness::standard_listeners,
     pace::paced,
     sandbox::{CacheSpec, Ns, Query, Sandbox, Transport, redirector_bin},
     tools,

@@ -6,10 +6,10 @@
 use std::time::Duration;
 
 use bpf_tests::{
-    bench::{Bench, CLUSTER_ID, NODE_ID, V6_ID, standard_listeners, write_standard_config},
     caches::{CacheKind, start_cache},
     cli::{set_state, start_agent, stop_agent},
     dns::now_ms,
+    harness::{CLUSTER_ID, Harness, NODE_ID, V6_ID, standard_listeners, write_standard_config},
     pace::{paced, paced_ms, pause},
     sandbox::{CacheSpec, Ns, Query, Sandbox, Transport},
     stream::{Stream, StreamReport},
@@ -22,9 +22,9 @@ use redirector_common::{
     listener::{HEALTH_UP, Reason, Route},
 };
 
-/// A bench whose only cache is `kind` on the node listener, and both upstreams.
-fn bench_with(kind: CacheKind) -> anyhow::Result<Bench> {
-    Bench::start(
+/// A harness whose only cache is `kind` on the node listener, and both upstreams.
+fn harness_with(kind: CacheKind) -> anyhow::Result<Harness> {
+    Harness::start(
         tools!(),
         |sandbox| {
             start_cache(sandbox, kind, "cache")?;
@@ -42,9 +42,9 @@ fn answered_by(sandbox: &Sandbox) -> anyhow::Result<&'static str> {
 
 /// A stream from the pod to the node listener for `seconds` (stretched by the machine's pace,
 /// like every event timing here).
-fn stream(bench: &Bench, seconds: u64) -> anyhow::Result<Stream> {
+fn stream(harness: &Harness, seconds: u64) -> anyhow::Result<Stream> {
     Stream::start(
-        &bench.sandbox,
+        &harness.sandbox,
         Ns::Pod,
         dns(NODE_LISTENER),
         paced(Duration::from_secs(seconds)),
@@ -119,14 +119,14 @@ fn assert_failed_over(
 const STREAM_KINDS: usize = 2;
 
 fn kill_9_fails_over_in_the_kernel(kind: CacheKind) -> anyhow::Result<()> {
-    let mut bench = bench_with(kind)?;
-    assert_eq!(answered_by(&bench.sandbox)?, "cache");
-    let epoch = bench.sockets(NODE_ID)?.down_epoch;
+    let mut harness = harness_with(kind)?;
+    assert_eq!(answered_by(&harness.sandbox)?, "cache");
+    let epoch = harness.sockets(NODE_ID)?.down_epoch;
     let started = now_ms();
-    let stream = stream(&bench, 3)?;
+    let stream = stream(&harness, 3)?;
     pause(1000);
     let killed = now_ms();
-    bench.sandbox.stop_server("cache")?;
+    harness.sandbox.stop_server("cache")?;
     let report = stream.finish()?;
 
     let (flipped_by, lost) =
@@ -149,7 +149,7 @@ fn kill_9_fails_over_in_the_kernel(kind: CacheKind) -> anyhow::Result<()> {
         "a dead cache answered? {}",
         report.summary()
     );
-    let sockets = bench.sockets(NODE_ID)?;
+    let sockets = harness.sockets(NODE_ID)?;
     assert!(sockets.udp <= 0, "{sockets:?}");
     assert_eq!(
         sockets.down_epoch,
@@ -180,20 +180,20 @@ fn kill_9_of_the_embedded_cache_fails_over_in_the_kernel() -> anyhow::Result<()>
 }
 
 fn clean_stop_and_restart(kind: CacheKind) -> anyhow::Result<()> {
-    let mut bench = bench_with(kind)?;
+    let mut harness = harness_with(kind)?;
     let started = now_ms();
-    let stream = stream(&bench, 5)?;
+    let stream = stream(&harness, 5)?;
     pause(1000);
     let stopped = now_ms();
-    bench.sandbox.process("cache")?.signal(Signal::SIGTERM)?;
-    bench
+    harness.sandbox.process("cache")?.signal(Signal::SIGTERM)?;
+    harness
         .sandbox
         .process("cache")?
         .wait_exit(Duration::from_secs(5))?;
     pause(800);
-    bench.sandbox.stop_server("cache")?;
+    harness.sandbox.stop_server("cache")?;
     let restarted = now_ms();
-    start_cache(&mut bench.sandbox, kind, "cache")?;
+    start_cache(&mut harness.sandbox, kind, "cache")?;
     let report = stream.finish()?;
 
     let (flipped_by, _) =
@@ -215,7 +215,7 @@ fn clean_stop_and_restart(kind: CacheKind) -> anyhow::Result<()> {
         report.summary()
     );
     // Back on the cache only once the probes confirmed it.
-    let transitions = bench.agent.stats.transitions("node");
+    let transitions = harness.agent.stats.transitions("node");
     assert!(
         transitions
             .iter()
@@ -251,15 +251,15 @@ fn clean_stop_and_restart_of_the_embedded_cache() -> anyhow::Result<()> {
 }
 
 fn hang_and_resume(kind: CacheKind) -> anyhow::Result<()> {
-    let mut bench = bench_with(kind)?;
+    let mut harness = harness_with(kind)?;
     let started = now_ms();
-    let stream = stream(&bench, 6)?;
+    let stream = stream(&harness, 6)?;
     pause(1000);
     let stopped = now_ms();
-    bench.sandbox.process("cache")?.signal(Signal::SIGSTOP)?;
+    harness.sandbox.process("cache")?.signal(Signal::SIGSTOP)?;
     pause(2500);
     let resumed = now_ms();
-    bench.sandbox.process("cache")?.signal(Signal::SIGCONT)?;
+    harness.sandbox.process("cache")?.signal(Signal::SIGCONT)?;
     let report = stream.finish()?;
 
     let (flipped_by, _) =
@@ -282,7 +282,7 @@ fn hang_and_resume(kind: CacheKind) -> anyhow::Result<()> {
         "{}",
         report.summary()
     );
-    let transitions = bench.agent.stats.transitions("node");
+    let transitions = harness.agent.stats.transitions("node");
     assert!(
         transitions
             .iter()
@@ -290,7 +290,7 @@ fn hang_and_resume(kind: CacheKind) -> anyhow::Result<()> {
         "{transitions:?}"
     );
     // The hung cache kept its sockets: the kernel never saw it go.
-    assert!(bench.sockets(NODE_ID)?.udp > 0);
+    assert!(harness.sockets(NODE_ID)?.udp > 0);
     Ok(())
 }
 
@@ -308,9 +308,9 @@ fn probes_keep_their_pace_while_a_hung_cache_leaves_earlier_ones_unanswered() ->
         paced(Duration::from_millis(100)),
         paced(Duration::from_millis(1000)),
     );
-    let mut bench = Bench::with_config(sandbox, &config)?;
-    let failed = |bench: &Bench| {
-        bench
+    let mut harness = Harness::with_config(sandbox, &config)?;
+    let failed = |harness: &Harness| {
+        harness
             .agent
             .stats
             .probe_counts()
@@ -319,17 +319,17 @@ fn probes_keep_their_pace_while_a_hung_cache_leaves_earlier_ones_unanswered() ->
             .map(|(_, _, count)| count)
             .sum::<u64>()
     };
-    let before = failed(&bench);
-    bench.sandbox.process("cache")?.signal(Signal::SIGSTOP)?;
+    let before = failed(&harness);
+    harness.sandbox.process("cache")?.signal(Signal::SIGSTOP)?;
     pause(2000);
-    let during = failed(&bench) - before;
-    bench.sandbox.process("cache")?.signal(Signal::SIGCONT)?;
+    let during = failed(&harness) - before;
+    harness.sandbox.process("cache")?.signal(Signal::SIGCONT)?;
     assert!(
         during >= 5,
         "only {during} probes timed out in two timeouts' time: probes waited for each other"
     );
-    bench.wait_until("failback", Duration::from_secs(10), |bench| {
-        Ok(answered_by(&bench.sandbox)? == "cache")
+    harness.wait_until("failback", Duration::from_secs(10), |harness| {
+        Ok(answered_by(&harness.sandbox)? == "cache")
     })?;
     Ok(())
 }
@@ -356,25 +356,25 @@ fn hang_and_resume_of_the_embedded_cache() -> anyhow::Result<()> {
 
 #[test]
 fn a_crash_loop_flaps_no_more_than_its_crashes_and_ends_on_the_cache() -> anyhow::Result<()> {
-    let mut bench = bench_with(CacheKind::TestServer)?;
-    let epoch = bench.sockets(NODE_ID)?.down_epoch;
+    let mut harness = harness_with(CacheKind::TestServer)?;
+    let epoch = harness.sockets(NODE_ID)?.down_epoch;
     for _ in 0..10 {
-        bench.sandbox.stop_server("cache")?;
-        start_cache(&mut bench.sandbox, CacheKind::TestServer, "cache")?;
+        harness.sandbox.stop_server("cache")?;
+        start_cache(&mut harness.sandbox, CacheKind::TestServer, "cache")?;
         pause(100);
     }
-    bench.wait_until(
+    harness.wait_until(
         "failback after the crash loop",
         Duration::from_secs(15),
-        |bench| Ok(answered_by(&bench.sandbox)? == "cache"),
+        |harness| Ok(answered_by(&harness.sandbox)? == "cache"),
     )?;
-    let sockets = bench.sockets(NODE_ID)?;
+    let sockets = harness.sockets(NODE_ID)?;
     assert_eq!(
         sockets.down_epoch,
         epoch + 10,
         "one epoch per crash: {sockets:?}"
     );
-    let transitions = bench.agent.stats.transitions("node");
+    let transitions = harness.agent.stats.transitions("node");
     let to_upstream = transitions
         .iter()
         .filter(|t| t.to == Route::Upstream)
@@ -401,17 +401,17 @@ fn a_crash_loop_flaps_no_more_than_its_crashes_and_ends_on_the_cache() -> anyhow
 
 #[test]
 fn a_cache_that_binds_before_it_answers_gets_no_dns() -> anyhow::Result<()> {
-    let mut bench = bench_with(CacheKind::TestServer)?;
-    bench.sandbox.stop_server("cache")?;
-    bench.wait_until("failover", Duration::from_secs(5), |bench| {
-        Ok(answered_by(&bench.sandbox)?.starts_with("upstream"))
+    let mut harness = harness_with(CacheKind::TestServer)?;
+    harness.sandbox.stop_server("cache")?;
+    harness.wait_until("failover", Duration::from_secs(5), |harness| {
+        Ok(answered_by(&harness.sandbox)?.starts_with("upstream"))
     })?;
     let started = now_ms();
-    let stream = stream(&bench, 4)?;
+    let stream = stream(&harness, 4)?;
     pause(300);
     let muted_ms = paced_ms(1500);
     let bound = now_ms();
-    bench.sandbox.start_cache(
+    harness.sandbox.start_cache(
         "cache",
         &CacheSpec {
             listen: vec![dns(NODE_LISTENER)],
@@ -421,7 +421,7 @@ fn a_cache_that_binds_before_it_answers_gets_no_dns() -> anyhow::Result<()> {
     )?;
     let report = stream.finish()?;
     assert!(
-        bench.sockets(NODE_ID)?.udp > 0,
+        harness.sockets(NODE_ID)?.udp > 0,
         "the cache's socket is counted"
     );
     assert_eq!(
@@ -446,7 +446,7 @@ fn a_cache_that_binds_before_it_answers_gets_no_dns() -> anyhow::Result<()> {
 
 #[test]
 fn wildcard_and_reuseport_sockets_are_counted_one_by_one() -> anyhow::Result<()> {
-    let mut bench = Bench::start(
+    let mut harness = Harness::start(
         tools!(),
         |sandbox| {
             sandbox.start_cache(
@@ -463,28 +463,28 @@ fn wildcard_and_reuseport_sockets_are_counted_one_by_one() -> anyhow::Result<()>
     )?;
     // 0.0.0.0:53 serves both IPv4 listeners, not the IPv6 one.
     for id in [NODE_ID, CLUSTER_ID] {
-        let sockets = bench.sockets(id)?;
+        let sockets = harness.sockets(id)?;
         assert_eq!(
             (sockets.udp, sockets.tcp),
             (4, 1),
             "listener {id}: {sockets:?}"
         );
     }
-    assert_eq!(bench.sockets(V6_ID)?.udp, 0);
-    assert_eq!(answered_by(&bench.sandbox)?, "cache");
-    bench.sandbox.stop_server("cache")?;
+    assert_eq!(harness.sockets(V6_ID)?.udp, 0);
+    assert_eq!(answered_by(&harness.sandbox)?, "cache");
+    harness.sandbox.stop_server("cache")?;
     for id in [NODE_ID, CLUSTER_ID] {
-        let sockets = bench.sockets(id)?;
+        let sockets = harness.sockets(id)?;
         assert_eq!(
             (sockets.udp, sockets.tcp, sockets.down_epoch),
             (0, 0, 1),
             "listener {id}: {sockets:?}"
         );
     }
-    assert!(answered_by(&bench.sandbox)?.starts_with("upstream"));
+    assert!(answered_by(&harness.sandbox)?.starts_with("upstream"));
 
     // A dual-stack [::]:53 socket serves every listener.
-    bench.sandbox.start_cache(
+    harness.sandbox.start_cache(
         "cache",
         &CacheSpec {
             listen: vec!["[::]:53".parse()?],
@@ -492,17 +492,17 @@ fn wildcard_and_reuseport_sockets_are_counted_one_by_one() -> anyhow::Result<()>
         },
     )?;
     for id in [NODE_ID, CLUSTER_ID, V6_ID] {
-        assert_eq!(bench.sockets(id)?.udp, 1, "listener {id}");
+        assert_eq!(harness.sockets(id)?.udp, 1, "listener {id}");
     }
     Ok(())
 }
 
 #[test]
 fn a_dns_server_in_another_namespace_does_not_keep_the_listener_alive() -> anyhow::Result<()> {
-    let mut bench = Bench::start(tools!(), Sandbox::start_upstreams, standard_listeners)?;
+    let mut harness = Harness::start(tools!(), Sandbox::start_upstreams, standard_listeners)?;
     // A pod runs its own DNS server on :53, in the cgroup the programs watch.
-    let cgroup = bench.sandbox.cgroup().path().to_owned();
-    let program = bench.sandbox.tools().dns_server.display().to_string();
+    let cgroup = harness.sandbox.cgroup().path().to_owned();
+    let program = harness.sandbox.tools().dns_server.display().to_string();
     let args: Vec<String> = [
         "--listen",
         "0.0.0.0:53",
@@ -514,7 +514,7 @@ fn a_dns_server_in_another_namespace_does_not_keep_the_listener_alive() -> anyho
     .iter()
     .map(|arg| (*arg).to_owned())
     .collect();
-    bench.sandbox.start_process(
+    harness.sandbox.start_process(
         "pod dns",
         Some(Ns::Pod),
         Some(&cgroup),
@@ -522,68 +522,72 @@ fn a_dns_server_in_another_namespace_does_not_keep_the_listener_alive() -> anyho
         &args,
         "ready",
     )?;
-    assert_eq!(bench.sockets(NODE_ID)?.udp, 0);
-    assert!(answered_by(&bench.sandbox)?.starts_with("upstream"));
+    assert_eq!(harness.sockets(NODE_ID)?.udp, 0);
+    assert!(answered_by(&harness.sandbox)?.starts_with("upstream"));
     Ok(())
 }
 
 #[test]
 fn an_agent_started_after_the_cache_sees_it_alive_and_one_started_before_waits_for_it()
 -> anyhow::Result<()> {
-    // After: the standard bench starts the cache first.
-    let mut bench = Bench::standard(tools!())?;
-    let sockets = bench.sockets(NODE_ID)?;
+    // After: the standard harness starts the cache first.
+    let mut harness = Harness::standard(tools!())?;
+    let sockets = harness.sockets(NODE_ID)?;
     assert_eq!(
         (sockets.udp, sockets.tcp),
         (1, 1),
         "seeded from the socket tables"
     );
-    assert_eq!(answered_by(&bench.sandbox)?, "cache");
+    assert_eq!(answered_by(&harness.sandbox)?, "cache");
     // Seeded sockets carry no mark, so every release in the caches' namespace is looked up by
     // cookie while they live.
     assert!(
-        bench
+        harness
             .maps
             .cache_sockets()
             .iter()
             .all(|(_, entry)| entry.marked == UNMARKED)
     );
-    assert_ne!(bench.maps.datapath_config()?.unmarked_cache_sockets, 0);
+    assert_ne!(harness.maps.datapath_config()?.unmarked_cache_sockets, 0);
     // The seeded socket is uncounted by the kernel when it closes.
-    bench.sandbox.stop_server("cache")?;
-    assert_eq!(bench.sockets(NODE_ID)?.udp, 0);
-    assert!(answered_by(&bench.sandbox)?.starts_with("upstream"));
+    harness.sandbox.stop_server("cache")?;
+    assert_eq!(harness.sockets(NODE_ID)?.udp, 0);
+    assert!(answered_by(&harness.sandbox)?.starts_with("upstream"));
     // With no unmarked socket left, releases go back to the mark alone.
-    bench.wait_until(
+    harness.wait_until(
         "the unmarked sockets forgotten",
         Duration::from_secs(5),
-        |bench| Ok(bench.maps.datapath_config()?.unmarked_cache_sockets == 0),
+        |harness| Ok(harness.maps.datapath_config()?.unmarked_cache_sockets == 0),
     )?;
     // A cache started now is marked at bind, and its death is seen through the mark.
-    bench.sandbox.start_cache("cache", &CacheSpec::standard())?;
-    bench.wait_until(
+    harness
+        .sandbox
+        .start_cache("cache", &CacheSpec::standard())?;
+    harness.wait_until(
         "the restarted cache confirmed by probes",
         Duration::from_secs(5),
-        |bench| Ok(answered_by(&bench.sandbox)? == "cache"),
+        |harness| Ok(answered_by(&harness.sandbox)? == "cache"),
     )?;
-    let counted = bench.maps.cache_sockets();
+    let counted = harness.maps.cache_sockets();
     assert!(
         !counted.is_empty() && counted.iter().all(|(_, entry)| entry.marked == MARKED),
         "{counted:?}"
     );
-    assert_eq!(bench.maps.datapath_config()?.unmarked_cache_sockets, 0);
-    bench.sandbox.stop_server("cache")?;
-    assert_eq!(bench.sockets(NODE_ID)?.udp, 0);
-    assert!(answered_by(&bench.sandbox)?.starts_with("upstream"));
+    assert_eq!(harness.maps.datapath_config()?.unmarked_cache_sockets, 0);
+    harness.sandbox.stop_server("cache")?;
+    assert_eq!(harness.sockets(NODE_ID)?.udp, 0);
+    assert!(answered_by(&harness.sandbox)?.starts_with("upstream"));
 
     // Before: no cache yet.
-    let mut bench = Bench::start(tools!(), Sandbox::start_upstreams, standard_listeners)?;
-    assert!(answered_by(&bench.sandbox)?.starts_with("upstream"));
-    bench.sandbox.start_cache("cache", &CacheSpec::standard())?;
-    bench.wait_until(
+    let mut harness = Harness::start(tools!(), Sandbox::start_upstreams, standard_listeners)?;
+    assert!(answered_by(&harness.sandbox)?.starts_with("upstream"));
+    harness
+        .sandbox
+        .start_cache("cache", &CacheSpec::standard())?;
+    harness.wait_until(
         "the new cache confirmed by probes",
         Duration::from_secs(5),
-        |bench| Ok(answered_by(&bench.sandbox)? == "cache"),
+        |harness| Ok(answered_by(&harness.sandbox)? == "cache"),
     )?;
     Ok(())
 }
@@ -667,8 +671,8 @@ fn the_agents_probes_are_never_steered() -> anyhow::Result<()> {
 
 #[test]
 fn a_miscount_heals_on_the_next_reconciles() -> anyhow::Result<()> {
-    let mut bench = Bench::standard(tools!())?;
-    let counted = bench.maps.cache_sockets();
+    let mut harness = Harness::standard(tools!())?;
+    let counted = harness.maps.cache_sockets();
     let (cookie, _) = *counted
         .iter()
         .find(|(_, entry)| {
@@ -678,16 +682,16 @@ fn a_miscount_heals_on_the_next_reconciles() -> anyhow::Result<()> {
 
     // Lose the count of a live socket: the listener falls over, then the reconcile finds the
     // socket again and the probes bring the cache back.
-    assert!(bench.maps.uncount_cache_socket(cookie)?);
-    assert_eq!(bench.sockets(NODE_ID)?.udp, 0);
-    assert!(answered_by(&bench.sandbox)?.starts_with("upstream"));
-    bench.wait_until(
+    assert!(harness.maps.uncount_cache_socket(cookie)?);
+    assert_eq!(harness.sockets(NODE_ID)?.udp, 0);
+    assert!(answered_by(&harness.sandbox)?.starts_with("upstream"));
+    harness.wait_until(
         "the lost socket counted again",
         Duration::from_secs(5),
-        |bench| Ok(bench.sockets(NODE_ID)?.udp == 1),
+        |harness| Ok(harness.sockets(NODE_ID)?.udp == 1),
     )?;
-    bench.wait_until("failback", Duration::from_secs(5), |bench| {
-        Ok(answered_by(&bench.sandbox)? == "cache")
+    harness.wait_until("failback", Duration::from_secs(5), |harness| {
+        Ok(answered_by(&harness.sandbox)? == "cache")
     })?;
 
     // Count a socket that does not exist: removed once absent on two passes.
@@ -696,15 +700,15 @@ fn a_miscount_heals_on_the_next_reconciles() -> anyhow::Result<()> {
         protocol: redirector_common::counters::PROTOCOL_UDP,
         marked: UNMARKED,
     };
-    assert!(bench.maps.count_cache_socket(u64::MAX - 7, phantom)?);
-    assert_eq!(bench.sockets(NODE_ID)?.udp, 2);
-    bench.wait_until(
+    assert!(harness.maps.count_cache_socket(u64::MAX - 7, phantom)?);
+    assert_eq!(harness.sockets(NODE_ID)?.udp, 2);
+    harness.wait_until(
         "the phantom socket uncounted",
         Duration::from_secs(5),
-        |bench| Ok(bench.sockets(NODE_ID)?.udp == 1),
+        |harness| Ok(harness.sockets(NODE_ID)?.udp == 1),
     )?;
     assert_eq!(
-        answered_by(&bench.sandbox)?,
+        answered_by(&harness.sandbox)?,
         "cache",
         "the live cache kept DNS throughout"
     );
@@ -715,7 +719,7 @@ fn a_miscount_heals_on_the_next_reconciles() -> anyhow::Result<()> {
 fn a_cache_answering_servfail_keeps_its_dns_and_one_answering_refused_loses_it()
 -> anyhow::Result<()> {
     for (rcode, route) in [("servfail", "cache"), ("refused", "upstream")] {
-        let bench = Bench::start(
+        let harness = Harness::start(
             tools!(),
             |sandbox| {
                 sandbox.start_cache(
@@ -732,8 +736,8 @@ fn a_cache_answering_servfail_keeps_its_dns_and_one_answering_refused_loses_it()
         )?;
         // Ten probe rounds: twice the failures that fail over, more than the successes back.
         pause(2500);
-        assert_eq!(bench.route(NODE_ID)?, route, "a cache answering {rcode}");
-        let servfails = bench
+        assert_eq!(harness.route(NODE_ID)?, route, "a cache answering {rcode}");
+        let servfails = harness
             .agent
             .stats
             .probe_servfails()

@@ -5,8 +5,8 @@
 use std::{net::IpAddr, time::Duration};
 
 use bpf_tests::{
-    bench::{Bench, CLUSTER_ID},
     fake_kube::{FakeKube, endpoint_slice},
+    harness::{CLUSTER_ID, Harness},
     pace::pause,
     sandbox::Sandbox,
     tools,
@@ -14,8 +14,8 @@ use bpf_tests::{
 use redirector_common::addr::port_from_be;
 
 /// The kernel pool of a listener as (address, udp port, tcp port), sorted.
-fn kernel_pool(bench: &Bench, id: u32) -> anyhow::Result<Vec<(IpAddr, u16, u16)>> {
-    Ok(pool_rows(&bench.maps.pool(id)?))
+fn kernel_pool(harness: &Harness, id: u32) -> anyhow::Result<Vec<(IpAddr, u16, u16)>> {
+    Ok(pool_rows(&harness.maps.pool(id)?))
 }
 
 /// A pool as (address, udp port, tcp port), sorted.
@@ -45,23 +45,23 @@ fn expect(addresses: &[&str], port: u16) -> Vec<(IpAddr, u16, u16)> {
 }
 
 fn wait_for_pool(
-    bench: &Bench,
+    harness: &Harness,
     id: u32,
     expected: &[(IpAddr, u16, u16)],
     step: &str,
 ) -> anyhow::Result<()> {
-    bench
-        .wait_until(step, Duration::from_secs(10), |bench| {
-            Ok(kernel_pool(bench, id)? == expected)
+    harness
+        .wait_until(step, Duration::from_secs(10), |harness| {
+            Ok(kernel_pool(harness, id)? == expected)
         })
         .map_err(|error| {
-            let now = kernel_pool(bench, id).unwrap_or_default();
+            let now = kernel_pool(harness, id).unwrap_or_default();
             error.context(format!("kernel pool is {now:?}, expected {expected:?}"))
         })
 }
 
-/// A bench whose cluster (v4) and v6 listeners follow kube-system/kube-dns through `kube`.
-fn bench(kube: &FakeKube) -> anyhow::Result<Bench> {
+/// A harness whose cluster (v4) and v6 listeners follow kube-system/kube-dns through `kube`.
+fn harness(kube: &FakeKube) -> anyhow::Result<Harness> {
     let mut sandbox = Sandbox::new(tools!())?;
     sandbox.start_standard_servers()?;
     let kubeconfig = sandbox.write_file("kubeconfig", &kube.kubeconfig())?;
@@ -86,14 +86,14 @@ kube_dns = "kube-system/kube-dns"
         kubeconfig.display().to_string()
     );
     let text = sandbox.config_toml_with(listeners, &tables);
-    Bench::with_config(sandbox, &text)
+    Harness::with_config(sandbox, &text)
 }
 
 const V6_ID: u32 = 2;
 
-/// A fake API server whose kube-dns has one ready IPv4 endpoint, `first`, and a bench whose
+/// A fake API server whose kube-dns has one ready IPv4 endpoint, `first`, and a harness whose
 /// kernel pool already holds it.
-fn started_with(first: &str) -> anyhow::Result<(FakeKube, Bench)> {
+fn started_with(first: &str) -> anyhow::Result<(FakeKube, Harness)> {
     let kube = FakeKube::start()?;
     kube.apply(endpoint_slice(
         "kube-dns-v4",
@@ -102,9 +102,9 @@ fn started_with(first: &str) -> anyhow::Result<(FakeKube, Bench)> {
         53,
         &[(first, true, false)],
     ));
-    let bench = bench(&kube)?;
-    wait_for_pool(&bench, CLUSTER_ID, &expect(&[first], 53), "initial list")?;
-    Ok((kube, bench))
+    let harness = harness(&kube)?;
+    wait_for_pool(&harness, CLUSTER_ID, &expect(&[first], 53), "initial list")?;
+    Ok((kube, harness))
 }
 
 #[test]
@@ -132,17 +132,17 @@ fn the_cluster_pool_follows_endpoint_slices_through_every_kind_of_change() -> an
         53,
         &[("10.9.9.9", true, false)],
     ));
-    let bench = bench(&kube)?;
+    let harness = harness(&kube)?;
 
     // Initial list: each family into its own pool.
     wait_for_pool(
-        &bench,
+        &harness,
         CLUSTER_ID,
         &expect(&["10.244.0.5", "10.244.1.7"], 53),
         "initial list",
     )?;
     wait_for_pool(
-        &bench,
+        &harness,
         V6_ID,
         &expect(&["fd00:10:244::5"], 53),
         "initial list, IPv6",
@@ -161,7 +161,7 @@ fn the_cluster_pool_follows_endpoint_slices_through_every_kind_of_change() -> an
         ],
     ));
     wait_for_pool(
-        &bench,
+        &harness,
         CLUSTER_ID,
         &expect(&["10.244.0.5", "10.244.1.7", "10.244.2.9"], 1053),
         "endpoint added",
@@ -180,7 +180,7 @@ fn the_cluster_pool_follows_endpoint_slices_through_every_kind_of_change() -> an
         ],
     ));
     wait_for_pool(
-        &bench,
+        &harness,
         CLUSTER_ID,
         &expect(&["10.244.2.9"], 1053),
         "not ready and terminating",
@@ -198,7 +198,7 @@ fn the_cluster_pool_follows_endpoint_slices_through_every_kind_of_change() -> an
         ));
     }
     wait_for_pool(
-        &bench,
+        &harness,
         CLUSTER_ID,
         &expect(&["10.244.2.9"], 1053),
         "after flapping",
@@ -217,14 +217,14 @@ fn the_cluster_pool_follows_endpoint_slices_through_every_kind_of_change() -> an
         ],
     ));
     wait_for_pool(
-        &bench,
+        &harness,
         CLUSTER_ID,
         &expect(&["10.244.3.3"], 53),
         "implausible addresses",
     )?;
-    assert!(bench.agent.stats.rejections("kubernetes", "loopback") >= 1);
+    assert!(harness.agent.stats.rejections("kubernetes", "loopback") >= 1);
     assert!(
-        bench
+        harness
             .agent
             .stats
             .rejections("kubernetes", "listener address")
@@ -233,13 +233,13 @@ fn the_cluster_pool_follows_endpoint_slices_through_every_kind_of_change() -> an
 
     // A slice deleted: its endpoints leave.
     kube.delete("kube-dns-v6");
-    wait_for_pool(&bench, V6_ID, &[], "slice deleted")?;
+    wait_for_pool(&harness, V6_ID, &[], "slice deleted")?;
 
     // Bookmarks change nothing.
     kube.bookmark();
     pause(300);
     assert_eq!(
-        kernel_pool(&bench, CLUSTER_ID)?,
+        kernel_pool(&harness, CLUSTER_ID)?,
         expect(&["10.244.3.3"], 53)
     );
 
@@ -255,7 +255,7 @@ fn the_cluster_pool_follows_endpoint_slices_through_every_kind_of_change() -> an
     kube.apply(broken);
     pause(1500);
     assert_eq!(
-        kernel_pool(&bench, CLUSTER_ID)?,
+        kernel_pool(&harness, CLUSTER_ID)?,
         expect(&["10.244.3.3"], 53),
         "a malformed object must not change the pool"
     );
@@ -267,7 +267,7 @@ fn the_cluster_pool_follows_endpoint_slices_through_every_kind_of_change() -> an
         &[("10.244.4.4", true, false)],
     ));
     wait_for_pool(
-        &bench,
+        &harness,
         CLUSTER_ID,
         &expect(&["10.244.4.4"], 53),
         "malformed object fixed",
@@ -277,7 +277,7 @@ fn the_cluster_pool_follows_endpoint_slices_through_every_kind_of_change() -> an
 
 #[test]
 fn an_api_outage_keeps_the_last_pool_and_history_loss_relists() -> anyhow::Result<()> {
-    let (kube, bench) = started_with("10.244.0.5")?;
+    let (kube, harness) = started_with("10.244.0.5")?;
 
     // Down: requests fail, watches end; the pool stays as it was, through resyncs.
     kube.set_down(true);
@@ -290,7 +290,7 @@ fn an_api_outage_keeps_the_last_pool_and_history_loss_relists() -> anyhow::Resul
     ));
     std::thread::sleep(Duration::from_secs(3));
     assert_eq!(
-        kernel_pool(&bench, CLUSTER_ID)?,
+        kernel_pool(&harness, CLUSTER_ID)?,
         expect(&["10.244.0.5"], 53),
         "an outage must not change the pool"
     );
@@ -298,7 +298,7 @@ fn an_api_outage_keeps_the_last_pool_and_history_loss_relists() -> anyhow::Resul
     let (_, watches_before) = kube.requests();
     kube.set_down(false);
     wait_for_pool(
-        &bench,
+        &harness,
         CLUSTER_ID,
         &expect(&["10.244.5.5"], 53),
         "after the outage",
@@ -316,7 +316,7 @@ fn an_api_outage_keeps_the_last_pool_and_history_loss_relists() -> anyhow::Resul
         &[("10.244.6.6", true, false)],
     ));
     wait_for_pool(
-        &bench,
+        &harness,
         CLUSTER_ID,
         &expect(&["10.244.6.6"], 53),
         "after 410 Gone",
@@ -330,8 +330,8 @@ fn an_api_outage_keeps_the_last_pool_and_history_loss_relists() -> anyhow::Resul
 
 #[test]
 fn a_burst_of_a_thousand_updates_is_coalesced() -> anyhow::Result<()> {
-    let (kube, bench) = started_with("10.244.0.1")?;
-    let writes_before = bench.agent.stats.pool_writes("cluster");
+    let (kube, harness) = started_with("10.244.0.1")?;
+    let writes_before = harness.agent.stats.pool_writes("cluster");
     for round in 0..1000u32 {
         let last = format!("10.244.{}.{}", 1 + round / 250, 1 + round % 250);
         kube.apply(endpoint_slice(
@@ -343,12 +343,12 @@ fn a_burst_of_a_thousand_updates_is_coalesced() -> anyhow::Result<()> {
         ));
     }
     wait_for_pool(
-        &bench,
+        &harness,
         CLUSTER_ID,
         &expect(&["10.244.0.1", "10.244.4.250"], 53),
         "after the burst",
     )?;
-    let writes = bench.agent.stats.pool_writes("cluster") - writes_before;
+    let writes = harness.agent.stats.pool_writes("cluster") - writes_before;
     println!("1000 EndpointSlice updates became {writes} pool writes");
     assert!(writes < 200, "the burst was not coalesced: {writes} writes");
     Ok(())
@@ -462,7 +462,7 @@ fn cluster_events(kube: &FakeKube, reason: &str) -> Vec<serde_json::Value> {
 
 #[test]
 fn a_failover_and_a_failback_are_events_on_the_node() -> anyhow::Result<()> {
-    let (kube, mut bench) = started_with("198.18.2.2")?;
+    let (kube, mut harness) = started_with("198.18.2.2")?;
     assert!(
         kube.events().is_empty(),
         "nothing changed yet: {:?}",
@@ -470,9 +470,9 @@ fn a_failover_and_a_failback_are_events_on_the_node() -> anyhow::Result<()> {
     );
     let node = redirector::sources::node_name();
 
-    bench.sandbox.stop_server("cache")?;
+    harness.sandbox.stop_server("cache")?;
     // One Event per listener: the three listeners' failovers are three Events.
-    bench
+    harness
         .wait_until(
             "a DNSFailover Event per listener",
             Duration::from_secs(10),
@@ -481,8 +481,8 @@ fn a_failover_and_a_failback_are_events_on_the_node() -> anyhow::Result<()> {
         .map_err(|error| {
             error.context(format!(
                 "transitions {:?}, errors {:?}, events {:?}",
-                bench.agent.stats.transitions("cluster"),
-                bench.agent.stats.errors(),
+                harness.agent.stats.transitions("cluster"),
+                harness.agent.stats.errors(),
                 kube.events()
             ))
         })?;
@@ -505,10 +505,10 @@ fn a_failover_and_a_failback_are_events_on_the_node() -> anyhow::Result<()> {
         "{failover}"
     );
 
-    bench
+    harness
         .sandbox
         .start_cache("cache", &bpf_tests::sandbox::CacheSpec::standard())?;
-    bench.wait_until("a DNSFailback Event", Duration::from_secs(10), |_| {
+    harness.wait_until("a DNSFailback Event", Duration::from_secs(10), |_| {
         Ok(!cluster_events(&kube, "DNSFailback").is_empty())
     })?;
     let failback = &cluster_events(&kube, "DNSFailback")[0];
@@ -516,8 +516,8 @@ fn a_failover_and_a_failback_are_events_on_the_node() -> anyhow::Result<()> {
     assert_eq!(failback["regarding"]["name"], node.as_str(), "{failback}");
 
     // A second failover within minutes is a series on the first Event (a patch), not a new one.
-    bench.sandbox.stop_server("cache")?;
-    bench.wait_until("the DNSFailover series", Duration::from_secs(10), |_| {
+    harness.sandbox.stop_server("cache")?;
+    harness.wait_until("the DNSFailover series", Duration::from_secs(10), |_| {
         Ok(cluster_events(&kube, "DNSFailover")
             .first()
             .is_some_and(|event| event["series"]["count"] == 2))

@@ -5,10 +5,10 @@
 use std::{net::IpAddr, time::Duration};
 
 use bpf_tests::{
-    bench::{Bench, NODE_ID, standard_listeners, write_standard_config},
     cli::{redirector, set_state, start_agent, start_agent_with, stop_agent, uninstall},
     command::run,
     dns::now_ms,
+    harness::{Harness, NODE_ID, standard_listeners, write_standard_config},
     pace::{paced_ms, pause, wait_until},
     sandbox::{CacheSpec, Ns, Query, Sandbox, Transport},
     stream::Stream,
@@ -338,9 +338,9 @@ fn the_node_pool_follows_its_resolv_conf() -> anyhow::Result<()> {
         resolv.display().to_string()
     );
     let text = sandbox.config_toml(&listeners);
-    let bench = Bench::with_config(sandbox, &text)?;
-    let pool = |bench: &Bench| -> anyhow::Result<Vec<(IpAddr, u16)>> {
-        Ok(bench
+    let harness = Harness::with_config(sandbox, &text)?;
+    let pool = |harness: &Harness| -> anyhow::Result<Vec<(IpAddr, u16)>> {
+        Ok(harness
             .maps
             .pool(NODE_ID)?
             .targets()
@@ -348,14 +348,14 @@ fn the_node_pool_follows_its_resolv_conf() -> anyhow::Result<()> {
             .map(|target| (IpAddr::from(target.addr), port_from_be(target.udp_port_be)))
             .collect())
     };
-    let wait_for = |bench: &Bench, expected: Vec<(IpAddr, u16)>, step: &str| {
-        bench.wait_until(step, Duration::from_secs(5), |bench| {
-            Ok(pool(bench)? == expected)
+    let wait_for = |harness: &Harness, expected: Vec<(IpAddr, u16)>, step: &str| {
+        harness.wait_until(step, Duration::from_secs(5), |harness| {
+            Ok(pool(harness)? == expected)
         })
     };
     let a = (IpAddr::V4(UPSTREAM_A_V4), 53);
     let b = (IpAddr::V4(UPSTREAM_B_V4), 53);
-    wait_for(&bench, vec![a], "initial file")?;
+    wait_for(&harness, vec![a], "initial file")?;
 
     // Atomic rename (how resolved writes it), IPv6 first, comments and options, the listener
     // itself and the stub resolver among the nameservers.
@@ -367,9 +367,9 @@ fn the_node_pool_follows_its_resolv_conf() -> anyhow::Result<()> {
         ),
     )?;
     std::fs::rename(&staged, &resolv)?;
-    wait_for(&bench, vec![b], "after an atomic rename")?;
+    wait_for(&harness, vec![b], "after an atomic rename")?;
     assert!(
-        bench
+        harness
             .agent
             .stats
             .rejections("resolv.conf", "listener address")
@@ -378,13 +378,13 @@ fn the_node_pool_follows_its_resolv_conf() -> anyhow::Result<()> {
 
     // Deleted: no usable upstream, an empty pool (the policy, `pass`, applies).
     std::fs::remove_file(&resolv)?;
-    wait_for(&bench, vec![], "after deletion")?;
+    wait_for(&harness, vec![], "after deletion")?;
     // Recreated in place.
     std::fs::write(
         &resolv,
         format!("nameserver {UPSTREAM_A_V4}\nnameserver {UPSTREAM_B_V4}\n"),
     )?;
-    wait_for(&bench, vec![a, b], "after re-creation")?;
+    wait_for(&harness, vec![a, b], "after re-creation")?;
     Ok(())
 }
 

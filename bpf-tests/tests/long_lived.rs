@@ -6,8 +6,8 @@
 
 use anyhow::Context as _;
 use bpf_tests::{
-    bench::{Bench, CacheEvent, NODE_ID, V6_ID, socket_addr},
     dns::QueryOutcome,
+    harness::{CacheEvent, Harness, NODE_ID, V6_ID, socket_addr},
     sandbox::{HeldClient, Ns, Query, Transport},
     tools,
     topology::{NODE_LISTENER, V6_LISTENER, dns, who},
@@ -22,15 +22,15 @@ const EPERM: i32 = 1;
 /// A reopening client in the pod on one long-lived socket to `query`, and its first answer
 /// (asserted to come from `first`, shown as `query.server`).
 fn held(
-    bench: &Bench,
+    harness: &Harness,
     query: Query,
     count: u16,
     first: &str,
 ) -> anyhow::Result<(HeldClient, QueryOutcome)> {
     let mut client =
-        bench
+        harness
             .sandbox
-            .held_client(Ns::Pod, bench.sandbox.cgroup(), query, count, true)?;
+            .held_client(Ns::Pod, harness.sandbox.cgroup(), query, count, true)?;
     let outcome = client.ask()?;
     assert_answered(&outcome, &query, first, None);
     Ok((client, outcome))
@@ -86,18 +86,18 @@ fn outlast_failback_grace(steered: Instant) {
 }
 
 /// The moves counted for listener `id` (UDP and TCP together).
-fn moves(bench: &Bench, id: u32) -> anyhow::Result<(u64, u64)> {
+fn moves(harness: &Harness, id: u32) -> anyhow::Result<(u64, u64)> {
     let ListenerCounters {
         moved_to_cache,
         moved_to_upstream,
         ..
-    } = bench.counters(id)?;
+    } = harness.counters(id)?;
     Ok((moved_to_cache, moved_to_upstream))
 }
 
 #[test]
 fn a_connected_socket_follows_every_route_change_at_its_next_send() -> anyhow::Result<()> {
-    let mut bench = Bench::standard(tools!())?;
+    let mut harness = Harness::standard(tools!())?;
     let cases = [
         (
             NODE_ID,
@@ -110,17 +110,17 @@ fn a_connected_socket_follows_every_route_change_at_its_next_send() -> anyhow::R
         (V6_ID, Query::new(dns(V6_LISTENER), Transport::UdpConnected)),
     ];
     for (id, query) in cases {
-        let before = moves(&bench, id)?;
-        let (mut client, _) = held(&bench, query, 4, "cache")?;
-        bench.set_mode(id, Mode::Upstream)?;
+        let before = moves(&harness, id)?;
+        let (mut client, _) = held(&harness, query, 4, "cache")?;
+        harness.set_mode(id, Mode::Upstream)?;
         assert_answered(&client.ask()?, &query, "upstream", Some(EPERM));
         let reopened = Instant::now();
         // Nothing changed: the socket stays where it is.
         assert_answered(&client.ask()?, &query, "upstream", None);
         outlast_failback_grace(reopened);
-        bench.set_mode(id, Mode::Cache)?;
+        harness.set_mode(id, Mode::Cache)?;
         assert_answered(&client.ask()?, &query, "cache", Some(EPERM));
-        let after = moves(&bench, id)?;
+        let after = moves(&harness, id)?;
         assert_eq!(
             (after.0 - before.0, after.1 - before.1),
             (1, 1),
@@ -137,15 +137,15 @@ fn a_connected_socket_follows_every_route_change_at_its_next_send() -> anyhow::R
 /// hung is refused at its first send, which the cache would lose.
 #[test]
 fn a_socket_connected_just_before_a_failback_finishes_on_its_upstream() -> anyhow::Result<()> {
-    let mut bench = Bench::standard(tools!())?;
+    let mut harness = Harness::standard(tools!())?;
     let query = Query::new(dns(NODE_LISTENER), Transport::UdpConnected);
 
-    bench.set_mode(NODE_ID, Mode::Upstream)?;
+    harness.set_mode(NODE_ID, Mode::Upstream)?;
     let mut on_upstream =
-        bench
+        harness
             .sandbox
-            .held_client_idle(Ns::Pod, bench.sandbox.cgroup(), query, 2, true)?;
-    bench.set_mode(NODE_ID, Mode::Cache)?;
+            .held_client_idle(Ns::Pod, harness.sandbox.cgroup(), query, 2, true)?;
+    harness.set_mode(NODE_ID, Mode::Cache)?;
     let first = on_upstream.ask()?;
     // Timed from the connect (the client's clock, the kernel's monotonic one), not from the
     // client's start: a slow VM may take over a second to start a process in the pod.
@@ -161,28 +161,28 @@ fn a_socket_connected_just_before_a_failback_finishes_on_its_upstream() -> anyho
     assert_answered(&first, &query, "upstream", None);
     outlast_failback_grace(Instant::now());
     assert_answered(&on_upstream.ask()?, &query, "cache", Some(EPERM));
-    assert_eq!(moves(&bench, NODE_ID)?, (1, 0));
+    assert_eq!(moves(&harness, NODE_ID)?, (1, 0));
 
     let mut on_cache =
-        bench
+        harness
             .sandbox
-            .held_client_idle(Ns::Pod, bench.sandbox.cgroup(), query, 1, true)?;
-    bench.set_mode(NODE_ID, Mode::Upstream)?;
+            .held_client_idle(Ns::Pod, harness.sandbox.cgroup(), query, 1, true)?;
+    harness.set_mode(NODE_ID, Mode::Upstream)?;
     assert_answered(&on_cache.ask()?, &query, "upstream", Some(EPERM));
-    assert_eq!(moves(&bench, NODE_ID)?, (1, 1));
+    assert_eq!(moves(&harness, NODE_ID)?, (1, 1));
     Ok(())
 }
 
 #[test]
 fn an_unconnected_socket_follows_the_route_and_is_never_refused() -> anyhow::Result<()> {
-    let mut bench = Bench::standard(tools!())?;
+    let mut harness = Harness::standard(tools!())?;
     let query = Query::new(dns(NODE_LISTENER), Transport::Udp);
-    let (mut client, _) = held(&bench, query, 3, "cache")?;
-    bench.set_mode(NODE_ID, Mode::Upstream)?;
+    let (mut client, _) = held(&harness, query, 3, "cache")?;
+    harness.set_mode(NODE_ID, Mode::Upstream)?;
     assert_answered(&client.ask()?, &query, "upstream", None);
-    bench.set_mode(NODE_ID, Mode::Cache)?;
+    harness.set_mode(NODE_ID, Mode::Cache)?;
     assert_answered(&client.ask()?, &query, "cache", None);
-    assert_eq!(moves(&bench, NODE_ID)?, (0, 0));
+    assert_eq!(moves(&harness, NODE_ID)?, (0, 0));
     Ok(())
 }
 
@@ -190,16 +190,16 @@ fn an_unconnected_socket_follows_the_route_and_is_never_refused() -> anyhow::Res
 /// cache forwards to the very address it serves, over a socket the programs leave alone.
 #[test]
 fn a_connected_socket_of_a_skipped_cgroup_is_never_refused() -> anyhow::Result<()> {
-    let mut bench = Bench::standard(tools!())?;
+    let mut harness = Harness::standard(tools!())?;
     let query = Query::new(dns(NODE_LISTENER), Transport::UdpConnected);
     let mut client =
-        bench
+        harness
             .sandbox
-            .held_client(Ns::Pod, bench.sandbox.skipped_cgroup(), query, 2, true)?;
+            .held_client(Ns::Pod, harness.sandbox.skipped_cgroup(), query, 2, true)?;
     assert_answered(&client.ask()?, &query, "cache", None);
-    bench.set_mode(NODE_ID, Mode::Upstream)?;
+    harness.set_mode(NODE_ID, Mode::Upstream)?;
     assert_answered(&client.ask()?, &query, "cache", None);
-    assert_eq!(moves(&bench, NODE_ID)?, (0, 0));
+    assert_eq!(moves(&harness, NODE_ID)?, (0, 0));
     Ok(())
 }
 
@@ -208,18 +208,18 @@ fn a_connected_socket_of_a_skipped_cgroup_is_never_refused() -> anyhow::Result<(
 /// sending into a closed port and waiting for the ICMP error), and moves back once the cache is
 /// confirmed again.
 fn leaves_and_returns(event: CacheEvent) -> anyhow::Result<()> {
-    let mut bench = Bench::standard(tools!())?;
+    let mut harness = Harness::standard(tools!())?;
     let query = Query::new(dns(NODE_LISTENER), Transport::UdpConnected);
-    let (mut client, _) = held(&bench, query, 3, "cache")?;
-    event.strike(&mut bench.sandbox)?;
-    bench.wait_for_route(NODE_ID, "upstream")?;
+    let (mut client, _) = held(&harness, query, 3, "cache")?;
+    event.strike(&mut harness.sandbox)?;
+    harness.wait_for_route(NODE_ID, "upstream")?;
     assert_answered(&client.ask()?, &query, "upstream", Some(EPERM));
     let reopened = Instant::now();
-    event.restore(&mut bench.sandbox)?;
-    bench.wait_for_route(NODE_ID, "cache")?;
+    event.restore(&mut harness.sandbox)?;
+    harness.wait_for_route(NODE_ID, "cache")?;
     outlast_failback_grace(reopened);
     assert_answered(&client.ask()?, &query, "cache", Some(EPERM));
-    assert_eq!(moves(&bench, NODE_ID)?, (1, 1), "{event:?}");
+    assert_eq!(moves(&harness, NODE_ID)?, (1, 1), "{event:?}");
     Ok(())
 }
 

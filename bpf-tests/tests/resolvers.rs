@@ -17,8 +17,8 @@
 //! refused send is userspace; `long_lived.rs` shows the kernel's side on every kernel.
 
 use bpf_tests::{
-    bench::{Bench, CacheEvent, NODE_ID},
     dns::now_ms,
+    harness::{CacheEvent, Harness, NODE_ID},
     pace::{paced_ms, pause},
     resolvers::{Resolver, ResolverReport, ResolverStream},
     sandbox::Ns,
@@ -27,27 +27,27 @@ use bpf_tests::{
 };
 
 fn through(resolver: Resolver, event: CacheEvent) -> anyhow::Result<()> {
-    let mut bench = Bench::standard(tools!())?;
+    let mut harness = Harness::standard(tools!())?;
     let started = now_ms();
-    let stream = ResolverStream::start(&bench.sandbox, Ns::Pod, NODE_LISTENER.into(), resolver)?;
+    let stream = ResolverStream::start(&harness.sandbox, Ns::Pod, NODE_LISTENER.into(), resolver)?;
     pause(1500);
     let struck = now_ms();
-    event.strike(&mut bench.sandbox)?;
-    bench.wait_for_route(NODE_ID, "upstream")?;
+    event.strike(&mut harness.sandbox)?;
+    harness.wait_for_route(NODE_ID, "upstream")?;
     let flipped = now_ms();
     // Longer than the failback grace (1 s, which a socket reconnected at the flip would still be
     // in at the failback otherwise), as every real outage is.
     pause(1500);
     let restored = now_ms();
-    event.restore(&mut bench.sandbox)?;
-    bench.wait_for_route(NODE_ID, "cache")?;
+    event.restore(&mut harness.sandbox)?;
+    harness.wait_for_route(NODE_ID, "cache")?;
     let failed_back = now_ms();
     let window = paced_ms(2000);
     pause(2000 + 300);
     let report = stream.finish()?;
     let what = format!("{resolver:?} through {event:?}");
     println!("{what}: {}", report.summary());
-    let counters = bench.counters(NODE_ID)?;
+    let counters = harness.counters(NODE_ID)?;
     println!(
         "{what}: moved to upstream {}, to the cache {}; route upstream within {} ms, back {} ms \
          after the cache was restored",

@@ -8,8 +8,8 @@ use std::{
 
 use anyhow::Context as _;
 use bpf_tests::{
-    bench::{Bench, CLUSTER_ID, NODE_ID, V6_ID, mapped, socket_addr, write_standard_config},
     cli,
+    harness::{CLUSTER_ID, Harness, NODE_ID, V6_ID, mapped, socket_addr, write_standard_config},
     pace::{paced, pause},
     sandbox::{Ns, Query, Sandbox, Transport},
     tools,
@@ -65,10 +65,10 @@ fn seen_peer(outcome: &bpf_tests::dns::QueryOutcome) -> Option<SocketAddr> {
 
 #[test]
 fn cache_answers_every_transport_while_it_serves() -> anyhow::Result<()> {
-    let bench = Bench::standard(tools!())?;
+    let harness = Harness::standard(tools!())?;
     let mut decisions = 0;
     for (ns, query) in every_client(NODE_LISTENER) {
-        let outcome = bench.sandbox.query(ns, query)?;
+        let outcome = harness.sandbox.query(ns, query)?;
         assert!(outcome.ok, "{ns:?} {query:?}: {outcome:?}");
         assert_eq!(
             who(outcome.answer()),
@@ -84,7 +84,7 @@ fn cache_answers_every_transport_while_it_serves() -> anyhow::Result<()> {
         // sendmsg4 too, but a connected socket is left where it connected.
         decisions += 1;
     }
-    let counters = bench.counters(NODE_ID)?;
+    let counters = harness.counters(NODE_ID)?;
     assert_eq!(
         counters.to_cache, decisions,
         "every decision was counted as sent to the cache"
@@ -92,17 +92,17 @@ fn cache_answers_every_transport_while_it_serves() -> anyhow::Result<()> {
     assert_eq!(counters.to_upstream, 0);
     // The cache listens on the listener address itself: nothing was rewritten, nothing recorded.
     assert_eq!(counters.reverse_translated, 0);
-    assert!(bench.reverse_entries().is_empty());
+    assert!(harness.reverse_entries().is_empty());
     Ok(())
 }
 
 #[test]
 fn upstream_mode_steers_every_transport_and_rewrites_replies() -> anyhow::Result<()> {
-    let mut bench = Bench::standard(tools!())?;
-    bench.set_mode(NODE_ID, Mode::Upstream)?;
+    let mut harness = Harness::standard(tools!())?;
+    harness.set_mode(NODE_ID, Mode::Upstream)?;
     let mut queries = 0;
     for (ns, query) in every_client(NODE_LISTENER) {
-        let outcome = bench.sandbox.query(ns, query)?;
+        let outcome = harness.sandbox.query(ns, query)?;
         assert!(outcome.ok, "{ns:?} {query:?}: {outcome:?}");
         assert!(
             is_upstream(outcome.answer()),
@@ -116,7 +116,7 @@ fn upstream_mode_steers_every_transport_and_rewrites_replies() -> anyhow::Result
         );
         queries += 1;
     }
-    let counters = bench.counters(NODE_ID)?;
+    let counters = harness.counters(NODE_ID)?;
     // One connect (connected UDP, TCP) or one sendmsg (unconnected UDP) per query.
     assert_eq!(counters.to_upstream, queries);
     assert_eq!(counters.to_cache, 0);
@@ -125,7 +125,7 @@ fn upstream_mode_steers_every_transport_and_rewrites_replies() -> anyhow::Result
     assert_eq!(counters.reverse_missed, 0);
     // Every socket here talked to one target, which its own storage holds: the LRU map, for
     // sockets that move between targets, stays empty.
-    let entries = bench.reverse_entries();
+    let entries = harness.reverse_entries();
     assert!(entries.is_empty(), "{entries:?}");
     Ok(())
 }
@@ -137,25 +137,25 @@ fn upstream_mode_steers_every_transport_and_rewrites_replies() -> anyhow::Result
 #[test]
 fn an_unconnected_socket_asking_two_listeners_at_once_sees_each_reply_from_its_listener()
 -> anyhow::Result<()> {
-    let mut bench = Bench::standard(tools!())?;
+    let mut harness = Harness::standard(tools!())?;
     let a = dns(UPSTREAM_A_V4);
     let b = dns(UPSTREAM_B_V4);
-    bench.set_mode(NODE_ID, Mode::Upstream)?;
-    bench.set_mode(CLUSTER_ID, Mode::Upstream)?;
+    harness.set_mode(NODE_ID, Mode::Upstream)?;
+    harness.set_mode(CLUSTER_ID, Mode::Upstream)?;
     // The same index of the two pools is never the same upstream.
-    bench.set_pool(CLUSTER_ID, &[b, a])?;
+    harness.set_pool(CLUSTER_ID, &[b, a])?;
     let query = Query::new(dns(NODE_LISTENER), Transport::Udp).also(dns(CLUSTER_LISTENER));
-    let outcomes = bench.sandbox.query_all(Ns::Pod, query)?;
+    let outcomes = harness.sandbox.query_all(Ns::Pod, query)?;
     assert_eq!(outcomes.len(), 2, "{outcomes:?}");
 
     // The first translation (the node listener's) went to the LRU map: one entry, pointing from
     // the upstream the socket's cookie picks in the node's pool back to the node listener.
-    let entries = bench.reverse_entries();
+    let entries = harness.reverse_entries();
     assert_eq!(entries.len(), 1, "{entries:?}");
     let (key, value) = entries[0];
     assert_eq!(IpAddr::from(value.listener), IpAddr::V4(NODE_LISTENER));
     assert_eq!(value.listener_id, NODE_ID);
-    let pool = bench.maps.pool(NODE_ID)?;
+    let pool = harness.maps.pool(NODE_ID)?;
     let index = redirector_common::pool::pick_index(key.socket_cookie, pool.len);
     assert_eq!(pool.targets()[index as usize].addr, key.peer);
     let node_upstream = IpAddr::from(key.peer);
@@ -176,7 +176,7 @@ fn an_unconnected_socket_asking_two_listeners_at_once_sees_each_reply_from_its_l
         assert_eq!(seen_peer(outcome), Some(expected), "{outcome:?}");
     }
     for id in [NODE_ID, CLUSTER_ID] {
-        let counters = bench.counters(id)?;
+        let counters = harness.counters(id)?;
         assert_eq!(
             (counters.reverse_translated, counters.reverse_missed),
             (1, 0),
@@ -188,11 +188,11 @@ fn an_unconnected_socket_asking_two_listeners_at_once_sees_each_reply_from_its_l
 
 #[test]
 fn each_socket_keeps_one_upstream_and_sockets_spread_over_the_pool() -> anyhow::Result<()> {
-    let mut bench = Bench::standard(tools!())?;
-    bench.set_mode(NODE_ID, Mode::Upstream)?;
+    let mut harness = Harness::standard(tools!())?;
+    harness.set_mode(NODE_ID, Mode::Upstream)?;
     let mut seen = std::collections::BTreeMap::new();
     for _ in 0..16 {
-        let outcome = bench
+        let outcome = harness
             .sandbox
             .query(Ns::Pod, Query::new(dns(NODE_LISTENER), Transport::Udp))?;
         *seen.entry(who(outcome.answer())).or_insert(0) += 1;
@@ -209,9 +209,9 @@ fn each_socket_keeps_one_upstream_and_sockets_spread_over_the_pool() -> anyhow::
 
 #[test]
 fn flipping_the_mode_moves_answers_and_back() -> anyhow::Result<()> {
-    let mut bench = Bench::standard(tools!())?;
-    let ask = |bench: &Bench| -> anyhow::Result<&'static str> {
-        let outcome = bench
+    let mut harness = Harness::standard(tools!())?;
+    let ask = |harness: &Harness| -> anyhow::Result<&'static str> {
+        let outcome = harness
             .sandbox
             .query(Ns::Pod, Query::new(dns(NODE_LISTENER), Transport::Udp))?;
         assert_eq!(seen_peer(&outcome), Some(dns(NODE_LISTENER)), "{outcome:?}");
@@ -229,20 +229,20 @@ fn flipping_the_mode_moves_answers_and_back() -> anyhow::Result<()> {
         (Mode::Upstream, "upstream"),
         (Mode::Auto, "cache"),
     ] {
-        bench.set_mode(NODE_ID, mode)?;
-        assert_eq!(ask(&bench)?, expected, "mode {mode:?}");
+        harness.set_mode(NODE_ID, mode)?;
+        assert_eq!(ask(&harness)?, expected, "mode {mode:?}");
     }
     Ok(())
 }
 
 #[test]
 fn dig_and_glibc_resolve_through_the_listener() -> anyhow::Result<()> {
-    let mut bench = Bench::standard(tools!())?;
+    let mut harness = Harness::standard(tools!())?;
     for mode in [Mode::Cache, Mode::Upstream] {
-        bench.set_mode(NODE_ID, mode)?;
+        harness.set_mode(NODE_ID, mode)?;
         for ns in [Ns::Pod, Ns::Node] {
             for tcp in [false, true] {
-                let dig = bench
+                let dig = harness
                     .sandbox
                     .dig(ns, IpAddr::V4(NODE_LISTENER), tcp, false)?;
                 assert!(
@@ -262,7 +262,7 @@ fn dig_and_glibc_resolve_through_the_listener() -> anyhow::Result<()> {
                 }
             }
             // glibc: resolv.conf names the listener; ahosts asks A and AAAA on one socket.
-            let addresses = bench.sandbox.getent(ns, "ahosts")?;
+            let addresses = harness.sandbox.getent(ns, "ahosts")?;
             for address in &addresses {
                 if mode == Mode::Cache {
                     assert_eq!(who(Some(*address)), "cache", "{ns:?}: {addresses:?}");
@@ -283,20 +283,20 @@ fn dig_and_glibc_resolve_through_the_listener() -> anyhow::Result<()> {
 /// a target on another port must have its port let through before any socket reaches it.
 #[test]
 fn replies_from_a_target_on_another_port_are_translated() -> anyhow::Result<()> {
-    let mut bench = Bench::standard(tools!())?;
+    let mut harness = Harness::standard(tools!())?;
     let elsewhere = SocketAddr::new(IpAddr::V4(UPSTREAM_A_V4), 5353);
-    bench
+    harness
         .sandbox
         .start_server("A on 5353", Ns::Upstream, &[elsewhere], UPSTREAM_A)?;
     let port_be = |port: u16| port.to_be();
-    assert!(bench.maps.replies_allowed_from(port_be(53))?);
-    assert!(!bench.maps.replies_allowed_from(port_be(5353))?);
-    bench.set_pool(NODE_ID, &[elsewhere])?;
-    assert!(bench.maps.replies_allowed_from(port_be(5353))?);
-    assert!(!bench.maps.replies_allowed_from(port_be(5354))?);
-    bench.set_mode(NODE_ID, Mode::Upstream)?;
+    assert!(harness.maps.replies_allowed_from(port_be(53))?);
+    assert!(!harness.maps.replies_allowed_from(port_be(5353))?);
+    harness.set_pool(NODE_ID, &[elsewhere])?;
+    assert!(harness.maps.replies_allowed_from(port_be(5353))?);
+    assert!(!harness.maps.replies_allowed_from(port_be(5354))?);
+    harness.set_mode(NODE_ID, Mode::Upstream)?;
     for (ns, query) in every_client(NODE_LISTENER) {
-        let outcome = bench.sandbox.query(ns, query)?;
+        let outcome = harness.sandbox.query(ns, query)?;
         assert_eq!(
             who(outcome.answer()),
             "upstream A",
@@ -308,23 +308,23 @@ fn replies_from_a_target_on_another_port_are_translated() -> anyhow::Result<()> 
             "{ns:?} {query:?}: {outcome:?}"
         );
     }
-    assert_eq!(bench.counters(NODE_ID)?.reverse_missed, 0);
+    assert_eq!(harness.counters(NODE_ID)?.reverse_missed, 0);
     Ok(())
 }
 
 #[test]
 fn other_ports_other_addresses_and_unconfigured_servers_are_untouched() -> anyhow::Result<()> {
-    let mut bench = Bench::standard(tools!())?;
-    bench.sandbox.start_server(
+    let mut harness = Harness::standard(tools!())?;
+    harness.sandbox.start_server(
         "other port",
         Ns::Node,
         &[SocketAddr::new(IpAddr::V4(NODE_LISTENER), 5353)],
         OTHER_PORT,
     )?;
-    bench.set_mode(NODE_ID, Mode::Upstream)?;
+    harness.set_mode(NODE_ID, Mode::Upstream)?;
     for transport in TRANSPORTS {
         // The listener address, another port: not DNS for us.
-        let outcome = bench.sandbox.query(
+        let outcome = harness.sandbox.query(
             Ns::Pod,
             Query::new(SocketAddr::new(IpAddr::V4(NODE_LISTENER), 5353), transport),
         )?;
@@ -334,7 +334,7 @@ fn other_ports_other_addresses_and_unconfigured_servers_are_untouched() -> anyho
             "{transport:?}: {outcome:?}"
         );
         // An upstream addressed directly: not a listener, and its replies keep their source.
-        let outcome = bench
+        let outcome = harness
             .sandbox
             .query(Ns::Pod, Query::new(dns(UPSTREAM_B_V4), transport))?;
         assert_eq!(
@@ -348,27 +348,28 @@ fn other_ports_other_addresses_and_unconfigured_servers_are_untouched() -> anyho
             "{transport:?}: {outcome:?}"
         );
     }
-    let counters = bench.counters(NODE_ID)?;
+    let counters = harness.counters(NODE_ID)?;
     assert_eq!(
         counters.to_upstream + counters.to_cache,
         0,
         "nothing was steered: {counters:?}"
     );
-    assert!(bench.reverse_entries().is_empty());
+    assert!(harness.reverse_entries().is_empty());
     Ok(())
 }
 
 #[test]
 fn sockets_of_a_skipped_cgroup_reach_the_listener_untouched() -> anyhow::Result<()> {
-    let mut bench = Bench::standard(tools!())?;
-    bench.set_mode(NODE_ID, Mode::Upstream)?;
-    bench.set_mode(V6_ID, Mode::Upstream)?;
-    let skipped = bench.sandbox.skipped_cgroup();
+    let mut harness = Harness::standard(tools!())?;
+    harness.set_mode(NODE_ID, Mode::Upstream)?;
+    harness.set_mode(V6_ID, Mode::Upstream)?;
+    let skipped = harness.sandbox.skipped_cgroup();
     for transport in TRANSPORTS {
-        let outcome =
-            bench
-                .sandbox
-                .query_in(Ns::Node, skipped, Query::new(dns(NODE_LISTENER), transport))?;
+        let outcome = harness.sandbox.query_in(
+            Ns::Node,
+            skipped,
+            Query::new(dns(NODE_LISTENER), transport),
+        )?;
         assert_eq!(
             who(outcome.answer()),
             "cache",
@@ -376,13 +377,13 @@ fn sockets_of_a_skipped_cgroup_reach_the_listener_untouched() -> anyhow::Result<
         );
     }
     // The skip is per listener: `v6` does not skip this cgroup.
-    let outcome = bench.sandbox.query_in(
+    let outcome = harness.sandbox.query_in(
         Ns::Node,
         skipped,
         Query::new(dns(V6_LISTENER), Transport::Udp),
     )?;
     assert!(is_upstream(outcome.answer()), "{outcome:?}");
-    let counters = bench.counters(NODE_ID)?;
+    let counters = harness.counters(NODE_ID)?;
     assert_eq!(counters.skipped_cgroup, 3);
     assert_eq!(counters.to_upstream, 0);
     Ok(())
@@ -390,11 +391,11 @@ fn sockets_of_a_skipped_cgroup_reach_the_listener_untouched() -> anyhow::Result<
 
 #[test]
 fn an_empty_pool_obeys_its_policy() -> anyhow::Result<()> {
-    let mut bench = Bench::standard(tools!())?;
+    let mut harness = Harness::standard(tools!())?;
     // `cluster` has no upstreams and policy `fail`: the syscall fails at once.
-    bench.set_mode(CLUSTER_ID, Mode::Upstream)?;
+    harness.set_mode(CLUSTER_ID, Mode::Upstream)?;
     for transport in TRANSPORTS {
-        let outcome = bench
+        let outcome = harness
             .sandbox
             .query(Ns::Pod, Query::new(dns(CLUSTER_LISTENER), transport))?;
         assert!(!outcome.ok, "{transport:?}: {outcome:?}");
@@ -404,22 +405,22 @@ fn an_empty_pool_obeys_its_policy() -> anyhow::Result<()> {
             "{transport:?}: {outcome:?}"
         );
     }
-    let counters = bench.counters(CLUSTER_ID)?;
+    let counters = harness.counters(CLUSTER_ID)?;
     assert_eq!(counters.failed_empty_pool, 3);
     // The probe found the helper on this kernel, so the call is in the verified program (the
     // degraded test below shows it gone when the probe says otherwise).
-    assert!(set_retval_calls(&bench.sandbox, names::PROG_CONNECT4)? >= 1);
+    assert!(set_retval_calls(&harness.sandbox, names::PROG_CONNECT4)? >= 1);
 
     // `node` with its pool emptied and policy `pass`: DNS reaches the listener address as sent.
-    bench.set_mode(NODE_ID, Mode::Upstream)?;
-    bench.set_pool(NODE_ID, &[])?;
+    harness.set_mode(NODE_ID, Mode::Upstream)?;
+    harness.set_pool(NODE_ID, &[])?;
     for transport in TRANSPORTS {
-        let outcome = bench
+        let outcome = harness
             .sandbox
             .query(Ns::Pod, Query::new(dns(NODE_LISTENER), transport))?;
         assert_eq!(who(outcome.answer()), "cache", "{transport:?}: {outcome:?}");
     }
-    let counters = bench.counters(NODE_ID)?;
+    let counters = harness.counters(NODE_ID)?;
     assert_eq!(counters.passed_through, 3);
     assert_eq!(counters.to_upstream, 0);
     Ok(())
@@ -427,12 +428,12 @@ fn an_empty_pool_obeys_its_policy() -> anyhow::Result<()> {
 
 #[test]
 fn pool_updates_apply_to_the_next_socket() -> anyhow::Result<()> {
-    let mut bench = Bench::standard(tools!())?;
-    bench.set_mode(NODE_ID, Mode::Upstream)?;
+    let mut harness = Harness::standard(tools!())?;
+    harness.set_mode(NODE_ID, Mode::Upstream)?;
     for (pool, expected) in [(UPSTREAM_B_V4, "upstream B"), (UPSTREAM_A_V4, "upstream A")] {
-        bench.set_pool(NODE_ID, &[dns(pool)])?;
+        harness.set_pool(NODE_ID, &[dns(pool)])?;
         for _ in 0..4 {
-            let outcome = bench
+            let outcome = harness
                 .sandbox
                 .query(Ns::Pod, Query::new(dns(NODE_LISTENER), Transport::Udp))?;
             assert_eq!(who(outcome.answer()), expected, "{outcome:?}");
@@ -443,9 +444,9 @@ fn pool_updates_apply_to_the_next_socket() -> anyhow::Result<()> {
 
 #[test]
 fn ipv6_listener_is_steered_and_translated() -> anyhow::Result<()> {
-    let mut bench = Bench::standard(tools!())?;
+    let mut harness = Harness::standard(tools!())?;
     for (mode, upstream) in [(Mode::Cache, false), (Mode::Upstream, true)] {
-        bench.set_mode(V6_ID, mode)?;
+        harness.set_mode(V6_ID, mode)?;
         for ns in [Ns::Pod, Ns::Node] {
             for transport in TRANSPORTS {
                 for aaaa in [false, true] {
@@ -453,7 +454,7 @@ fn ipv6_listener_is_steered_and_translated() -> anyhow::Result<()> {
                         aaaa,
                         ..Query::new(dns(V6_LISTENER), transport)
                     };
-                    let outcome = bench.sandbox.query(ns, query)?;
+                    let outcome = harness.sandbox.query(ns, query)?;
                     assert!(outcome.ok, "{ns:?} {query:?}: {outcome:?}");
                     assert_eq!(
                         is_upstream(outcome.answer()),
@@ -467,22 +468,22 @@ fn ipv6_listener_is_steered_and_translated() -> anyhow::Result<()> {
                     );
                 }
             }
-            let dig = bench
+            let dig = harness
                 .sandbox
                 .dig(ns, IpAddr::V6(V6_LISTENER), false, true)?;
             assert_eq!(is_upstream(dig.answer()), upstream, "{}", dig.output);
             assert!(!dig.output.contains("unexpected source"), "{}", dig.output);
         }
     }
-    bench.sandbox.netns(Ns::Pod).write_resolv_conf(&format!(
+    harness.sandbox.netns(Ns::Pod).write_resolv_conf(&format!(
         "nameserver {V6_LISTENER}\noptions timeout:2 attempts:1\n"
     ))?;
-    let addresses = bench.sandbox.getent(Ns::Pod, "ahosts")?;
+    let addresses = harness.sandbox.getent(Ns::Pod, "ahosts")?;
     assert!(
         addresses.iter().all(|address| is_upstream(Some(*address))),
         "{addresses:?}"
     );
-    let counters = bench.counters(V6_ID)?;
+    let counters = harness.counters(V6_ID)?;
     assert!(
         counters.to_upstream > 0 && counters.to_cache > 0,
         "{counters:?}"
@@ -498,16 +499,16 @@ fn a_connected_dual_stack_socket_is_moved_never_redirected() -> anyhow::Result<(
     // drop the replies (they come from another address), and every query would time out.
     // Instead its first send after the flip is refused (the egress program), the client reopens
     // as c-ares does, and the new socket is steered at its connect.
-    let mut bench = Bench::standard(tools!())?;
+    let mut harness = Harness::standard(tools!())?;
     let stream = bpf_tests::stream::Stream::start_with(
-        &bench.sandbox,
+        &harness.sandbox,
         Ns::Pod,
         dns(NODE_LISTENER),
         paced(Duration::from_millis(1500)),
         &["--kinds", "connected", "--mapped"],
     )?;
     pause(500);
-    bench.set_mode(NODE_ID, Mode::Upstream)?;
+    harness.set_mode(NODE_ID, Mode::Upstream)?;
     let report = stream.finish()?;
     assert!(report.records.len() > 20, "{}", report.summary());
     let answered: Vec<&str> = report
@@ -540,9 +541,9 @@ fn a_connected_dual_stack_socket_is_moved_never_redirected() -> anyhow::Result<(
         "one refused send, the move: {}",
         report.summary()
     );
-    assert_eq!(bench.counters(NODE_ID)?.moved_to_upstream, 1);
+    assert_eq!(harness.counters(NODE_ID)?.moved_to_upstream, 1);
     // New sockets follow the listener.
-    let outcome = bench.sandbox.query(
+    let outcome = harness.sandbox.query(
         Ns::Pod,
         Query::new(dns(NODE_LISTENER), Transport::UdpConnected).mapped(),
     )?;
@@ -563,16 +564,16 @@ fn long_lived_sockets_keep_their_translation_when_the_lru_churns() -> anyhow::Re
     sandbox.start_standard_servers()?;
     let config = format!(
         "reverse_nat_entries = {ENTRIES}\n{}",
-        sandbox.config_toml(&bpf_tests::bench::standard_listeners(&sandbox))
+        sandbox.config_toml(&bpf_tests::harness::standard_listeners(&sandbox))
     );
-    let mut bench = Bench::with_config(sandbox, &config)?;
-    bench.set_mode(NODE_ID, Mode::Upstream)?;
+    let mut harness = Harness::with_config(sandbox, &config)?;
+    harness.set_mode(NODE_ID, Mode::Upstream)?;
     let listener = dns(NODE_LISTENER);
     let mut held = Vec::new();
     for transport in [Transport::Udp, Transport::UdpConnected] {
-        let mut client = bench.sandbox.held_client(
+        let mut client = harness.sandbox.held_client(
             Ns::Pod,
-            bench.sandbox.cgroup(),
+            harness.sandbox.cgroup(),
             Query::new(listener, transport),
             2,
             false,
@@ -591,15 +592,15 @@ fn long_lived_sockets_keep_their_translation_when_the_lru_churns() -> anyhow::Re
     // Twice the map's size in fresh sockets, each with an entry of its own: each asks both
     // listeners at once, and the cluster listener's pool puts it on the other upstream, so its
     // second send pushes its first translation into the map.
-    bench.set_mode(CLUSTER_ID, Mode::Upstream)?;
-    bench.set_pool(CLUSTER_ID, &[dns(UPSTREAM_B_V4), dns(UPSTREAM_A_V4)])?;
+    harness.set_mode(CLUSTER_ID, Mode::Upstream)?;
+    harness.set_pool(CLUSTER_ID, &[dns(UPSTREAM_B_V4), dns(UPSTREAM_A_V4)])?;
     let cluster = dns(CLUSTER_LISTENER);
     let churn = 2 * ENTRIES;
     let mut answered = 0;
     for _ in 0..2 {
-        let outcomes = bench.sandbox.queries_in(
+        let outcomes = harness.sandbox.queries_in(
             Ns::Pod,
-            bench.sandbox.cgroup(),
+            harness.sandbox.cgroup(),
             Query::new(listener, Transport::Udp).also(cluster),
             u16::try_from(ENTRIES)?,
         )?;
@@ -615,14 +616,14 @@ fn long_lived_sockets_keep_their_translation_when_the_lru_churns() -> anyhow::Re
         2 * churn,
         "every churning query was answered as the listener it asked"
     );
-    let entries = bench.reverse_entries().len();
+    let entries = harness.reverse_entries().len();
     assert!(
         entries <= ENTRIES,
         "the LRU holds at most {ENTRIES} entries, so most of the {} written were evicted: {entries}",
         churn + held.len()
     );
 
-    let before = bench.counters(NODE_ID)?;
+    let before = harness.counters(NODE_ID)?;
     for (transport, client) in &mut held {
         let second = client.ask()?;
         assert!(second.ok, "{transport:?}, second query: {second:?}");
@@ -641,7 +642,7 @@ fn long_lived_sockets_keep_their_translation_when_the_lru_churns() -> anyhow::Re
             );
         }
     }
-    let after = bench.counters(NODE_ID)?;
+    let after = harness.counters(NODE_ID)?;
     assert_eq!(
         after.reverse_missed, before.reverse_missed,
         "no reply of a steered socket went untranslated"

@@ -7,10 +7,10 @@
 use std::{os::unix::net::UnixDatagram, time::Duration};
 
 use bpf_tests::{
-    bench::{Bench, NODE_ID, standard_listeners, write_standard_config},
     cli::{logged_metrics_address, redirector, start_agent, start_agent_with},
     command::run,
     fake_kube::{FakeKube, endpoint_slice},
+    harness::{Harness, NODE_ID, standard_listeners, write_standard_config},
     http::{get, sample},
     pace::pause,
     sandbox::{Ns, Query, Sandbox, Transport},
@@ -43,22 +43,22 @@ fn queries(sandbox: &Sandbox, count: u16) -> anyhow::Result<Vec<&'static str>> {
 
 #[test]
 fn metrics_agree_with_the_kernel_and_with_what_happened() -> anyhow::Result<()> {
-    let mut bench = Bench::standard(tools!())?;
-    let address = bench.agent.metrics.expect("metrics are served");
+    let mut harness = Harness::standard(tools!())?;
+    let address = harness.agent.metrics.expect("metrics are served");
     assert!(
-        queries(&bench.sandbox, 5)?
+        queries(&harness.sandbox, 5)?
             .iter()
             .all(|who| *who == "cache")
     );
-    bench.set_mode(NODE_ID, Mode::Upstream)?;
+    harness.set_mode(NODE_ID, Mode::Upstream)?;
     assert!(
-        queries(&bench.sandbox, 3)?
+        queries(&harness.sandbox, 3)?
             .iter()
             .all(|who| who.starts_with("upstream"))
     );
     // The override is seen by the control loop at its next turn.
-    bench.wait_until("the override observed", Duration::from_secs(5), |bench| {
-        Ok(!bench.agent.stats.transitions("node").is_empty())
+    harness.wait_until("the override observed", Duration::from_secs(5), |harness| {
+        Ok(!harness.agent.stats.transitions("node").is_empty())
     })?;
     pause(300);
 
@@ -73,7 +73,7 @@ fn metrics_agree_with_the_kernel_and_with_what_happened() -> anyhow::Result<()> 
             ),
         )
     };
-    let kernel = bench.counters(NODE_ID)?;
+    let kernel = harness.counters(NODE_ID)?;
     assert_eq!(node("cache"), Some(5.0), "{metrics}");
     assert_eq!(node("upstream"), Some(3.0), "{metrics}");
     assert_eq!(kernel.to_cache, 5);
@@ -196,12 +196,12 @@ fn readyz_waits_for_every_pool_and_healthz_does_not() -> anyhow::Result<()> {
         kubeconfig.display().to_string()
     );
     let text = sandbox.config_toml_with(listeners, &tables);
-    let bench = Bench::with_config(sandbox, &text)?;
-    let address = bench.agent.metrics.expect("metrics are served");
+    let harness = Harness::with_config(sandbox, &text)?;
+    let address = harness.agent.metrics.expect("metrics are served");
 
     // The API server is down: DNS works, the agent is alive, but not ready.
     pause(500);
-    assert_eq!(queries(&bench.sandbox, 1)?, ["cache"]);
+    assert_eq!(queries(&harness.sandbox, 1)?, ["cache"]);
     assert_eq!(get(address, "/healthz")?.status, 200);
     let readyz = get(address, "/readyz")?;
     assert_eq!(readyz.status, 503, "{readyz:?}");
@@ -213,7 +213,7 @@ fn readyz_waits_for_every_pool_and_healthz_does_not() -> anyhow::Result<()> {
     assert_eq!(sample(&metrics, "redirector_ready"), Some(0.0), "{metrics}");
 
     kube.set_down(false);
-    bench.wait_until(
+    harness.wait_until(
         "ready once the cluster pool synced",
         Duration::from_secs(15),
         |_| Ok(get(address, "/readyz")?.status == 200),
@@ -250,8 +250,8 @@ fn readyz_waits_for_every_pool_and_healthz_does_not() -> anyhow::Result<()> {
 #[test]
 fn healthz_answers_through_a_flood_of_idle_and_slow_connections() -> anyhow::Result<()> {
     use std::io::{Read, Write};
-    let bench = Bench::standard(tools!())?;
-    let address = bench.agent.metrics.expect("metrics are served");
+    let harness = Harness::standard(tools!())?;
+    let address = harness.agent.metrics.expect("metrics are served");
     // Twice the agent's connection limit: half that never send a byte, half that send a
     // request head slowly (slowloris), all held open.
     let mut flood = Vec::new();

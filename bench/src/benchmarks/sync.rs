@@ -6,8 +6,8 @@ use serde::Serialize;
 
 use super::percentile;
 use bpf_tests::{
-    bench::{Bench, CLUSTER_ID},
     fake_kube::{FakeKube, endpoint_slice},
+    harness::{CLUSTER_ID, Harness},
     sandbox::{Sandbox, Tools},
 };
 
@@ -48,9 +48,9 @@ pub fn measure(events: usize) -> anyhow::Result<SyncLatency> {
             kubeconfig.display().to_string()
         ),
     );
-    let bench = Bench::with_config(sandbox, &text)?;
+    let harness = Harness::with_config(sandbox, &text)?;
     let holds = |address: std::net::IpAddr| -> anyhow::Result<bool> {
-        Ok(bench
+        Ok(harness
             .maps
             .pool(CLUSTER_ID)?
             .targets()

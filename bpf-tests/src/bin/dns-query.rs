@@ -12,14 +12,14 @@
 //! every nameserver at once; one line per reply, in the order they arrive.
 
 use std::{
-    io::{Read as _, Write as _},
+    io::Write as _,
     net::{IpAddr, Ipv6Addr, SocketAddr, TcpStream, UdpSocket},
     time::Duration,
 };
 
 use anyhow::{Context as _, bail};
 use bpf_tests::{
-    dns::{PROBE_NAME, QueryOutcome, parse_answer, query},
+    dns::{PROBE_NAME, QueryOutcome, parse_answer, query, read_tcp_message, write_tcp_message},
     pace::monotonic_ns,
 };
 use clap::{Parser, ValueEnum};
@@ -282,13 +282,9 @@ fn ask(args: &Args, id: u16) -> anyhow::Result<QueryOutcome> {
                 .set_read_timeout(Some(Duration::from_millis(args.timeout_ms)))
                 .context("timeout")?;
             outcome.peer = Some(stream.peer_addr().context("getpeername")?.to_string());
-            let len = u16::try_from(request.len())?.to_be_bytes();
-            stream.write_all(&len).context("send")?;
-            stream.write_all(&request).context("send")?;
-            let mut reply_len = [0u8; 2];
-            stream.read_exact(&mut reply_len).context("recv")?;
-            let mut reply = vec![0u8; usize::from(u16::from_be_bytes(reply_len))];
-            stream.read_exact(&mut reply).context("recv")?;
+            write_tcp_message(&mut stream, &request)?;
+            let reply = read_tcp_message(&mut stream)?
+                .context("the server closed the connection without a reply")?;
             answered(outcome, id, &reply)
         }
     }

@@ -2,14 +2,14 @@
 //! identify it, over UDP and TCP on every `--listen` address. Prints `ready` once all are bound.
 
 use std::{
-    io::{Read as _, Write as _},
+    io::Write as _,
     net::{Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream, UdpSocket},
     thread,
     time::{Duration, Instant},
 };
 
 use anyhow::Context as _;
-use bpf_tests::dns::{Identity, answer, answer_with};
+use bpf_tests::dns::{Identity, answer, answer_with, read_tcp_message, write_tcp_message};
 use clap::Parser;
 use hickory_proto::op::ResponseCode;
 
@@ -170,18 +170,10 @@ fn serve_tcp(listener: &TcpListener, identity: &Identity, serve_from: Instant) {
     }
 }
 
-/// DNS over TCP: each message is preceded by its length (2 bytes, network order).
+/// Answers a connection's queries until the client closes it.
 fn serve_tcp_connection(mut stream: TcpStream, identity: &Identity) -> anyhow::Result<()> {
-    loop {
-        let mut len = [0u8; 2];
-        if stream.read_exact(&mut len).is_err() {
-            return Ok(());
-        }
-        let mut request = vec![0u8; usize::from(u16::from_be_bytes(len))];
-        stream.read_exact(&mut request)?;
-        let reply = answer(&request, identity)?;
-        let reply_len = u16::try_from(reply.len())?.to_be_bytes();
-        stream.write_all(&reply_len)?;
-        stream.write_all(&reply)?;
+    while let Some(request) = read_tcp_message(&mut stream)? {
+        write_tcp_message(&mut stream, &answer(&request, identity)?)?;
     }
+    Ok(())
 }

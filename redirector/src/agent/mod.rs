@@ -662,7 +662,7 @@ fn log_degraded(kernel: &KernelSupport) {
             warn!(
                 release = %kernel.release,
                 feature = finding.feature.name,
-                since = %finding.feature.since,
+                since = %kernel_support::mainline(finding.feature.since),
                 decided_by = ?finding.decided_by,
                 "the kernel lacks an optional feature, so redirector runs degraded: {without}"
             );

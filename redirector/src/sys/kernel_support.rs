@@ -13,58 +13,28 @@
 //! reads the embedded object and checks every helper call and fetching atomic in it against this
 //! table: a new one cannot land without its row, nor one newer than [`FLOOR`] without a switch.
 
-use std::fmt;
-
 use aya::{
     maps::MapType,
     programs::{ProgramError, ProgramType},
     sys::{BpfHelper, is_helper_supported, is_map_supported, is_program_supported},
+    util::KernelVersion,
 };
 use redirector_common::names;
 use tracing::warn;
 
-/// A mainline kernel release, `major.minor`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
-pub struct KernelVersion {
-    /// The major number.
-    pub major: u32,
-    /// The minor number.
-    pub minor: u32,
-}
-
-impl KernelVersion {
-    /// `major.minor`.
-    #[must_use]
-    pub const fn new(major: u32, minor: u32) -> Self {
-        Self { major, minor }
-    }
-
-    /// The release's `major.minor` from a `uname -r` string (`6.1.0-57-cloud-amd64`,
-    /// `5.15.0-1064-azure`, `6.12.117+deb12-cloud-amd64`); `None` when it does not start with two
-    /// numbers.
-    #[must_use]
-    pub fn parse(release: &str) -> Option<Self> {
-        let mut numbers = release.splitn(3, '.');
-        let major = numbers.next()?.parse().ok()?;
-        let minor_digits: String = numbers
-            .next()?
-            .chars()
-            .take_while(char::is_ascii_digit)
-            .collect();
-        Some(Self::new(major, minor_digits.parse().ok()?))
-    }
-}
-
-impl fmt::Display for KernelVersion {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}.{}", self.major, self.minor)
-    }
+/// `major.minor` of a release, as the table and the messages name releases (aya's
+/// [`KernelVersion`] prints the patch level too, which the table's mainline releases do not
+/// have).
+#[must_use]
+pub fn mainline(version: KernelVersion) -> String {
+    let code = version.code();
+    format!("{}.{}", code >> 16, (code >> 8) & 0xff)
 }
 
 /// The oldest release redirector supports: at or above every required feature (a test checks),
 /// and the LTS that node images still run (AKS's Ubuntu 22.04 images, Bottlerocket's older
 /// variants). Anything newer that the programs use is optional, behind a switch.
-pub const FLOOR: KernelVersion = KernelVersion::new(5, 15);
+pub const FLOOR: KernelVersion = KernelVersion::new(5, 15, 0);
 
 /// The variable that makes the agent (and `status`) take features as absent whatever the probes
 /// say: a comma-separated list of [`KernelFeature::id`]s. For tests only: it exists so that the
@@ -158,7 +128,7 @@ pub const FEATURES: &[KernelFeature] = &[
         id: "cgroup_skb",
         name: "cgroup v2 `cgroup_skb` egress",
         used_for: "moving connected DNS sockets off a stale peer",
-        since: KernelVersion::new(4, 10),
+        since: KernelVersion::new(4, 10, 0),
         need: Need::Required,
         probe: Probe::Program(ProgramType::CgroupSkb),
         uses: Uses::Other,
@@ -167,7 +137,7 @@ pub const FEATURES: &[KernelFeature] = &[
         id: "connect",
         name: "cgroup v2 `connect4`/`connect6`",
         used_for: "steering TCP and connected UDP",
-        since: KernelVersion::new(4, 17),
+        since: KernelVersion::new(4, 17, 0),
         need: Need::Required,
         probe: Probe::Program(ProgramType::CgroupSockAddr),
         uses: Uses::Other,
@@ -176,7 +146,7 @@ pub const FEATURES: &[KernelFeature] = &[
         id: "post_bind",
         name: "cgroup v2 `post_bind4`/`post_bind6`",
         used_for: "counting the caches' sockets",
-        since: KernelVersion::new(4, 17),
+        since: KernelVersion::new(4, 17, 0),
         need: Need::Required,
         probe: Probe::Program(ProgramType::CgroupSock),
         uses: Uses::Other,
@@ -185,7 +155,7 @@ pub const FEATURES: &[KernelFeature] = &[
         id: "base_helpers",
         name: "`bpf_map_lookup_elem`, `bpf_map_update_elem`, `bpf_map_delete_elem`, `bpf_ktime_get_ns` in cgroup programs",
         used_for: "every map access; socket ages",
-        since: KernelVersion::new(4, 17),
+        since: KernelVersion::new(4, 17, 0),
         need: Need::Required,
         probe: Probe::Helpers,
         uses: Uses::Helpers {
@@ -202,7 +172,7 @@ pub const FEATURES: &[KernelFeature] = &[
         id: "sendmsg",
         name: "cgroup v2 `sendmsg4`/`sendmsg6`",
         used_for: "steering unconnected UDP",
-        since: KernelVersion::new(4, 18),
+        since: KernelVersion::new(4, 18, 0),
         need: Need::Required,
         probe: Probe::Release,
         uses: Uses::Other,
@@ -211,7 +181,7 @@ pub const FEATURES: &[KernelFeature] = &[
         id: "sock_addr_socket_cookie",
         name: "`bpf_get_socket_cookie` in sock_addr programs",
         used_for: "per-socket target choice, reverse keys",
-        since: KernelVersion::new(4, 19),
+        since: KernelVersion::new(4, 19, 0),
         need: Need::Required,
         probe: Probe::Helpers,
         uses: Uses::Helpers {
@@ -223,7 +193,7 @@ pub const FEATURES: &[KernelFeature] = &[
         id: "skb_ancestor_cgroup_id",
         name: "`bpf_skb_ancestor_cgroup_id` in cgroup_skb programs",
         used_for: "skipped cgroups at egress",
-        since: KernelVersion::new(4, 19),
+        since: KernelVersion::new(4, 19, 0),
         need: Need::Required,
         probe: Probe::Helpers,
         uses: Uses::Helpers {
@@ -235,7 +205,7 @@ pub const FEATURES: &[KernelFeature] = &[
         id: "sk_fullsock",
         name: "`__sk_buff.sk`, `bpf_sk_fullsock` in cgroup_skb programs",
         used_for: "the sending socket at egress",
-        since: KernelVersion::new(5, 1),
+        since: KernelVersion::new(5, 1, 0),
         need: Need::Required,
         probe: Probe::Helpers,
         uses: Uses::Helpers {
@@ -247,7 +217,7 @@ pub const FEATURES: &[KernelFeature] = &[
         id: "recvmsg",
         name: "cgroup v2 `recvmsg4`/`recvmsg6`",
         used_for: "reply source rewrite",
-        since: KernelVersion::new(5, 2),
+        since: KernelVersion::new(5, 2, 0),
         need: Need::Required,
         probe: Probe::Release,
         uses: Uses::Other,
@@ -256,7 +226,7 @@ pub const FEATURES: &[KernelFeature] = &[
         id: "skb_sk_storage",
         name: "`bpf_sk_storage_get` in cgroup_skb programs",
         used_for: "a connected socket's translation at egress",
-        since: KernelVersion::new(5, 2),
+        since: KernelVersion::new(5, 2, 0),
         need: Need::Required,
         probe: Probe::Helpers,
         uses: Uses::Helpers {
@@ -268,7 +238,7 @@ pub const FEATURES: &[KernelFeature] = &[
         id: "sock_addr_sk_storage",
         name: "`bpf_sk_storage_get` in sock_addr programs",
         used_for: "marking steered sockets",
-        since: KernelVersion::new(5, 3),
+        since: KernelVersion::new(5, 3, 0),
         need: Need::Required,
         probe: Probe::Helpers,
         uses: Uses::Helpers {
@@ -280,7 +250,7 @@ pub const FEATURES: &[KernelFeature] = &[
         id: "read_only_globals",
         name: "read-only global data (`BPF_MAP_FREEZE`), its values constants to the verifier",
         used_for: "the switches the verifier prunes on (kernel-log level, `bpf_set_retval`)",
-        since: KernelVersion::new(5, 5),
+        since: KernelVersion::new(5, 5, 0),
         need: Need::Required,
         probe: Probe::Release,
         uses: Uses::Other,
@@ -289,7 +259,7 @@ pub const FEATURES: &[KernelFeature] = &[
         id: "mmapable_array",
         name: "`BPF_F_MMAPABLE` array",
         used_for: "socket counts shared with the agent's atomic corrections",
-        since: KernelVersion::new(5, 5),
+        since: KernelVersion::new(5, 5, 0),
         need: Need::Required,
         probe: Probe::Release,
         uses: Uses::Other,
@@ -298,7 +268,7 @@ pub const FEATURES: &[KernelFeature] = &[
         id: "current_ancestor_cgroup_id",
         name: "`bpf_get_current_ancestor_cgroup_id` in sock_addr programs",
         used_for: "skipped cgroups",
-        since: KernelVersion::new(5, 7),
+        since: KernelVersion::new(5, 7, 0),
         need: Need::Required,
         probe: Probe::Helpers,
         uses: Uses::Helpers {
@@ -310,7 +280,7 @@ pub const FEATURES: &[KernelFeature] = &[
         id: "cgroup_link",
         name: "cgroup `bpf_link`",
         used_for: "attachments pinned across restarts, next to other owners' programs",
-        since: KernelVersion::new(5, 7),
+        since: KernelVersion::new(5, 7, 0),
         need: Need::Required,
         probe: Probe::Release,
         uses: Uses::Other,
@@ -319,7 +289,7 @@ pub const FEATURES: &[KernelFeature] = &[
         id: "sock_cookies",
         name: "`bpf_get_netns_cookie`, `bpf_get_socket_cookie` in cgroup sock programs",
         used_for: "the caches' namespace; socket identity",
-        since: KernelVersion::new(5, 7),
+        since: KernelVersion::new(5, 7, 0),
         need: Need::Required,
         probe: Probe::Helpers,
         uses: Uses::Helpers {
@@ -334,7 +304,7 @@ pub const FEATURES: &[KernelFeature] = &[
         id: "getpeername",
         name: "cgroup v2 `getpeername4`/`getpeername6`",
         used_for: "connected peer rewrite",
-        since: KernelVersion::new(5, 8),
+        since: KernelVersion::new(5, 8, 0),
         need: Need::Required,
         probe: Probe::Release,
         uses: Uses::Other,
@@ -343,7 +313,7 @@ pub const FEATURES: &[KernelFeature] = &[
         id: "ringbuf",
         name: "`BPF_MAP_TYPE_RINGBUF`, `bpf_ringbuf_reserve`/`submit`/`discard`",
         used_for: "aya-log's buffer for kernel logging (created even with `kernel_log` off)",
-        since: KernelVersion::new(5, 8),
+        since: KernelVersion::new(5, 8, 0),
         need: Need::Required,
         probe: Probe::Map(MapType::RingBuf),
         uses: Uses::Helpers {
@@ -359,7 +329,7 @@ pub const FEATURES: &[KernelFeature] = &[
         id: "sock_release",
         name: "cgroup v2 `sock_release`",
         used_for: "uncounting the caches' sockets: in-kernel failover",
-        since: KernelVersion::new(5, 9),
+        since: KernelVersion::new(5, 9, 0),
         need: Need::Required,
         probe: Probe::Release,
         uses: Uses::Other,
@@ -368,7 +338,7 @@ pub const FEATURES: &[KernelFeature] = &[
         id: "sock_sk_storage",
         name: "`bpf_sk_storage_get` in cgroup sock programs",
         used_for: "marking the caches' sockets, so other closes skip the cookie lookup",
-        since: KernelVersion::new(5, 9),
+        since: KernelVersion::new(5, 9, 0),
         need: Need::Required,
         probe: Probe::Helpers,
         uses: Uses::Helpers {
@@ -380,7 +350,7 @@ pub const FEATURES: &[KernelFeature] = &[
         id: "atomic_fetch",
         name: "`BPF_ATOMIC` with `BPF_FETCH` (`atomic_fetch_add`)",
         used_for: "the close that takes a cache's socket count to zero, decided atomically",
-        since: KernelVersion::new(5, 12),
+        since: KernelVersion::new(5, 12, 0),
         need: Need::Required,
         probe: Probe::Release,
         uses: Uses::AtomicFetch,
@@ -389,7 +359,7 @@ pub const FEATURES: &[KernelFeature] = &[
         id: "so_netns_cookie",
         name: "`SO_NETNS_COOKIE` (agent)",
         used_for: "the caches' namespace cookie",
-        since: KernelVersion::new(5, 14),
+        since: KernelVersion::new(5, 14, 0),
         need: Need::Required,
         probe: Probe::Release,
         uses: Uses::Other,
@@ -398,7 +368,7 @@ pub const FEATURES: &[KernelFeature] = &[
         id: SET_RETVAL,
         name: "`bpf_set_retval` in sock_addr programs",
         used_for: "`EHOSTUNREACH` for the `fail` policy",
-        since: KernelVersion::new(6, 1),
+        since: KernelVersion::new(6, 1, 0),
         need: Need::Optional {
             without: "the `fail` policy's syscalls fail with `EPERM` (the hook's plain rejection) instead of `EHOSTUNREACH`",
             switch: Some(names::GLOBAL_SET_RETVAL),
@@ -413,7 +383,7 @@ pub const FEATURES: &[KernelFeature] = &[
         id: "nft_notrack",
         name: "nf_tables `notrack` in raw-priority `inet` chains (agent, via `nft`)",
         used_for: "conntrack bypass",
-        since: KernelVersion::new(4, 3),
+        since: KernelVersion::new(4, 3, 0),
         need: Need::Optional {
             without: "DNS stays tracked; status and `redirector_conntrack_bypass_active` say so",
             switch: None,
@@ -505,18 +475,26 @@ impl KernelSupport {
             |_| String::new(),
             |name| name.release().to_string_lossy().into_owned(),
         );
-        Self::decide(&release, absent, probe_feature)
+        // aya reads the version the way libbpf does: Ubuntu's `/proc/version_signature` and
+        // Debian's `uname -v` name the upstream release where `uname -r` may not.
+        let version = KernelVersion::current()
+            .inspect_err(|error| {
+                warn!(%release, %error, "the kernel's version cannot be read: only probes decide");
+            })
+            .ok();
+        Self::decide(&release, version, absent, probe_feature)
     }
 
-    /// Decides every feature for the kernel of release `release`, with `probe` answering for
-    /// the features that have one (`Err`: the probe failed, and the release number decides).
+    /// Decides every feature for the kernel `release` (its version `version`, `None` when it
+    /// cannot be read), with `probe` answering for the features that have one (`Err`: the probe
+    /// failed, and the version decides).
     pub fn decide(
         release: &str,
+        version: Option<KernelVersion>,
         absent: &[&str],
         mut probe: impl FnMut(&KernelFeature) -> Result<bool, ProgramError>,
     ) -> Self {
-        let version = KernelVersion::parse(release);
-        // A release that cannot be read lacks nothing by its number: the verifier has the last
+        // A version that cannot be read lacks nothing by its number: the verifier has the last
         // word.
         let by_release =
             |feature: &KernelFeature| version.is_none_or(|version| version >= feature.since);
@@ -595,8 +573,9 @@ fn probe_feature(feature: &KernelFeature) -> Result<bool, ProgramError> {
 /// The running kernel lacks a required feature.
 #[derive(Debug, thiserror::Error)]
 #[error(
-    "Linux {release} lacks {missing}, which redirector needs: run it on Linux {floor} or later \
-     (or on a kernel with these backported) (nothing was loaded or attached)"
+    "Linux {release} lacks {missing}, which redirector needs: run it on Linux {} or later \
+     (or on a kernel with these backported) (nothing was loaded or attached)",
+    mainline(*.floor)
 )]
 pub struct KernelLacks {
     /// `uname -r`.
@@ -624,7 +603,7 @@ pub fn require(support: &KernelSupport) -> Result<(), KernelLacks> {
             format!(
                 "{} ({}, {how})",
                 finding.feature.name.replace('`', ""),
-                finding.feature.since
+                mainline(finding.feature.since)
             )
         })
         .collect();
@@ -647,24 +626,10 @@ mod tests {
     use super::*;
 
     #[test]
-    fn releases_parse_to_major_and_minor() {
-        for (release, major, minor) in [
-            ("6.1.0-57-cloud-amd64", 6, 1),
-            ("6.12.117+deb12-cloud-amd64", 6, 12),
-            ("5.15.0-1064-azure", 5, 15),
-            ("5.18", 5, 18),
-            ("6.18.0", 6, 18),
-            ("4.18.0-553.el8_10.x86_64", 4, 18),
-        ] {
-            assert_eq!(
-                KernelVersion::parse(release),
-                Some(KernelVersion::new(major, minor)),
-                "{release}"
-            );
-        }
-        for release in ["", "linux", "6", "6.x", ".1"] {
-            assert_eq!(KernelVersion::parse(release), None, "{release:?}");
-        }
+    fn releases_are_named_by_major_and_minor() {
+        assert_eq!(mainline(FLOOR), "5.15");
+        assert_eq!(mainline(KernelVersion::new(6, 12, 117)), "6.12");
+        assert_eq!(mainline(KernelVersion::new(4, 19, 325)), "4.19");
     }
 
     #[test]
@@ -673,9 +638,10 @@ mod tests {
             if feature.since > FLOOR {
                 assert!(
                     matches!(feature.need, Need::Optional { .. }),
-                    "{} ({}) is newer than the floor {FLOOR}: it must be optional",
+                    "{} ({}) is newer than the floor {}: it must be optional",
                     feature.name,
-                    feature.since
+                    mainline(feature.since),
+                    mainline(FLOOR)
                 );
             }
             // A helper probe needs helpers to ask about.
@@ -697,7 +663,12 @@ mod tests {
 
     #[test]
     fn a_5_15_kernel_runs_without_set_retval_and_says_so() {
-        let support = KernelSupport::decide("5.15.0-1064-azure", &[], on_5_15);
+        let support = KernelSupport::decide(
+            "5.15.0-1064-azure",
+            Some(KernelVersion::new(5, 15, 0)),
+            &[],
+            on_5_15,
+        );
         assert!(require(&support).is_ok());
         let degraded: Vec<&str> = support
             .degraded()
@@ -711,9 +682,12 @@ mod tests {
     /// The README's example: Amazon Linux 2's 5.10, its probes answering as its release would.
     #[test]
     fn a_5_10_kernel_is_refused_with_what_it_lacks() {
-        let support = KernelSupport::decide("5.10.240-238.955.amzn2.x86_64", &[], |feature| {
-            Ok(feature.since <= KernelVersion::new(5, 10))
-        });
+        let support = KernelSupport::decide(
+            "5.10.240-238.955.amzn2.x86_64",
+            Some(KernelVersion::new(5, 10, 240)),
+            &[],
+            |feature| Ok(feature.since <= KernelVersion::new(5, 10, 0)),
+        );
         assert_eq!(
             require(&support).unwrap_err().to_string(),
             "Linux 5.10.240-238.955.amzn2.x86_64 lacks BPF_ATOMIC with BPF_FETCH \
@@ -726,14 +700,22 @@ mod tests {
     #[test]
     fn probes_decide_over_the_release_number() {
         // A backport: a 5.15 whose probe finds bpf_set_retval has it.
-        let support = KernelSupport::decide("5.15.0-1064-azure", &[], |_| Ok(true));
+        let support = KernelSupport::decide(
+            "5.15.0-1064-azure",
+            Some(KernelVersion::new(5, 15, 0)),
+            &[],
+            |_| Ok(true),
+        );
         assert!(support.has(SET_RETVAL));
         assert_eq!(support.degraded().count(), 0);
         // A kernel new by its number whose probe misses a required helper is refused, and the
         // error says the probe decided.
-        let support = KernelSupport::decide("6.18.0", &[], |feature| {
-            Ok(feature.id != "sock_addr_sk_storage")
-        });
+        let support = KernelSupport::decide(
+            "6.18.0",
+            Some(KernelVersion::new(6, 18, 0)),
+            &[],
+            |feature| Ok(feature.id != "sock_addr_sk_storage"),
+        );
         let error = require(&support).unwrap_err();
         assert_eq!(
             error.missing,
@@ -752,7 +734,12 @@ mod tests {
                 io_error: std::io::Error::from_raw_os_error(libc::EPERM),
             })
         };
-        let support = KernelSupport::decide("5.4.0-1-generic", &[], |_| Err(failed()));
+        let support = KernelSupport::decide(
+            "5.4.0-1-generic",
+            Some(KernelVersion::new(5, 4, 0)),
+            &[],
+            |_| Err(failed()),
+        );
         let error = require(&support).unwrap_err();
         for expected in [
             "cgroup v2 sock_release (5.9, by release)",
@@ -768,7 +755,7 @@ mod tests {
             error.missing
         );
         // Unreadable: nothing is missing by its number, the verifier decides.
-        let support = KernelSupport::decide("weird", &[], |_| Err(failed()));
+        let support = KernelSupport::decide("weird", None, &[], |_| Err(failed()));
         assert!(require(&support).is_ok());
     }
 
@@ -782,7 +769,12 @@ mod tests {
             error.to_string().contains("set_retval, nft_notrack"),
             "{error}"
         );
-        let support = KernelSupport::decide("6.18.0", &[SET_RETVAL], |_| Ok(true));
+        let support = KernelSupport::decide(
+            "6.18.0",
+            Some(KernelVersion::new(6, 18, 0)),
+            &[SET_RETVAL],
+            |_| Ok(true),
+        );
         let degraded: Vec<Decision> = support
             .degraded()
             .map(|finding| finding.decided_by)
@@ -905,9 +897,11 @@ mod tests {
                         };
                         let switch = switch.unwrap_or_else(|| {
                             panic!(
-                                "{name} calls helper #{helper} ({}, {}) above the floor {FLOOR} \
+                                "{name} calls helper #{helper} ({}, {}) above the floor {} \
                                  without a switch",
-                                row.name, row.since
+                                row.name,
+                                mainline(row.since),
+                                mainline(FLOOR)
                             )
                         });
                         assert!(
@@ -977,7 +971,7 @@ mod tests {
                 vec![
                     feature.name.to_owned(),
                     feature.used_for.to_owned(),
-                    feature.since.to_string(),
+                    mainline(feature.since),
                     match feature.probe {
                         Probe::Program(_) => "probe: program type",
                         Probe::Map(_) => "probe: map type",

@@ -10,7 +10,7 @@ use crate::{
     conntrack_bypass::{nft::Nft, ruleset::TABLE},
     datapath::{self, DatapathError, Maps},
     sys::{
-        kernel_support::{KernelSupport, Need},
+        kernel_support::{self, KernelSupport, Need},
         lock,
         netns::NetnsError,
     },
@@ -84,7 +84,7 @@ impl KernelState {
                 .filter_map(|finding| match finding.feature.need {
                     Need::Optional { without, .. } => Some(DegradedFeature {
                         feature: finding.feature.name.replace('`', ""),
-                        since: finding.feature.since.to_string(),
+                        since: kernel_support::mainline(finding.feature.since),
                         without: without.replace('`', ""),
                     }),
                     Need::Required => None,
@@ -347,8 +347,9 @@ mod tests {
             },
             kernel: KernelState::of(&KernelSupport::decide(
                 "5.15.0-1064-azure",
+                Some(aya::util::KernelVersion::new(5, 15, 0)),
                 &[],
-                |feature| Ok(feature.since <= crate::sys::kernel_support::FLOOR),
+                |feature| Ok(feature.since <= kernel_support::FLOOR),
             )),
             listeners: vec![ListenerSnapshot {
                 id: 0,

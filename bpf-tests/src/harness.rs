@@ -182,7 +182,7 @@ impl Drop for AgentThread {
 /// A sandbox with servers and a running agent. Fields drop in order: the agent first (it
 /// detaches), then the test's own handle on the maps, then the sandbox.
 #[derive(Debug)]
-pub struct Bench {
+pub struct Harness {
     /// The agent.
     pub agent: AgentThread,
     /// The test's handle on the agent's pinned maps (what `redirector state` would open).
@@ -191,7 +191,7 @@ pub struct Bench {
     pub sandbox: Sandbox,
 }
 
-impl Bench {
+impl Harness {
     /// Builds a sandbox, lets `setup` start its servers, then starts an agent for
     /// `listeners(sandbox)`.
     pub fn start(
@@ -287,7 +287,7 @@ impl Bench {
         self.wait_until(
             &format!("listener {id} routes to {route}"),
             Duration::from_secs(15),
-            |bench| Ok(bench.route(id)? == route),
+            |harness| Ok(harness.route(id)? == route),
         )
     }
 

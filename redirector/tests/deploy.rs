@@ -1259,7 +1259,7 @@ fn the_alert_rules_are_valid_and_fire_as_their_tests_say() {
     // Every alert has a unit test, and every metric an alert reads is one the agent serves.
     let rules = read("deploy/prometheus/redirector.rules.yml");
     let tests = read("deploy/prometheus/redirector.rules.test.yml");
-    let readme = read("README.md");
+    let observability = read("docs/observability.md");
     let served = served_metrics();
     for alert in rules
         .lines()
@@ -1285,8 +1285,8 @@ fn the_alert_rules_are_valid_and_fire_as_their_tests_say() {
             "the agent serves no {family}: {served}"
         );
         assert!(
-            readme.contains(&format!("`{metric}`")),
-            "{metric} is not in the README's table"
+            observability.contains(&format!("`{metric}`")),
+            "{metric} is not in docs/observability.md's table"
         );
     }
 }

@@ -410,7 +410,7 @@ fn check_llvm_agrees(pin: &Pin, linker: &Linker) -> anyhow::Result<()> {
             "the eBPF toolchain {} (from {}) is built on LLVM {rustc}, but the build links with \
              LLVM {LLVM_MAJOR} (xtask/src/toolchain.rs: LLVM_MAJOR, Debian's llvm-{LLVM_MAJOR}-dev): \
              pin a nightly whose `rustc -vV` says LLVM {LLVM_MAJOR}, or move LLVM_MAJOR with the \
-             checklist in README.md (\"The eBPF toolchain\")",
+             checklist in docs/development.md (\"The eBPF toolchain\")",
             pin.channel,
             pin.source()
         );

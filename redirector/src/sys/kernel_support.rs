@@ -9,7 +9,7 @@
 //! links, instructions, a socket option) has no probe short of loading the programs; for those the
 //! release number stands, all of them at or below [`FLOOR`].
 //!
-//! The table is the README's "Supported kernels" table (a test keeps the two equal), and a test
+//! The table is `docs/kernels.md`'s (a test keeps the two equal), and a test
 //! reads the embedded object and checks every helper call and fetching atomic in it against this
 //! table: a new one cannot land without its row, nor one newer than [`FLOOR`] without a switch.
 
@@ -122,7 +122,7 @@ const ALL_TYPES: &[ProgramType] = &[
 /// [`KernelFeature::id`] of `bpf_set_retval` in sock_addr programs.
 pub const SET_RETVAL: &str = "set_retval";
 
-/// Every kernel feature redirector uses, in the README's order.
+/// Every kernel feature redirector uses, in `docs/kernels.md`'s order.
 pub const FEATURES: &[KernelFeature] = &[
     KernelFeature {
         id: "cgroup_skb",
@@ -679,7 +679,7 @@ mod tests {
         assert!(support.has("nft_notrack"), "decided at use, not here");
     }
 
-    /// The README's example: Amazon Linux 2's 5.10, its probes answering as its release would.
+    /// `docs/kernels.md`'s example: Amazon Linux 2's 5.10, its probes answering as its release would.
     #[test]
     fn a_5_10_kernel_is_refused_with_what_it_lacks() {
         let support = KernelSupport::decide(
@@ -947,13 +947,9 @@ mod tests {
     }
 
     #[test]
-    fn the_readme_table_is_this_table() {
-        let readme = include_str!("../../../README.md");
-        let section = readme
-            .split("## Supported kernels")
-            .nth(1)
-            .expect("the README has a Supported kernels section");
-        let rows: Vec<Vec<String>> = section
+    fn the_documented_table_is_this_table() {
+        let page = include_str!("../../../docs/kernels.md");
+        let rows: Vec<Vec<String>> = page
             .lines()
             .skip_while(|line| !line.starts_with("| feature"))
             .skip(2)
@@ -987,6 +983,6 @@ mod tests {
                 ]
             })
             .collect();
-        assert_eq!(rows, expected, "README's Supported kernels table");
+        assert_eq!(rows, expected, "docs/kernels.md's table");
     }
 }

@@ -178,7 +178,6 @@ pub enum CacheConfigError {
     /// The file could not be read.
     #[error("cannot read the cache configuration file {path}")]
     Read {
-        /// The file.
         path: PathBuf,
         #[source]
         source: std::io::Error,
@@ -212,7 +211,6 @@ pub enum CacheConfigError {
     #[error("{key}: {address} is already given as {first}")]
     DuplicateAddress {
         key: String,
-        /// The address.
         address: SocketAddr,
         /// The key that has it first.
         first: String,
@@ -232,7 +230,6 @@ pub enum CacheConfigError {
     #[error("{key}: the zone {name} is already configured as {first}")]
     DuplicateZone {
         key: String,
-        /// The zone.
         name: String,
         /// The key of the zone that has it first.
         first: String,
@@ -267,11 +264,7 @@ pub enum CacheConfigError {
         "{key}: {address} listens on every interface, public ones included; listen on a specific \
          address, or say which clients may use it with allow = [\"10.0.0.0/8\", ...]"
     )]
-    UnspecifiedListen {
-        key: String,
-        /// The address.
-        address: SocketAddr,
-    },
+    UnspecifiedListen { key: String, address: SocketAddr },
     /// `max_bytes`, which the cache before hickory-resolver had.
     #[error(
         "max_bytes: the cache no longer has a byte budget (hickory-resolver's cache counts \

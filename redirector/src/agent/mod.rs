@@ -60,7 +60,8 @@ use crate::{
     },
 };
 
-/// Why the agent could not start or stop cleanly.
+/// Why the agent could not start or stop cleanly. `key` is the configuration key the message
+/// names, `path`, `dir` and `pin_dir` the file or directory it names.
 #[derive(Debug, thiserror::Error)]
 pub enum AgentError {
     /// The kernel lacks a feature the programs need.
@@ -86,9 +87,7 @@ pub enum AgentError {
     /// A skipped cgroup too deep for the level mask.
     #[error("{key}: {path} is {level} levels deep; skipped cgroups must be at most {max} levels below the root", max = redirector_common::datapath::MAX_CGROUP_LEVEL)]
     CgroupTooDeep {
-        /// The configuration key.
         key: String,
-        /// The directory.
         path: PathBuf,
         /// Its level.
         level: u32,
@@ -99,7 +98,6 @@ pub enum AgentError {
          `mount -t bpf bpf {mount}`, or set pin_dir to a directory on one"
     )]
     NoBpffs {
-        /// The directory checked.
         dir: PathBuf,
         /// Where to mount bpffs.
         mount: PathBuf,
@@ -107,7 +105,6 @@ pub enum AgentError {
     /// The pin directory could not be inspected or created.
     #[error("cannot prepare the pin directory {dir}")]
     PinDir {
-        /// The directory.
         dir: PathBuf,
         /// What the OS said.
         #[source]
@@ -123,9 +120,8 @@ pub enum AgentError {
         expected = redirector_common::LAYOUT_VERSION
     )]
     IncompatiblePins {
-        /// The pin directory.
         pin_dir: PathBuf,
-        /// The layout version found.
+        /// The pins' layout version (`None`: none could be read).
         found: Option<u32>,
     },
     /// Pins of this layout whose maps are shaped otherwise.
@@ -136,7 +132,6 @@ pub enum AgentError {
          programs are replaced)"
     )]
     ReshapedPins {
-        /// The pin directory.
         pin_dir: PathBuf,
         /// What differs.
         differences: ShapeDifferences,
@@ -171,9 +166,7 @@ pub enum AgentError {
     /// A probe name hickory refuses.
     #[error("{key}: {name:?} is not a DNS name hickory accepts")]
     ProbeName {
-        /// The configuration key.
         key: String,
-        /// The name.
         name: String,
         /// What hickory said.
         #[source]
@@ -191,7 +184,6 @@ pub enum AgentError {
     /// The given kubeconfig is unusable.
     #[error("kubernetes.kubeconfig: cannot use {path}")]
     Kubeconfig {
-        /// The file.
         path: PathBuf,
         /// What kube-rs said.
         #[source]

@@ -15,7 +15,6 @@ pub enum ConfigError {
     /// The file could not be read.
     #[error("cannot read the configuration file {path}")]
     Read {
-        /// The file.
         path: PathBuf,
         #[source]
         source: std::io::Error,
@@ -23,7 +22,6 @@ pub enum ConfigError {
     /// The file is not TOML of the expected shape (unknown key, wrong type, ...).
     #[error("the configuration file {path} is not valid (see the cause below for the key)")]
     Parse {
-        /// The file.
         path: PathBuf,
         /// What the TOML parser said, with line and key.
         #[source]
@@ -37,7 +35,6 @@ pub enum ConfigError {
     TooManyListeners {
         /// How many were given.
         count: usize,
-        /// The limit.
         max: usize,
     },
     /// A name that is empty or does not fit the maps.
@@ -45,16 +42,11 @@ pub enum ConfigError {
         "{key}: the name {name:?} must be 1 to {max} bytes long",
         max = LISTENER_NAME_MAX
     )]
-    BadName {
-        key: String,
-        /// The name given.
-        name: String,
-    },
+    BadName { key: String, name: String },
     /// Two listeners with one name.
     #[error("{key}: the name {name:?} is already used by {first}; listener names must be unique")]
     DuplicateName {
         key: String,
-        /// The name.
         name: String,
         /// The key of the listener that has it first.
         first: String,
@@ -65,7 +57,6 @@ pub enum ConfigError {
     )]
     DuplicateAddress {
         key: String,
-        /// The address.
         address: IpAddr,
         /// The key of the listener that has it first.
         first: String,
@@ -94,7 +85,6 @@ pub enum ConfigError {
     #[error("{key}: {address} cannot be a listener address ({why})")]
     UnusableListener {
         key: String,
-        /// The address.
         address: IpAddr,
         /// Why not.
         why: &'static str,
@@ -109,7 +99,6 @@ pub enum ConfigError {
     )]
     FamilyMismatch {
         key: String,
-        /// The target given.
         target: SocketAddr,
         /// The listener's name.
         listener: String,
@@ -122,7 +111,6 @@ pub enum ConfigError {
         key: String,
         /// How many were given.
         count: usize,
-        /// The limit.
         max: usize,
     },
     /// More than one source of upstreams.
@@ -140,10 +128,7 @@ pub enum ConfigError {
     #[error(
         "interface.name: {name:?} is not a valid interface name (1 to 15 bytes, no '/', ':' or spaces)"
     )]
-    BadInterfaceName {
-        /// The text given.
-        name: String,
-    },
+    BadInterfaceName { name: String },
     /// Probe or reconcile settings that cannot work.
     #[error("{key}: {problem}")]
     BadTiming {
@@ -153,11 +138,7 @@ pub enum ConfigError {
     },
     /// A probe name that is not a DNS name.
     #[error("{key}: {name:?} is not a DNS name (write it like localhost. or health.check.local.)")]
-    BadProbeName {
-        key: String,
-        /// The text given.
-        name: String,
-    },
+    BadProbeName { key: String, name: String },
     /// A metrics address that is no socket address.
     #[error(
         "metrics.address: {value:?} is not an address with a port (write it like 127.0.0.1:9353)"
@@ -174,9 +155,7 @@ pub enum ConfigError {
     )]
     ReverseNatTooSmall {
         value: u32,
-        /// The smallest accepted.
         min: u32,
-        /// The default.
         default: usize,
     },
 }

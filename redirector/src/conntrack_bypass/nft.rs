@@ -16,17 +16,14 @@ use std::{
 
 use crate::sys::netns::{NetnsError, NetnsWorker};
 
-/// Why `nft` could not do its work.
+/// Why `nft` could not do its work. `binary` is the configured `conntrack.nft`.
 #[derive(Debug, thiserror::Error)]
 pub enum NftError {
     /// The binary is not there.
     #[error(
         "the nft binary {binary} was not found: install nftables (Debian: apt-get install nftables) or set conntrack.nft"
     )]
-    Missing {
-        /// The configured binary.
-        binary: PathBuf,
-    },
+    Missing { binary: PathBuf },
     /// The kernel has no nf_tables (or no nfnetlink).
     #[error(
         "this kernel does not support nftables (nft said: {stderr}); load it with `modprobe nf_tables`, or set conntrack.bypass = false to stop trying"
@@ -49,16 +46,10 @@ pub enum NftError {
     },
     /// nft did not finish in time (and was killed).
     #[error("{binary} did not finish within {after:?} and was killed; the next check tries again")]
-    TimedOut {
-        /// The configured binary.
-        binary: PathBuf,
-        /// The limit.
-        after: Duration,
-    },
+    TimedOut { binary: PathBuf, after: Duration },
     /// nft could not be run at all.
     #[error("cannot run {binary}")]
     Run {
-        /// The configured binary.
         binary: PathBuf,
         /// What went wrong.
         #[source]

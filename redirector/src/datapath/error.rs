@@ -5,7 +5,9 @@ use std::path::{Path, PathBuf};
 use aya::{EbpfError, maps::MapError, pin::PinError, programs::ProgramError};
 use redirector_common::listener::MAX_LISTENERS;
 
-/// Why the datapath could not be set up or used.
+/// Why the datapath could not be set up or used. In every variant `name` is the program's or
+/// map's name in the object, `path` the pin, cgroup or directory the message names, and
+/// `source` what aya or the kernel said.
 #[derive(Debug, thiserror::Error)]
 pub enum DatapathError {
     /// The programs' log could not be read (`kernel_log`).
@@ -35,7 +37,6 @@ pub enum DatapathError {
     /// A pinned map could not be inspected.
     #[error("cannot inspect the pinned map {path}; remove it or run `redirector uninstall`")]
     InspectPin {
-        /// The pin.
         path: PathBuf,
         /// What the kernel said.
         #[source]
@@ -43,28 +44,18 @@ pub enum DatapathError {
     },
     /// The object lacks a program this build expects: a build mismatch.
     #[error("the embedded eBPF object has no program {name}; rebuild redirector")]
-    MissingProgram {
-        /// The program.
-        name: &'static str,
-    },
+    MissingProgram { name: &'static str },
     /// The object lacks a map this build expects: a build mismatch.
     #[error("the eBPF object has no map {name}; rebuild redirector")]
-    MissingMap {
-        /// The map.
-        name: &'static str,
-    },
+    MissingMap { name: &'static str },
     /// A program is not of the expected type.
     #[error("the eBPF program {name} is not of the type this build expects; rebuild redirector")]
-    ProgramType {
-        /// The program.
-        name: &'static str,
-    },
+    ProgramType { name: &'static str },
     /// An attachment could not be turned into a pinnable link.
     #[error(
         "the attachment of {name} is not a bpf_link (kernel before 5.7?); redirector needs bpf_link attachments"
     )]
     Link {
-        /// The program.
         name: &'static str,
         /// What aya reported.
         #[source]
@@ -73,7 +64,6 @@ pub enum DatapathError {
     /// The verifier refused a program.
     #[error("the kernel refused the eBPF program {name} (the cause holds the verifier's log)")]
     Verify {
-        /// The program.
         name: &'static str,
         /// What aya reported, with the verifier log.
         #[source]
@@ -82,7 +72,6 @@ pub enum DatapathError {
     /// The attach cgroup could not be opened.
     #[error("cannot open the cgroup directory {path}")]
     OpenCgroup {
-        /// The directory.
         path: PathBuf,
         /// What the OS said.
         #[source]
@@ -91,9 +80,7 @@ pub enum DatapathError {
     /// Attaching a program failed.
     #[error("attaching the eBPF program {name} to the cgroup {path} failed")]
     Attach {
-        /// The program.
         name: &'static str,
-        /// The cgroup.
         path: PathBuf,
         /// What aya reported.
         #[source]
@@ -102,9 +89,7 @@ pub enum DatapathError {
     /// Pinning an attachment failed.
     #[error("pinning the attachment of {name} at {path} failed")]
     PinLink {
-        /// The program.
         name: &'static str,
-        /// The pin.
         path: PathBuf,
         /// What aya reported.
         #[source]
@@ -115,7 +100,6 @@ pub enum DatapathError {
         "the map {name} does not have the layout this build expects; rebuild redirector or remove stale pins"
     )]
     MapLayout {
-        /// The map.
         name: &'static str,
         /// What aya reported.
         #[source]
@@ -126,7 +110,6 @@ pub enum DatapathError {
     MapAccess {
         /// What was being done.
         action: &'static str,
-        /// The map.
         name: &'static str,
         /// What aya reported.
         #[source]
@@ -149,7 +132,6 @@ pub enum DatapathError {
     /// The socket counts could not be mapped into memory.
     #[error("mapping the {name} map into memory failed")]
     Mmap {
-        /// The map.
         name: &'static str,
         /// What the OS said.
         #[source]
@@ -160,17 +142,13 @@ pub enum DatapathError {
         "no redirector state under {pin_dir}: no agent has run here since boot, it was \
          uninstalled, or its pins are elsewhere (give --pin-dir)"
     )]
-    NoPinnedState {
-        /// The pin directory.
-        pin_dir: PathBuf,
-    },
+    NoPinnedState { pin_dir: PathBuf },
     /// The pins exist but may not be opened by this user.
     #[error(
         "reading the pinned maps under {pin_dir} needs root (CAP_BPF): run it \
          with sudo"
     )]
     PinsNeedRoot {
-        /// The pin directory.
         pin_dir: PathBuf,
         /// What the kernel said (opening the directory, or a map in it).
         #[source]
@@ -182,7 +160,6 @@ pub enum DatapathError {
          version; start the agent (`redirector run`, with --replace for another version's pins)"
     )]
     OpenPin {
-        /// The pin.
         path: PathBuf,
         /// What aya reported.
         #[source]
@@ -191,9 +168,7 @@ pub enum DatapathError {
     /// A map could not be pinned.
     #[error("pinning the map {name} at {path} failed; is {dir} on a bpf filesystem?", dir = parent(path))]
     Pin {
-        /// The map.
         name: &'static str,
-        /// The pin.
         path: PathBuf,
         /// What aya reported.
         #[source]
@@ -202,7 +177,6 @@ pub enum DatapathError {
     /// The pin directory could not be prepared.
     #[error("cannot prepare the pin directory {path}")]
     PinDir {
-        /// The directory.
         path: PathBuf,
         /// What the OS said.
         #[source]
@@ -210,10 +184,7 @@ pub enum DatapathError {
     },
     /// A listener id past the maps' size.
     #[error("listener id {id} is out of range (at most {max} listeners)", max = MAX_LISTENERS)]
-    ListenerId {
-        /// The id.
-        id: u32,
-    },
+    ListenerId { id: u32 },
 }
 
 fn parent(path: &Path) -> String {

@@ -134,7 +134,6 @@ pub enum SourceEvent {
     Rejected {
         /// Where it came from.
         source: SourceKind,
-        /// The address as given.
         address: String,
         /// Why it was refused.
         reason: Rejection,

@@ -29,7 +29,7 @@ pub struct Cgroup2Mount {
     pub root: PathBuf,
 }
 
-/// Why a cgroup could not be used.
+/// Why a cgroup could not be used. `path` is the cgroup's directory.
 #[derive(Debug, thiserror::Error)]
 pub enum CgroupError {
     /// mountinfo (or /proc/self/cgroup) could not be read.
@@ -51,7 +51,6 @@ pub enum CgroupError {
     Missing {
         /// The configuration key that named it.
         key: String,
-        /// The directory.
         path: PathBuf,
         /// What the OS said.
         #[source]
@@ -65,7 +64,6 @@ pub enum CgroupError {
     NotCgroup2 {
         /// The configuration key that named it.
         key: String,
-        /// The directory.
         path: PathBuf,
         /// Where the cgroup v2 hierarchy is, when known.
         hint: String,
@@ -75,7 +73,6 @@ pub enum CgroupError {
     Statfs {
         /// The configuration key that named it.
         key: String,
-        /// The directory.
         path: PathBuf,
         /// What the OS said.
         #[source]

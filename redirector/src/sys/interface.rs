@@ -31,7 +31,8 @@ use crate::{
     sys::netns::{NetnsError, NetnsWorker},
 };
 
-/// Why the listener interface could not be set up or removed.
+/// Why the listener interface could not be set up or removed. `path` is the record of what the
+/// agent owns of the link (`interface.json` beside the lock file).
 #[derive(Debug, thiserror::Error)]
 pub enum InterfaceError {
     /// The rtnetlink socket could not be opened.
@@ -73,7 +74,6 @@ pub enum InterfaceError {
     /// The ownership record could not be written or removed.
     #[error("cannot write the record of what the agent owns of the listener link, {path}")]
     Record {
-        /// The record.
         path: PathBuf,
         /// What the OS said.
         #[source]

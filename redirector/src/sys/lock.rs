@@ -9,7 +9,7 @@ use std::{
 
 use nix::fcntl::{Flock, FlockArg};
 
-/// Why the lock could not be taken.
+/// Why the lock could not be taken. `path` is the configured `lock_file`.
 #[derive(Debug, thiserror::Error)]
 pub enum LockError {
     /// Another process holds it.
@@ -18,7 +18,6 @@ pub enum LockError {
          (systemctl stop redirector, or kill {pid}), or give this one another lock_file and pin_dir"
     )]
     Held {
-        /// The lock file.
         path: PathBuf,
         /// The holder's pid, as it recorded it.
         pid: String,
@@ -26,7 +25,6 @@ pub enum LockError {
     /// The file could not be created or locked.
     #[error("cannot lock {path}")]
     Io {
-        /// The lock file.
         path: PathBuf,
         /// What the OS said.
         #[source]

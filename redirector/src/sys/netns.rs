@@ -10,7 +10,8 @@ use std::{
 /// `SO_NETNS_COOKIE` (5.14+): the cookie of a socket's network namespace.
 const SO_NETNS_COOKIE: libc::c_int = 71;
 
-/// Why something could not be done in a network namespace.
+/// Why something could not be done in a network namespace. `path` names the namespace
+/// (`/proc/PID/ns/net`, `/run/netns/NAME`).
 #[derive(Debug, thiserror::Error)]
 pub enum NetnsError {
     /// The namespace file could not be opened.
@@ -18,7 +19,6 @@ pub enum NetnsError {
         "cannot open the network namespace {path}; give a path such as /proc/1/ns/net or /run/netns/NAME"
     )]
     Open {
-        /// The path.
         path: PathBuf,
         /// What the OS said.
         #[source]
@@ -27,7 +27,6 @@ pub enum NetnsError {
     /// Entering it failed.
     #[error("cannot enter the network namespace {path} (needs CAP_SYS_ADMIN)")]
     Enter {
-        /// The path.
         path: PathBuf,
         /// What the OS said.
         #[source]
@@ -46,10 +45,7 @@ pub enum NetnsError {
     },
     /// The helper thread died.
     #[error("the thread working in the network namespace {path} panicked")]
-    Thread {
-        /// The path.
-        path: PathBuf,
-    },
+    Thread { path: PathBuf },
 }
 
 /// Runs `work` in the network namespace at `netns` (on a short-lived thread that enters it, so the

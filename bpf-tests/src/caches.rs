@@ -145,7 +145,7 @@ pub fn start_cache_at(
                 Some(&cgroup),
                 &binary,
                 &args,
-                "embedded cache serving",
+                "DNS cache serving",
             )
         }
     }

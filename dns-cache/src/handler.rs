@@ -239,7 +239,7 @@ async fn send<R: ResponseHandler>(
         edns.set_max_payload(client.max_payload().clamp(MIN_UDP_PAYLOAD, EDNS_PAYLOAD));
         builder.edns(edns);
     }
-    let answer = match reply {
+    let mut answer = match reply {
         Reply::Error(code) => {
             header.set_response_code(code);
             None
@@ -249,8 +249,15 @@ async fn send<R: ResponseHandler>(
             Some(answer)
         }
     };
+    if answer
+        .as_ref()
+        .is_some_and(|answer| over_plain_udp_limit(request, &header, answer))
+    {
+        header.set_truncated(true);
+        answer = None;
+    }
     let result = match &answer {
-        Some(answer) if !over_plain_udp_limit(request, &header, answer) => {
+        Some(answer) => {
             let response = builder.build(
                 header,
                 answer.answers.iter(),
@@ -259,12 +266,6 @@ async fn send<R: ResponseHandler>(
                 std::iter::empty(),
             );
             response_handle.send_response(response).await
-        }
-        Some(_) => {
-            header.set_truncated(true);
-            response_handle
-                .send_response(builder.build_no_records(header))
-                .await
         }
         None => {
             response_handle

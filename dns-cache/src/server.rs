@@ -38,7 +38,7 @@ pub(crate) struct Limits {
 }
 
 impl Limits {
-    const DEFAULT: Self = Self {
+    pub(crate) const DEFAULT: Self = Self {
         in_flight: 1024,
         tcp_connections: 256,
         tcp_idle: Duration::from_secs(10),

@@ -255,7 +255,7 @@ struct Running {
 
 impl Running {
     async fn start(config: CacheConfig) -> Self {
-        Self::start_with(config, DEFAULT_LIMITS).await
+        Self::start_with(config, Limits::DEFAULT).await
     }
 
     async fn start_with(config: CacheConfig, limits: Limits) -> Self {
@@ -274,12 +274,6 @@ impl Running {
         }
     }
 }
-
-const DEFAULT_LIMITS: Limits = Limits {
-    in_flight: 1024,
-    tcp_connections: 256,
-    tcp_idle: Duration::from_secs(10),
-};
 
 /// hickory-resolver's cache reads the real clock (it cannot be moved forward), so the tests
 /// that watch answers age sleep, with TTLs of seconds.
@@ -824,7 +818,7 @@ async fn beyond_the_queries_in_flight_the_cache_answers_servfail_at_once() {
     .await;
     let limits = Limits {
         in_flight: 1,
-        ..DEFAULT_LIMITS
+        ..Limits::DEFAULT
     };
     let cache = Running::start_with(config(vec![silent.address]), limits).await;
     let address = cache.address;
@@ -853,7 +847,7 @@ async fn beyond_its_tcp_connections_the_cache_accepts_when_one_closes() {
     let upstream = FakeUpstream::start(Behaviour::answer(UPSTREAM_A, 60)).await;
     let limits = Limits {
         tcp_connections: 1,
-        ..DEFAULT_LIMITS
+        ..Limits::DEFAULT
     };
     let cache = Running::start_with(config(vec![upstream.address]), limits).await;
     let mut first = TcpStream::connect(cache.address).await.expect("connect");

@@ -26,7 +26,7 @@ impl core::fmt::Display for UnknownSetting {
 impl core::error::Error for UnknownSetting {}
 
 /// Defines a setting: its variants, each with its kernel constant and its name (which is also
-/// its spelling in configuration files, through serde's kebab case).
+/// its spelling in configuration files).
 macro_rules! setting {
     (
         $(#[$meta:meta])*
@@ -36,9 +36,8 @@ macro_rules! setting {
     ) => {
         $(#[$meta])*
         #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, Default, serde::Deserialize)]
-        #[serde(rename_all = "kebab-case")]
         pub enum $name {
-            $($(#[$variant_meta])* $variant,)+
+            $($(#[$variant_meta])* #[serde(rename = $label)] $variant,)+
         }
 
         impl $name {
@@ -116,7 +115,32 @@ setting! {
 
 #[cfg(test)]
 mod tests {
+    use serde::de::{
+        DeserializeOwned, IntoDeserializer as _,
+        value::{Error, StrDeserializer},
+    };
+
     use super::*;
+
+    /// A setting as a configuration file spells it.
+    fn read<T: DeserializeOwned>(text: &'static str) -> Option<T> {
+        let deserializer: StrDeserializer<'_, Error> = text.into_deserializer();
+        T::deserialize(deserializer).ok()
+    }
+
+    #[test]
+    fn configuration_files_spell_every_value_by_its_label() {
+        for &policy in EmptyPoolPolicy::ALL {
+            assert_eq!(read(policy.label()), Some(policy));
+        }
+        for &liveness in Liveness::ALL {
+            assert_eq!(read(liveness.label()), Some(liveness));
+        }
+        for &mode in Mode::ALL {
+            assert_eq!(read(mode.label()), Some(mode));
+        }
+        assert_eq!(read::<Liveness>("SocketsAndProbes"), None);
+    }
 
     #[test]
     fn every_value_maps_back_and_others_are_refused() {

@@ -2,26 +2,17 @@
 
 #[cfg(feature = "embedded-cache")]
 pub(crate) fn cache(path: &std::path::Path, log_level: &str) -> anyhow::Result<()> {
-    use dns_cache::{CacheConfig, CacheServer};
-
     use super::{LogFormat, init_logging, runtime, stop_signal};
 
-    let config = CacheConfig::load(path)?;
+    let config = dns_cache::CacheConfig::load(path)?;
     init_logging(log_level, LogFormat::Human)?;
-    let runtime = runtime()?;
-    runtime.block_on(async {
+    runtime()?.block_on(async {
         let stop = stop_signal()?;
-        let server = CacheServer::bind(config).await?;
-        tracing::info!(
-            listen = ?server.local_addrs(),
-            "embedded cache serving"
-        );
-        server
-            .serve(async {
-                stop.await;
-            })
-            .await;
-        tracing::info!("embedded cache stopped");
+        // It logs when it serves (the tests wait for that line) and when it has stopped.
+        dns_cache::run(config, async {
+            stop.await;
+        })
+        .await?;
         anyhow::Ok(())
     })
 }

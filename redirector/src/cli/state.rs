@@ -3,41 +3,37 @@
 use std::path::PathBuf;
 
 use anyhow::bail;
-use clap::ValueEnum;
+use clap::builder::{PossibleValuesParser, TypedValueParser};
 use redirector::{config::DEFAULT_PIN_DIR, datapath::Maps, telemetry};
-use redirector_common::listener::{LIVENESS_SOCKETS_AND_PROBES, Route, explain};
+use redirector_common::{
+    listener::{LIVENESS_SOCKETS_AND_PROBES, Route, explain},
+    settings::Mode,
+};
 
 #[derive(clap::Args, Debug)]
 pub(crate) struct StateArgs {
     /// The listener's name, as in the configuration.
     #[arg(long)]
     pub(crate) listener: String,
-    /// The new mode.
-    #[arg(long, value_enum)]
+    /// The new mode: cache (always the cache), upstream (always the upstream pool) or auto
+    /// (follow the cache's health).
+    #[arg(long, value_parser = mode_parser())]
     pub(crate) set: Mode,
     /// The running agent's pin directory.
     #[arg(long, env = "REDIRECTOR_PIN_DIR", default_value = DEFAULT_PIN_DIR)]
     pub(crate) pin_dir: PathBuf,
 }
 
-#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Mode {
-    /// Always the cache.
-    Cache,
-    /// Always the upstream pool.
-    Upstream,
-    /// Follow the cache's health.
-    Auto,
-}
-
-impl From<Mode> for redirector_common::settings::Mode {
-    fn from(mode: Mode) -> Self {
-        match mode {
-            Mode::Cache => Self::Cache,
-            Mode::Upstream => Self::Upstream,
-            Mode::Auto => Self::Auto,
-        }
-    }
+/// `--set`'s values: the modes by the names `Mode::label` gives them everywhere else.
+fn mode_parser() -> impl TypedValueParser<Value = Mode> {
+    PossibleValuesParser::new(Mode::ALL.iter().map(|mode| mode.label())).map(|label| {
+        Mode::ALL
+            .iter()
+            .copied()
+            .find(|mode| mode.label() == label)
+            // The parser admits only these labels.
+            .unwrap_or_default()
+    })
 }
 
 pub(crate) fn set_state(args: &StateArgs) -> anyhow::Result<()> {
@@ -56,7 +52,7 @@ pub(crate) fn set_state(args: &StateArgs) -> anyhow::Result<()> {
     };
     let address = std::net::IpAddr::from(info.addr);
     let previous = maps.mode(id)?;
-    maps.set_mode(id, args.set.into())?;
+    maps.set_mode(id, args.set)?;
     let mode = maps.mode(id)?;
     let liveness = maps
         .listener_config(address)?

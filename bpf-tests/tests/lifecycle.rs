@@ -5,7 +5,7 @@
 use std::{net::IpAddr, time::Duration};
 
 use bpf_tests::{
-    cli::{redirector, set_state, start_agent, start_agent_with, stop_agent, uninstall},
+    cli::{redirector, set_state, start_agent, stop_agent, uninstall},
     command::run,
     dns::now_ms,
     harness::{Harness, NODE_ID, standard_listeners, write_standard_config},
@@ -16,6 +16,7 @@ use bpf_tests::{
     topology::{NODE_LISTENER, UPSTREAM_A_V4, UPSTREAM_B_V4, dns, who},
 };
 use nix::sys::signal::Signal;
+use redirector::datapath::layout::MIN_ADOPTABLE_LAYOUT;
 use redirector_common::{LAYOUT_VERSION, addr::port_from_be};
 
 fn answered_by(sandbox: &Sandbox) -> anyhow::Result<&'static str> {
@@ -124,7 +125,8 @@ fn restarts_under_a_query_stream_lose_no_query_and_keep_state() -> anyhow::Resul
 }
 
 #[test]
-fn one_agent_per_node_and_pins_of_another_version_are_refused() -> anyhow::Result<()> {
+fn one_agent_per_node_and_only_pins_from_before_the_layout_rule_are_refused() -> anyhow::Result<()>
+{
     let mut sandbox = Sandbox::new(tools!())?;
     sandbox.start_standard_servers()?;
     let config = write_standard_config(&sandbox)?;
@@ -147,23 +149,44 @@ fn one_agent_per_node_and_pins_of_another_version_are_refused() -> anyhow::Resul
 
     first.signal(Signal::SIGTERM)?;
     first.wait_exit(Duration::from_secs(10))?;
-    // Pretend the pins are another version's.
-    {
+    let set_layout = |layout: u32| -> anyhow::Result<()> {
         use aya::maps::{Array, Map, MapData};
         let path = sandbox.pin_dir().join("maps/DATAPATH_CONFIG");
         let mut map: Array<MapData, redirector_common::datapath::DatapathConfig> =
             Array::try_from(Map::from_map_data(MapData::from_pin(&path)?)?)?;
         let mut value = map.get(&0, 0)?;
-        value.layout_version = LAYOUT_VERSION + 97;
+        value.layout_version = layout;
         map.set(0, value, 0)?;
-    }
+        Ok(())
+    };
+    // Pins of a newer release are adopted (the layout rule keeps them readable): a rollback.
+    set_layout(LAYOUT_VERSION + 97)?;
+    let mut adopted = start_agent(&config)?;
+    assert!(
+        adopted
+            .printed()
+            .iter()
+            .any(|line| line.contains("adopting the maps an earlier agent pinned")),
+        "{:?}",
+        adopted.printed()
+    );
+    assert_eq!(answered_by(&sandbox)?, "cache");
+    adopted.signal(Signal::SIGTERM)?;
+    adopted.wait_exit(Duration::from_secs(10))?;
+
+    // Pins of a layout from before the rule are refused, and the programs on them keep steering.
+    set_layout(MIN_ADOPTABLE_LAYOUT - 1)?;
     let refused = redirector(&["run", "--config", &config_arg])?;
     assert_eq!(refused.code, 1, "{refused:?}");
     assert!(
         refused.stderr.contains(&format!(
-            "holds the maps of another redirector version (layout {}, this one needs {LAYOUT_VERSION})",
-            LAYOUT_VERSION + 97
+            "holds the maps of a redirector release this one cannot adopt (layout {}",
+            MIN_ADOPTABLE_LAYOUT - 1
         )),
+        "{refused:?}"
+    );
+    assert!(
+        refused.stderr.contains("DNS is still steered"),
         "{refused:?}"
     );
     assert!(refused.stderr.contains("--replace"), "{refused:?}");
@@ -173,6 +196,7 @@ fn one_agent_per_node_and_pins_of_another_version_are_refused() -> anyhow::Resul
         "the old programs still steer"
     );
 
+    // --replace is the operator's reset.
     let mut command = std::process::Command::new(bpf_tests::sandbox::redirector_bin());
     command.args(["run", "--replace", "--config", &config_arg]);
     let replaced = bpf_tests::command::TestProcess::start(
@@ -530,38 +554,31 @@ fn a_failed_start_leaves_nothing_that_locks_the_next_one_out() -> anyhow::Result
 }
 
 #[test]
-fn pinned_maps_of_another_shape_are_refused_with_what_differs() -> anyhow::Result<()> {
+fn a_resized_translation_map_is_migrated_with_no_flag() -> anyhow::Result<()> {
     let mut sandbox = Sandbox::new(tools!())?;
     sandbox.start_standard_servers()?;
     let config = write_standard_config(&sandbox)?;
     let mut agent = start_agent(&config)?;
+    // A translation in the old map: a socket steered upstream.
+    assert_eq!(set_state(&sandbox, "node", "upstream")?.code, 0);
+    assert!(answered_by(&sandbox)?.starts_with("upstream"));
     stop_agent(&mut agent)?;
 
-    // The same layout, but the translation map sized otherwise.
     let text = format!(
         "reverse_nat_entries = 4096\n{}",
         sandbox.config_toml(&standard_listeners(&sandbox))
     );
     let resized = sandbox.write_file("resized.toml", &text)?;
-    let resized_arg = resized.display().to_string();
-    let refused = redirector(&["run", "--config", &resized_arg])?;
-    assert_eq!(refused.code, 1, "{refused:?}");
+    let mut agent = start_agent(&resized)?;
+    let printed = agent.printed().join("\n");
     assert!(
-        refused.stderr.contains(&format!(
-            "REVERSE_NAT has max entries {} where 4096 is needed",
+        printed.contains(&format!(
+            "why=max entries {} where 4096 is needed",
             redirector_common::reverse::REVERSE_NAT_DEFAULT_ENTRIES
         )),
-        "{refused:?}"
+        "{printed}"
     );
-    assert!(refused.stderr.contains("--replace"), "{refused:?}");
-    assert_eq!(
-        answered_by(&sandbox)?,
-        "cache",
-        "the old programs still steer"
-    );
-
-    let replaced = start_agent_with(&resized, &["--replace"], &[])?;
-    assert_eq!(answered_by(&sandbox)?, "cache");
+    assert!(answered_by(&sandbox)?.starts_with("upstream"));
     let maps = run(
         "bpftool",
         [
@@ -576,11 +593,10 @@ fn pinned_maps_of_another_shape_are_refused_with_what_differs() -> anyhow::Resul
         ],
     )?;
     assert!(maps.contains("max_entries 4096"), "{maps}");
-    drop(replaced);
-    assert_eq!(
-        redirector(&["uninstall", "--config", &resized_arg])?.code,
-        0
-    );
+    let state = set_state(&sandbox, "node", "auto")?;
+    assert!(state.stdout.contains("(was upstream)"), "{state:?}");
+    stop_agent(&mut agent)?;
+    uninstall(&resized)?;
     Ok(())
 }
 

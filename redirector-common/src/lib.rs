@@ -43,8 +43,11 @@ pub fn parse_dns_server(text: &str) -> Result<core::net::SocketAddr, core::net::
     })
 }
 
-/// Version of the map layout defined in this crate. Bump it whenever a key or value changes
-/// shape or meaning; the agent refuses to adopt pinned maps of another version.
+/// Version of the map layout, recorded in `DATAPATH_CONFIG` by the agent that wrote the pins. It
+/// is not bumped any more: from layout 5 on, the layout rule (ARCHITECTURE.md; the released
+/// shapes in the agent's `datapath::layout`) keeps every release's pins adoptable by its
+/// neighbours, older or newer, so a change of a key or value is a new map under a new name.
+/// Pins of a layout before 5 are refused.
 pub const LAYOUT_VERSION: u32 = 5;
 
 #[cfg(test)]

@@ -10,54 +10,43 @@
 mod controller;
 mod environment;
 mod ids;
+mod start;
 mod uninstall;
 
 use std::{
-    collections::{HashMap, HashSet},
-    net::{IpAddr, SocketAddr},
+    net::SocketAddr,
     path::{Path, PathBuf},
     sync::Arc,
 };
 
 use redirector_common::{
     listener::{Reason, Route, explain},
-    pool::Target,
     settings::Liveness,
 };
+pub use start::NEXT_LAYOUT_MAP;
 use tokio::{sync::mpsc, task::JoinHandle};
 use tracing::{info, warn};
 pub use uninstall::{UninstallReport, uninstall};
 
 use crate::{
     config::{Config, UpstreamSource},
-    conntrack_bypass::{
-        self, BypassStatus, ConntrackBypass,
-        nft::{Nft, NftError},
-        ruleset::Ruleset,
-    },
-    datapath::{
-        self, Datapath, DatapathError, Incompatibility, ListenerEntry, Maps, PinnedState,
-        ShapeDifferences,
-    },
+    conntrack_bypass::nft::NftError,
+    datapath::{Datapath, DatapathError, Maps},
     liveness::{
-        binds::{TrackedCache, cache_binds},
-        health::{HealthTracker, Hysteresis},
+        health::HealthTracker,
         probe::Prober,
         reconcile::{ReconcileError, Reconciler},
-        sockdiag::{SockDiagError, SocketTable},
+        sockdiag::SockDiagError,
     },
-    sources::{self, FedListener, SourceEvent, Upstream},
+    sources::{SourceEvent, Upstream},
     sys::{
-        cgroup::{self, Cgroup, CgroupError},
-        interface::{self, InterfaceError},
-        kernel_support::{self, KernelLacks, KernelSupport, Need},
+        cgroup::CgroupError,
+        interface::InterfaceError,
+        kernel_support::KernelLacks,
         lock::{InstanceLock, LockError},
-        netns::{self, NetnsError, NetnsWorker},
+        netns::NetnsError,
     },
-    telemetry::{
-        self,
-        stats::{AgentStats, ErrorKind},
-    },
+    telemetry::{self, stats::AgentStats},
 };
 
 /// Why the agent could not start or stop cleanly. `key` is the configuration key the message
@@ -110,31 +99,24 @@ pub enum AgentError {
         #[source]
         source: std::io::Error,
     },
-    /// Pins of another layout version.
+    /// Programs run on pins this release cannot adopt: a layout from before the compatibility
+    /// rule, or maps that break it.
     #[error(
-        "{pin_dir} holds the maps of another redirector version (layout {found}, this one needs \
-         {expected}); their state cannot be adopted. Run `redirector uninstall` first, or start \
-         with --replace (DNS to the listeners passes untouched for a moment while the programs \
-         are replaced)",
-        found = found.map_or_else(|| "unknown".to_owned(), |version| version.to_string()),
-        expected = redirector_common::LAYOUT_VERSION
+        "{pin_dir} holds the maps of a redirector release this one cannot adopt (layout \
+         {found}{unreadable}; this release adopts layout {min} and later, older or newer); DNS is \
+         still steered by the programs attached on them. Upgrade first to a release of layout \
+         {min} (which adopts these), or reset with `redirector run --replace` (DNS to the \
+         listeners passes unsteered for a moment while the programs are replaced)",
+        found = found.map_or_else(|| "unreadable".to_owned(), |version| version.to_string()),
+        unreadable = if unreadable.is_empty() { String::new() } else { format!("; {unreadable}") },
+        min = crate::datapath::layout::MIN_ADOPTABLE_LAYOUT
     )]
     IncompatiblePins {
         pin_dir: PathBuf,
         /// The pins' layout version (`None`: none could be read).
         found: Option<u32>,
-    },
-    /// Pins of this layout whose maps are shaped otherwise.
-    #[error(
-        "{pin_dir} holds maps shaped otherwise than this configuration needs ({differences}); \
-         their state cannot be adopted. Set reverse_nat_entries back to what the pinned map has, \
-         or start with --replace (DNS to the listeners passes untouched for a moment while the \
-         programs are replaced)"
-    )]
-    ReshapedPins {
-        pin_dir: PathBuf,
-        /// What differs.
-        differences: ShapeDifferences,
+        /// Maps that differ in more than their size, and how.
+        unreadable: String,
     },
     /// Another agent runs.
     #[error(transparent)]
@@ -229,8 +211,13 @@ impl std::fmt::Display for Unmet<'_> {
 /// How the agent starts.
 #[derive(Clone, Debug, Default)]
 pub struct StartOptions {
-    /// Replace pins of another layout version instead of refusing.
+    /// Remove every pin before loading (an operator's explicit reset) instead of adopting them.
     pub replace: bool,
+    /// Start as a release whose layout differs (tests only): every map that can migrate does,
+    /// the pins record `LAYOUT_VERSION + 1`, and a map this release does not know is pinned.
+    pub layout_bump: bool,
+    /// Fail after the load and the migration, before anything runs (tests only).
+    pub fail_after_load: bool,
     /// Kernel features to take as absent whatever the probes say (`kernel_support`'s ids;
     /// `REDIRECTOR_TEST_ABSENT_FEATURES`): for tests of the degraded paths only.
     pub absent_features: Vec<&'static str>,
@@ -278,291 +265,7 @@ pub struct Agent {
     node_events: Option<telemetry::node_events::NodeEvents>,
 }
 
-/// Where an agent's start spends its time, phase by phase: logged with "redirector is steering"
-/// as comma-separated `name=ms` pairs, in order (the bench reads them).
-struct StartPhases {
-    last: std::time::Instant,
-    ended: Vec<(&'static str, std::time::Duration)>,
-}
-
-impl StartPhases {
-    fn new() -> Self {
-        Self {
-            last: std::time::Instant::now(),
-            ended: Vec::new(),
-        }
-    }
-
-    /// Ends the phase `name`, begun where the previous one ended.
-    fn end(&mut self, name: &'static str) {
-        let now = std::time::Instant::now();
-        self.ended.push((name, now - self.last));
-        self.last = now;
-    }
-
-    /// Ends a phase that ran alongside the previous one: its `parts` as they were timed where
-    /// they ran, and `name` for what it took beyond the previous phase's end.
-    fn end_parts(&mut self, name: &'static str, parts: &[(&'static str, std::time::Duration)]) {
-        self.ended.extend_from_slice(parts);
-        self.end(name);
-    }
-}
-
-impl std::fmt::Display for StartPhases {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        for (position, (name, took)) in self.ended.iter().enumerate() {
-            let separator = if position == 0 { "" } else { "," };
-            write!(f, "{separator}{name}={:.1}", took.as_secs_f64() * 1000.0)?;
-        }
-        Ok(())
-    }
-}
-
 impl Agent {
-    /// Checks the environment against `config`, loads the datapath (adopting compatible pins),
-    /// fills its maps, owns the listener addresses, seeds the caches' socket counts, probes
-    /// every cache once, attaches, and starts the upstream sources. Nothing is attached unless
-    /// every check passed.
-    pub async fn start(config: &Config, options: StartOptions) -> Result<Self, AgentError> {
-        let mut phases = StartPhases::new();
-        let unmet = crate::sys::capabilities::unmet(&crate::sys::capabilities::needs(
-            config.cache_netns.is_some(),
-        ));
-        if !unmet.is_empty() {
-            return Err(AgentError::MissingCapabilities { unmet });
-        }
-        crate::sys::capabilities::check_bpf_allowed()?;
-        let kernel = KernelSupport::probe(&options.absent_features);
-        kernel_support::require(&kernel)?;
-        log_degraded(&kernel);
-        phases.end("kernel_probe");
-        let attach_path = match &config.cgroup {
-            Some(path) => path.clone(),
-            None => cgroup::default_attach_cgroup()?,
-        };
-        let attach = Cgroup::resolve("cgroup", &attach_path)?;
-        let skip_cgroups = environment::resolve_skip_cgroups(config)?;
-        environment::prepare_pin_dir(&config.pin_dir)?;
-        let lock = InstanceLock::acquire(&config.lock_file)?;
-        match datapath::pinned_state(&config.pin_dir, config.reverse_nat_entries)? {
-            PinnedState::Empty => {}
-            PinnedState::Compatible => {
-                info!(pin_dir = %config.pin_dir.display(), "adopting the maps an earlier agent pinned");
-            }
-            PinnedState::Incompatible {
-                why,
-                attached: false,
-            } => {
-                // No attachment uses them: nothing steers through these maps, so nothing is lost.
-                warn!(pin_dir = %config.pin_dir.display(), why = %why, "removing maps no program uses (an earlier start failed before it attached)");
-                datapath::remove_pins(&config.pin_dir)?;
-                environment::prepare_pin_dir(&config.pin_dir)?;
-            }
-            PinnedState::Incompatible { why, .. } if options.replace => {
-                warn!(pin_dir = %config.pin_dir.display(), why = %why, "replacing pins this agent cannot adopt (--replace)");
-                datapath::remove_pins(&config.pin_dir)?;
-                environment::prepare_pin_dir(&config.pin_dir)?;
-            }
-            PinnedState::Incompatible {
-                why: Incompatibility::Layout { found },
-                ..
-            } => {
-                return Err(AgentError::IncompatiblePins {
-                    pin_dir: config.pin_dir.clone(),
-                    found,
-                });
-            }
-            PinnedState::Incompatible {
-                why: Incompatibility::Shape(differences),
-                ..
-            } => {
-                return Err(AgentError::ReshapedPins {
-                    pin_dir: config.pin_dir.clone(),
-                    differences,
-                });
-            }
-        }
-        phases.end("checks");
-        let netns = config.cache_netns.as_deref();
-        let cache_netns = netns
-            .map(|path| {
-                namespace_identity(path)
-                    .map(|identity| (path.to_owned(), identity))
-                    .map_err(|source| {
-                        AgentError::CacheNetns(NetnsError::Open {
-                            path: path.to_owned(),
-                            source,
-                        })
-                    })
-            })
-            .transpose()?;
-        let netns_cookie = netns::cookie(netns).map_err(AgentError::CacheNetns)?;
-        let worker = NetnsWorker::start(netns).map_err(AgentError::CacheNetns)?;
-        let socket_table = SocketTable::open(netns).map_err(AgentError::SocketTable)?;
-        phases.end("namespace");
-        let kube_client = kube_client(config).await?;
-        phases.end("kube_client");
-
-        // The kernel verifies the programs on a blocking thread while `nft` installs the
-        // conntrack bypass (most of the start, and the largest part of the rest, were spent one
-        // after the other before); both end before anything is attached, so steered DNS is
-        // untracked from the first query. A bypass failure is not fatal.
-        let load = {
-            let (entries, pin_dir, kernel_log, set_retval) = (
-                config.reverse_nat_entries,
-                config.pin_dir.clone(),
-                config.kernel_log,
-                kernel.has(kernel_support::SET_RETVAL),
-            );
-            tokio::task::spawn_blocking(move || {
-                Datapath::load(entries, &pin_dir, kernel_log, set_retval)
-            })
-        };
-        let stats = Arc::new(AgentStats::default());
-        let bypass = start_conntrack_bypass(config, netns, &stats).await;
-        phases.end("conntrack_bypass");
-        let (mut datapath, mut maps) = load.await.map_err(AgentError::LoadTask)??;
-        let bypass = bypass?;
-        let load_times = datapath.load_times();
-        phases.end_parts(
-            "load",
-            &[("object", load_times.object), ("verify", load_times.verify)],
-        );
-        if config.kernel_log {
-            forward_kernel_log(datapath.kernel_logger()?)?;
-        }
-        let pinned: Vec<(u32, String)> = maps
-            .listeners()?
-            .into_iter()
-            .filter_map(|(id, info)| Some((id, info.name()?.to_owned())))
-            .collect();
-        let names: Vec<&str> = config
-            .listeners
-            .iter()
-            .map(|listener| listener.name.as_str())
-            .collect();
-        let (ids, removed) = ids::assign(&names, &pinned);
-        for id in removed {
-            info!(listener_id = id, "removing a listener no longer configured");
-            maps.remove_listener(id)?;
-        }
-
-        if config.interface.manage {
-            let addresses: Vec<IpAddr> = config
-                .listeners
-                .iter()
-                .map(|listener| listener.address)
-                .collect();
-            interface::ensure(
-                &config.interface,
-                &addresses,
-                &worker,
-                &interface::record_path(&config.lock_file),
-            )
-            .await?;
-        }
-        phases.end("interface");
-
-        let skips = environment::skip_entries(&skip_cgroups, &ids, &attach);
-        maps.configure(&skips, netns_cookie)?;
-        let tracked: Vec<TrackedCache> = config
-            .listeners
-            .iter()
-            .zip(&ids)
-            .filter(|(listener, _)| listener.liveness == Liveness::SocketsAndProbes)
-            .map(|(listener, id)| TrackedCache {
-                id: *id,
-                cache: listener.cache,
-            })
-            .collect();
-        let binds = cache_binds(&tracked);
-        maps.set_cache_binds(&binds)?;
-        for (listener, id) in config.listeners.iter().zip(&ids) {
-            let entry = ListenerEntry {
-                id: *id,
-                name: &listener.name,
-                address: listener.address,
-                cache: listener.cache,
-                empty_pool: listener.empty_pool,
-                liveness: listener.liveness,
-            };
-            let pool: Option<Vec<Target>> =
-                static_pool(listener).map(|pool| pool.iter().map(Upstream::target).collect());
-            maps.install_listener(&entry, pool.as_deref())?;
-        }
-
-        phases.end("maps");
-        // Count the sockets that existed before the programs (or that moved between listeners)
-        // before the programs see any traffic, so a running cache is alive from the first
-        // steered syscall.
-        let mut reconciler = Reconciler::new(socket_table, binds);
-        reconciler
-            .reconcile(&mut maps, true)
-            .await
-            .map_err(AgentError::Seed)?;
-        phases.end("seed");
-        let listeners = first_verdicts(config, &ids, &worker, &mut maps).await?;
-        phases.end("first_probes");
-
-        // Bound before attaching, so a port in use stops the start with nothing attached.
-        let telemetry = if config.metrics.enabled {
-            let listener = telemetry::http::bind(config.metrics.address)?;
-            let address = listener.local_addr().unwrap_or(config.metrics.address);
-            let endpoint = telemetry::http::Endpoint {
-                maps: std::sync::Mutex::new(Maps::open_pinned(&config.pin_dir)?),
-                stats: Arc::clone(&stats),
-                health_window: health_window(config),
-            };
-            let server = telemetry::http::serve(listener, endpoint)
-                .map_err(|source| telemetry::http::BindError { address, source })?;
-            info!(address = %address, "serving /metrics, /healthz and /readyz");
-            Some((address, server))
-        } else {
-            None
-        };
-
-        phases.end("telemetry");
-        datapath.attach(&attach.path)?;
-        phases.end("attach");
-        // Binds and releases that raced the attach are caught here, or by the next pass.
-        if let Err(error) = reconciler.reconcile(&mut maps, true).await {
-            warn!(error = %error, "re-counting the caches' sockets after attaching failed; the next pass retries");
-        }
-        phases.end("recount");
-
-        let node = sources::node_name();
-        let node_events = kube_client.as_ref().map(|client| {
-            telemetry::node_events::NodeEvents::start(client.clone(), &node, Arc::clone(&stats))
-        });
-        let (events, sources) = start_sources(config, &ids, kube_client);
-        let mut agent = Self {
-            datapath,
-            maps,
-            reconciler,
-            listeners,
-            config: config.clone(),
-            stats,
-            events,
-            sources,
-            bypass,
-            telemetry,
-            lock,
-            node,
-            cache_netns,
-            node_events,
-        };
-        agent.log_listeners()?;
-        info!(
-            cgroup = %attach.path.display(),
-            pin_dir = %config.pin_dir.display(),
-            adopted = agent.datapath.adopted(),
-            listeners = config.listeners.len(),
-            startup_ms = %phases,
-            "redirector is steering"
-        );
-        Ok(agent)
-    }
-
     fn log_listeners(&mut self) -> Result<(), AgentError> {
         for (listener, runtime) in self.config.listeners.iter().zip(self.listeners.iter_mut()) {
             runtime.observed = current_route(&self.maps, runtime.id, runtime.liveness)?;
@@ -647,296 +350,12 @@ impl Agent {
     }
 }
 
-/// Says, once per start, what the agent runs without on this kernel.
-fn log_degraded(kernel: &KernelSupport) {
-    for finding in kernel.degraded() {
-        if let Need::Optional { without, .. } = finding.feature.need {
-            warn!(
-                release = %kernel.release,
-                feature = finding.feature.name,
-                since = %kernel_support::mainline(finding.feature.since),
-                decided_by = ?finding.decided_by,
-                "the kernel lacks an optional feature, so redirector runs degraded: {without}"
-            );
-        }
-    }
-}
-
-/// Forwards the programs' log records into the agent's log, on a task of their own.
-fn forward_kernel_log(
-    logger: aya_log::EbpfLogger<&'static dyn log::Log>,
-) -> Result<(), AgentError> {
-    // SAFETY: the logger owns its ring buffer's fd for its whole life, and the AsyncFd owns the
-    // logger, so the fd stays open and the same until the AsyncFd is dropped.
-    let mut logger = unsafe {
-        tokio::io::unix::AsyncFd::register_with_interest(logger, tokio::io::Interest::READABLE)
-    }
-    .map_err(|error| AgentError::KernelLog {
-        source: std::io::Error::from(error),
-    })?;
-    warn!(
-        "kernel_log is on: the programs log their decisions (debugging only; it costs every logged syscall a ring buffer write)"
-    );
-    tokio::spawn(async move {
-        loop {
-            let Ok(mut ready) = logger.readable_mut().await else {
-                return;
-            };
-            ready.get_inner_mut().flush();
-            ready.clear_ready();
-        }
-    });
-    Ok(())
-}
-
-/// Installs the conntrack bypass table when configured (its failure is reported, never fatal)
-/// and keeps it on a task of its own, so that a slow or hung nft never delays the control loop;
-/// when not configured, removes one an earlier configuration left.
-async fn start_conntrack_bypass(
-    config: &Config,
-    netns: Option<&Path>,
-    stats: &Arc<AgentStats>,
-) -> Result<Option<JoinHandle<()>>, AgentError> {
-    let worker = NetnsWorker::start(netns).map_err(AgentError::CacheNetns)?;
-    let nft = Nft::new(&config.conntrack.nft, worker);
-    if !config.conntrack.bypass {
-        if let Err(error) = conntrack_bypass::remove(&nft).await
-            && !error.is_unavailable()
-        {
-            warn!(error = %crate::error_chain(&error), "conntrack.bypass is off, but removing an earlier bypass table failed");
-        }
-        stats.record_conntrack_bypass(BypassStatus::Disabled, 0);
-        return Ok(None);
-    }
-    let desired = Ruleset {
-        local: conntrack_bypass::local_endpoints(config),
-    };
-    let mut bypass = ConntrackBypass::new(nft, desired);
-    let mut reported = None;
-    let mut report = move |bypass: &ConntrackBypass, stats: &AgentStats| {
-        let status = bypass.status().clone();
-        // A failure is counted when it starts, not at every check of a node without nftables.
-        if status != BypassStatus::Active && reported.as_ref() != Some(&status) {
-            stats.record_error(ErrorKind::Nftables);
-        }
-        stats.record_conntrack_bypass(status.clone(), bypass.restorations());
-        reported = Some(status);
-    };
-    bypass.check().await;
-    report(&bypass, stats);
-    let stats = Arc::clone(stats);
-    let interval = config.conntrack.check_interval;
-    Ok(Some(tokio::spawn(async move {
-        let mut tick = tokio::time::interval(interval);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        tick.tick().await;
-        loop {
-            tick.tick().await;
-            bypass.check().await;
-            report(&bypass, &stats);
-        }
-    })))
-}
-
-/// How long the control loop may go without a turn before `/healthz` fails: it turns at least
-/// at every probe interval; allow three, and never less than ten seconds (a slow socket-table
-/// dump or nft run is no stall).
-fn health_window(config: &Config) -> std::time::Duration {
-    (config.probe.interval * 3).max(std::time::Duration::from_secs(10))
-}
-
-/// The name of a pool source in logs and metrics.
-fn source_name(source: &UpstreamSource) -> &'static str {
-    match source {
-        UpstreamSource::Static => "static",
-        UpstreamSource::Kubernetes { .. } => sources::SourceKind::Kubernetes.name(),
-        UpstreamSource::ResolvConf(_) => sources::SourceKind::ResolvConf.name(),
-    }
-}
-
-/// The configured pool of a static listener (`None` for dynamic sources).
-fn static_pool(listener: &crate::config::Listener) -> Option<Vec<Upstream>> {
-    (listener.source == UpstreamSource::Static).then(|| {
-        listener
-            .upstreams
-            .iter()
-            .copied()
-            .map(Upstream::from)
-            .collect()
-    })
-}
-
-/// Probes every cache once and sets the first verdicts: a cache is up when it answered (and, when
-/// its sockets are tracked, has some).
-async fn first_verdicts(
-    config: &Config,
-    ids: &[u32],
-    worker: &NetnsWorker,
-    maps: &mut Maps,
-) -> Result<Vec<ListenerRuntime>, AgentError> {
-    let hysteresis = Hysteresis {
-        failures_to_fail_over: config.probe.failures_to_fail_over,
-        successes_to_fail_back: config.probe.successes_to_fail_back,
-    };
-    let mut probers = Vec::with_capacity(config.listeners.len());
-    for (position, listener) in config.listeners.iter().enumerate() {
-        let prober = Prober::new(
-            listener.cache,
-            &listener.probe_name,
-            config.probe.timeout,
-            worker.clone(),
-        )
-        .map_err(|source| AgentError::ProbeName {
-            key: format!("listener[{position}] ({:?}).probe_name", listener.name),
-            name: listener.probe_name.clone(),
-            source,
-        })?;
-        probers.push(prober);
-    }
-    let mut first_probes = tokio::task::JoinSet::new();
-    for (index, prober) in probers.iter().enumerate() {
-        let prober = prober.clone();
-        first_probes.spawn(async move { (index, prober.probe().await) });
-    }
-    let mut alive = vec![false; probers.len()];
-    while let Some(Ok((index, outcome))) = first_probes.join_next().await {
-        alive[index] = outcome.is_alive();
-    }
-    let mut listeners = Vec::with_capacity(config.listeners.len());
-    for (((listener, id), prober), alive) in
-        config.listeners.iter().zip(ids).zip(probers).zip(alive)
-    {
-        let counts = maps.socket_counts(*id)?;
-        // A verdict an earlier agent pinned stands, and this probe is one more in its streak; a
-        // first verdict is this probe's (nothing better is known, and until it is written the
-        // listener gets no DNS to its cache).
-        let tracker = match HealthTracker::resume(hysteresis, maps.health(*id)?, counts.down_epoch)
-        {
-            Some(mut tracker) => {
-                tracker.record(alive, counts.down_epoch);
-                tracker
-            }
-            None => {
-                let up = alive && (listener.liveness == Liveness::Probes || counts.udp > 0);
-                HealthTracker::new(hysteresis, up, counts.down_epoch)
-            }
-        };
-        maps.set_health(*id, tracker.health())?;
-        listeners.push(ListenerRuntime {
-            id: *id,
-            name: listener.name.clone(),
-            liveness: listener.liveness,
-            prober,
-            tracker,
-            observed: (Route::Cache, Reason::Healthy),
-            desired: static_pool(listener),
-            source: source_name(&listener.source),
-            synced: listener.source == UpstreamSource::Static,
-        });
-    }
-    Ok(listeners)
-}
-
 /// The identity of the namespace file at `path`: its device and inode (nsfs gives every
 /// namespace its own inode).
 fn namespace_identity(path: &Path) -> std::io::Result<(u64, u64)> {
     use std::os::unix::fs::MetadataExt as _;
     let metadata = std::fs::metadata(path)?;
     Ok((metadata.dev(), metadata.ino()))
-}
-
-/// A Kubernetes client when some listener follows kube-dns.
-async fn kube_client(config: &Config) -> Result<Option<kube::Client>, AgentError> {
-    let needed = config
-        .listeners
-        .iter()
-        .any(|listener| matches!(listener.source, UpstreamSource::Kubernetes { .. }));
-    if !needed {
-        return Ok(None);
-    }
-    let kube_config = match &config.kubernetes.kubeconfig {
-        Some(path) => {
-            let kubeconfig = kube::config::Kubeconfig::read_from(path).map_err(|source| {
-                AgentError::Kubeconfig {
-                    path: path.clone(),
-                    source,
-                }
-            })?;
-            kube::Config::from_custom_kubeconfig(
-                kubeconfig,
-                &kube::config::KubeConfigOptions::default(),
-            )
-            .await
-            .map_err(|source| AgentError::Kubeconfig {
-                path: path.clone(),
-                source,
-            })?
-        }
-        None => kube::Config::infer()
-            .await
-            .map_err(|error| AgentError::KubeConfig(kube::Error::InferConfig(error)))?,
-    };
-    let mut kube_config = kube_config;
-    // The watcher retries with its own backoff and reports each failure, so an outage shows in
-    // the log and the metrics at once; the client's own retries (up to 15, for minutes) would
-    // hide it.
-    kube_config.default_retry = false;
-    kube::Client::try_from(kube_config)
-        .map(Some)
-        .map_err(AgentError::KubeConfig)
-}
-
-/// Starts one task per dynamic source (one watcher per Service, one per resolv.conf), each
-/// feeding every listener that names it.
-fn start_sources(
-    config: &Config,
-    ids: &[u32],
-    kube_client: Option<kube::Client>,
-) -> (mpsc::Receiver<SourceEvent>, Vec<JoinHandle<()>>) {
-    let (sender, events) = mpsc::channel(1024);
-    let listener_addresses: HashSet<IpAddr> = config
-        .listeners
-        .iter()
-        .map(|listener| listener.address)
-        .collect();
-    let mut services: HashMap<(String, String), Vec<FedListener>> = HashMap::new();
-    let mut files: HashMap<PathBuf, Vec<FedListener>> = HashMap::new();
-    for (listener, id) in config.listeners.iter().zip(ids) {
-        let fed = FedListener {
-            id: *id,
-            address: listener.address,
-        };
-        match &listener.source {
-            UpstreamSource::Static => {}
-            UpstreamSource::Kubernetes { namespace, service } => services
-                .entry((namespace.clone(), service.clone()))
-                .or_default()
-                .push(fed),
-            UpstreamSource::ResolvConf(path) => files.entry(path.clone()).or_default().push(fed),
-        }
-    }
-    let mut tasks = Vec::new();
-    if let Some(client) = kube_client {
-        for ((namespace, service), fed) in services {
-            tasks.push(tokio::spawn(sources::kubernetes::watch(
-                client.clone(),
-                namespace,
-                service,
-                fed,
-                listener_addresses.clone(),
-                sender.clone(),
-            )));
-        }
-    }
-    for (path, fed) in files {
-        tasks.push(tokio::spawn(sources::resolv_conf::watch(
-            path,
-            fed,
-            listener_addresses.clone(),
-            sender.clone(),
-        )));
-    }
-    (events, tasks)
 }
 
 /// The route the kernel takes for listener `id` now, and why: the same truth table, on the same

@@ -59,6 +59,14 @@ pub(crate) fn init_logging(filter: &str, format: LogFormat) -> anyhow::Result<()
     Ok(())
 }
 
+/// Whether the test-only switch `variable` is set to 1: `REDIRECTOR_TEST_LAYOUT_BUMP` (start as a
+/// release whose layout differs: every map migrates, the pins record the next layout and hold a
+/// map this release does not know) or `REDIRECTOR_TEST_FAIL_AFTER_LOAD` (fail the start after
+/// the load and the migration, before anything runs).
+pub(crate) fn test_switch(variable: &str) -> bool {
+    std::env::var_os(variable).is_some_and(|value| value == "1")
+}
+
 /// `REDIRECTOR_TEST_ABSENT_FEATURES`: kernel features the agent and `status` take as absent, so
 /// that tests run the degraded paths on kernels that have everything.
 pub(crate) fn absent_features_for_tests() -> anyhow::Result<Vec<&'static str>> {

@@ -24,7 +24,10 @@ pub(crate) struct RunArgs {
     /// Log filter: error, warn, info, debug, trace, or tracing directives (overrides `log_level`).
     #[arg(long, env = "REDIRECTOR_LOG")]
     pub(crate) log_level: Option<String>,
-    /// Replace pins of another redirector version instead of refusing to start.
+    /// Reset: remove every pinned program and map before loading, instead of adopting or
+    /// migrating them. DNS to the listeners passes unsteered (and an operator's modes, socket
+    /// counts and translations are lost) until the new programs are attached; no upgrade or
+    /// rollback needs it.
     #[arg(long)]
     pub(crate) replace: bool,
     /// The kernel programs log their decisions into this log (debugging; overrides
@@ -62,6 +65,8 @@ pub(crate) fn run(args: RunArgs) -> anyhow::Result<()> {
         let options = StartOptions {
             replace: args.replace,
             absent_features: absent_features_for_tests()?,
+            layout_bump: super::test_switch("REDIRECTOR_TEST_LAYOUT_BUMP"),
+            fail_after_load: super::test_switch("REDIRECTOR_TEST_FAIL_AFTER_LOAD"),
         };
         let mut agent = Agent::start(&config, options).await?;
         let ran = agent

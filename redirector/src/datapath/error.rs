@@ -118,8 +118,8 @@ pub enum DatapathError {
     /// The socket counts map is not the one this build expects.
     #[error(
         "the SOCKET_COUNTS map has {value_size}-byte values, {max_entries} entries and flags \
-         {map_flags:#x}, not what this build expects; it belongs to another version: remove the \
-         pins (redirector uninstall) or start with --replace"
+         {map_flags:#x}, not what this build expects; it belongs to a release that broke the \
+         layout rule: remove the pins (redirector uninstall) or start with --replace"
     )]
     SocketCountsLayout {
         /// Its value size.
@@ -157,7 +157,7 @@ pub enum DatapathError {
     /// A pinned map could not be opened while others are there.
     #[error(
         "cannot open the pinned map {path}: the pins are incomplete or of another redirector \
-         version; start the agent (`redirector run`, with --replace for another version's pins)"
+         version; start the agent (`redirector run`), which adopts or migrates them"
     )]
     OpenPin {
         path: PathBuf,
@@ -182,6 +182,32 @@ pub enum DatapathError {
         #[source]
         source: std::io::Error,
     },
+    /// Copying a pinned map into the one beside it failed.
+    #[error(
+        "migrating the map {name} ({path}) failed; the programs that ran keep running on the \
+         pinned maps"
+    )]
+    Migrate {
+        name: &'static str,
+        path: PathBuf,
+        /// What the kernel said.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Putting the new program in a pinned link failed.
+    #[error("replacing the program of the pinned attachment {path} with the new {name} failed")]
+    UpdateLink {
+        name: &'static str,
+        path: PathBuf,
+        /// What the kernel said.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A failure a test asked for (`REDIRECTOR_TEST_FAIL_AFTER_LOAD`).
+    #[error(
+        "failing the start after the load, as REDIRECTOR_TEST_FAIL_AFTER_LOAD asks (tests only)"
+    )]
+    InjectedFailure,
     /// A listener id past the maps' size.
     #[error("listener id {id} is out of range (at most {max} listeners)", max = MAX_LISTENERS)]
     ListenerId { id: u32 },

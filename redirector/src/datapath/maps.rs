@@ -27,8 +27,8 @@ use redirector_common::{
 };
 
 use super::{
-    PINNED_MAPS_DIR,
     error::{DatapathError, read, write},
+    pins::MAPS_DIR,
     socket_counts::SharedSocketCounts,
 };
 
@@ -138,7 +138,7 @@ impl Maps {
 
     /// Opens the maps a running agent pinned under `pin_dir`.
     pub fn open_pinned(pin_dir: &Path) -> Result<Self, DatapathError> {
-        let dir = pin_dir.join(PINNED_MAPS_DIR);
+        let dir = pin_dir.join(MAPS_DIR);
         match std::fs::metadata(&dir) {
             Ok(_) => {}
             Err(error) if error.kind() == std::io::ErrorKind::PermissionDenied => {
@@ -587,11 +587,12 @@ impl Maps {
     }
 
     /// Replaces the skipped cgroups (removing those no longer configured) and the datapath-wide
-    /// settings.
+    /// settings; `layout_version` is the layout the agent records (`LAYOUT_VERSION`).
     pub fn configure(
         &mut self,
         skips: &[SkipEntry],
         cache_netns_cookie: u64,
+        layout_version: u32,
     ) -> Result<(), DatapathError> {
         for entry in skips {
             self.skip_cgroups
@@ -619,7 +620,7 @@ impl Maps {
         }
         let config = DatapathConfig {
             skip_cgroup_levels: level_mask(skips.iter().map(|entry| entry.level)),
-            layout_version: redirector_common::LAYOUT_VERSION,
+            layout_version,
             cache_netns_cookie,
             // Owned by the reconciler (`settle_unmarked_cache_sockets`): kept as it is.
             unmarked_cache_sockets: self.datapath_config()?.unmarked_cache_sockets,

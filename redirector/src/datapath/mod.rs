@@ -1,24 +1,31 @@
 //! The kernel side seen from userspace: load the embedded object, attach its programs to a cgroup,
 //! pin everything so that steering and in-kernel failover outlive the agent's process, adopt what
-//! an earlier agent pinned, and read and write the maps.
+//! an earlier agent (of this release, an older or a newer one) pinned, and read and write the
+//! maps.
 //!
-//! Pin layout under the pin directory: `maps/NAME` for every map, `links/PROGRAM-0` or
-//! `links/PROGRAM-1` for every attachment (bpf_link): a new agent pins its attachment in the free
-//! slot before it unpins the old one (bpffs cannot rename).
+//! A start never removes what runs before its replacement runs: it plans ([`pins::plan`]),
+//! loads and verifies the new object on the pinned maps it can reuse and on new maps beside the
+//! others ([`Datapath::load`]), fills those from the pinned ones ([`migrate`]), and only then
+//! puts its programs in the pinned links, one hook at a time ([`Datapath::attach`]). The pin
+//! layout and the rule that keeps releases compatible are in [`pins`] and [`layout`].
 
 mod count_protocol;
 mod error;
+pub mod layout;
 mod maps;
+mod migrate;
+pub mod pins;
+mod raw;
 mod socket_counts;
 
 use std::{
     fs::File,
+    os::fd::AsFd as _,
     path::{Path, PathBuf},
 };
 
 use aya::{
     Ebpf, EbpfLoader,
-    maps::{Array, Map, MapData},
     programs::{
         CgroupAttachMode, CgroupSkbAttachType, Program,
         links::{FdLink, PinnedLink},
@@ -26,17 +33,18 @@ use aya::{
 };
 pub use error::DatapathError;
 pub use maps::{ListenerEntry, ListenerTotals, Maps, SkipEntry, target_of};
-use redirector_common::{LAYOUT_VERSION, datapath::DatapathConfig, names};
+pub use migrate::Copied;
+use pins::{
+    LINKS_DIR, MAPS_DIR, STAGED_MAPS_DIR, link_slots, pinned_names, remove_dir_if_empty,
+    remove_file_if_present, rename,
+};
+pub use pins::{MapAction, Plan, Verdict, has_pinned_attachments, remove_pins};
+use redirector_common::names;
 use tracing::{info, warn};
 
 /// The eBPF object built from `redirector-ebpf` by `build.rs`.
 pub static OBJECT: &[u8] =
     aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/redirector-ebpf"));
-
-/// Sub-directory of the pin directory holding the maps.
-const PINNED_MAPS_DIR: &str = "maps";
-/// Sub-directory of the pin directory holding the attachments (bpf links).
-const PINNED_LINKS_DIR: &str = "links";
 
 /// Every program, in attach order: the counting programs first, so that sockets bound from the
 /// moment steering starts are counted.
@@ -56,195 +64,48 @@ pub const ALL_PROGRAMS: [&str; 12] = [
     names::PROG_EGRESS,
 ];
 
-/// What the pin directory holds.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum PinnedState {
-    /// Nothing: a first start.
-    Empty,
-    /// Maps of this layout and shape: adopt them (and replace the attachments hitlessly).
-    Compatible,
-    /// Pins this agent cannot adopt.
-    Incompatible {
-        /// What does not fit.
-        why: Incompatibility,
-        /// Whether attachments are pinned too. Without them nothing steers through the maps (a
-        /// start that failed or was killed before it attached left them), so removing them
-        /// loses nothing.
-        attached: bool,
-    },
-}
-
-/// Why pinned maps cannot be adopted.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Incompatibility {
-    /// Another layout version (`None`: unreadable or never written).
-    Layout {
-        /// The layout version found.
-        found: Option<u32>,
-    },
-    /// This layout, but maps whose kernel definition is not what this object and configuration
-    /// define (a changed `reverse_nat_entries`, or a build of another shape).
-    Shape(ShapeDifferences),
-}
-
-impl std::fmt::Display for Incompatibility {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Self::Layout { found: Some(found) } => write!(f, "layout {found}"),
-            Self::Layout { found: None } => f.write_str("no readable layout version"),
-            Self::Shape(differences) => differences.fmt(f),
-        }
-    }
-}
-
-/// Every way the pinned maps differ from this object's.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ShapeDifferences(pub Vec<ShapeDifference>);
-
-impl std::fmt::Display for ShapeDifferences {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        for (position, difference) in self.0.iter().enumerate() {
-            let separator = if position == 0 { "" } else { "; " };
-            write!(f, "{separator}{difference}")?;
-        }
-        Ok(())
-    }
-}
-
-/// One way a pinned map differs from the map this object defines.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ShapeDifference {
-    /// The map.
-    pub map: &'static str,
-    /// What differs: `type`, `key size`, `value size`, `max entries` or `flags`.
-    pub field: &'static str,
-    /// What the pinned map has.
-    pub pinned: u32,
-    /// What this object and configuration define.
-    pub expected: u32,
-}
-
-impl std::fmt::Display for ShapeDifference {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "{} has {} {} where {} is needed",
-            self.map, self.field, self.pinned, self.expected
-        )
-    }
-}
-
-/// Looks at the pins under `pin_dir`: their layout version, and, for this layout, whether every
-/// pinned map has the type, key and value sizes, entries and flags this object defines (with
-/// `reverse_nat_entries` for the translation map).
-pub fn pinned_state(
-    pin_dir: &Path,
-    reverse_nat_entries: u32,
-) -> Result<PinnedState, DatapathError> {
-    let maps_dir = pin_dir.join(PINNED_MAPS_DIR);
-    let attached = has_pinned_attachments(pin_dir);
-    let any_map = names::ALL_MAPS
-        .iter()
-        .any(|name| maps_dir.join(name).exists());
-    if !any_map && !attached {
-        return Ok(PinnedState::Empty);
-    }
-    let version = MapData::from_pin(maps_dir.join(names::MAP_DATAPATH_CONFIG))
-        .and_then(Map::from_map_data)
-        .and_then(Array::<MapData, DatapathConfig>::try_from)
-        .and_then(|config| config.get(&0, 0))
-        .map(|config| config.layout_version)
-        .ok();
-    if version != Some(LAYOUT_VERSION) {
-        return Ok(PinnedState::Incompatible {
-            why: Incompatibility::Layout { found: version },
-            attached,
-        });
-    }
-    let differences = shape_differences(&maps_dir, reverse_nat_entries)?;
-    Ok(if differences.0.is_empty() {
-        PinnedState::Compatible
-    } else {
-        PinnedState::Incompatible {
-            why: Incompatibility::Shape(differences),
-            attached,
-        }
-    })
-}
-
-/// How the maps pinned under `maps_dir` differ from the object's definitions.
-fn shape_differences(
-    maps_dir: &Path,
-    reverse_nat_entries: u32,
-) -> Result<ShapeDifferences, DatapathError> {
-    let object =
-        aya_obj::Object::parse(OBJECT).map_err(|source| DatapathError::Object { source })?;
-    let mut differences = Vec::new();
-    for name in names::ALL_MAPS {
-        let path = maps_dir.join(name);
-        if !path.exists() {
-            // Created at load like on a first start.
-            continue;
-        }
-        let defined = object
-            .maps
-            .get(name)
-            .ok_or(DatapathError::MissingMap { name })?;
-        let pinned = aya::maps::MapInfo::from_pin(&path)
-            .map_err(|source| DatapathError::InspectPin { path, source })?;
-        let max_entries = if name == names::MAP_REVERSE_NAT {
-            reverse_nat_entries
-        } else {
-            defined.max_entries()
-        };
-        let pinned_type = pinned.map_type().map_or(u32::MAX, |kind| kind as u32);
-        for (field, pinned, expected) in [
-            ("type", pinned_type, defined.map_type()),
-            ("key size", pinned.key_size(), defined.key_size()),
-            ("value size", pinned.value_size(), defined.value_size()),
-            ("max entries", pinned.max_entries(), max_entries),
-            ("flags", pinned.map_flags(), defined.map_flags()),
-        ] {
-            if pinned != expected {
-                differences.push(ShapeDifference {
-                    map: name,
-                    field,
-                    pinned,
-                    expected,
-                });
-            }
-        }
-    }
-    Ok(ShapeDifferences(differences))
-}
-
-/// Removes the pins of a start that created them unless the start attaches: a first start is
-/// all or nothing, so a failure (a verifier refusal, a listener interface that cannot be set up)
-/// leaves no maps behind that the next start would have to judge. A start that adopted maps
-/// leaves them as they were: the attachments of the earlier agent still use them.
+/// Removes what a start staged in `maps-next/` unless the start attaches: a failure (a verifier
+/// refusal, a listener interface that cannot be set up, a taken metrics port) leaves the pinned
+/// maps and the programs running on them exactly as they were; a first start that fails leaves
+/// nothing that the next start would have to judge.
 #[derive(Debug)]
-struct FreshPins {
+struct Staged {
     /// The pin directory, until the start attached.
     pin_dir: Option<PathBuf>,
 }
 
-impl FreshPins {
-    /// Marks the start complete: the pins stay.
+impl Staged {
+    /// Marks the start complete: its maps are in place.
     fn keep(&mut self) {
         self.pin_dir = None;
     }
 }
 
-impl Drop for FreshPins {
+impl Drop for Staged {
     fn drop(&mut self) {
-        if let Some(pin_dir) = self.pin_dir.take() {
-            match remove_pins(&pin_dir) {
-                Ok(()) => {
-                    warn!(pin_dir = %pin_dir.display(), "removed the pins of this failed start");
-                }
-                Err(error) => {
-                    warn!(pin_dir = %pin_dir.display(), error = %error, "cannot remove the pins of this failed start; the next start replaces them");
-                }
+        let Some(pin_dir) = self.pin_dir.take() else {
+            return;
+        };
+        let staged_dir = pin_dir.join(STAGED_MAPS_DIR);
+        let running = has_pinned_attachments(&pin_dir);
+        let mut removed = pinned_names(&staged_dir)
+            .into_iter()
+            .try_for_each(|name| remove_file_if_present(&staged_dir.join(name)))
+            .and_then(|()| remove_dir_if_empty(&staged_dir));
+        if !running && pinned_names(&pin_dir.join(MAPS_DIR)).is_empty() {
+            removed = removed
+                .and_then(|()| remove_dir_if_empty(&pin_dir.join(MAPS_DIR)))
+                .and_then(|()| remove_dir_if_empty(&pin_dir.join(LINKS_DIR)))
+                .and_then(|()| remove_dir_if_empty(&pin_dir));
+        }
+        match removed {
+            Ok(()) if running => warn!(
+                pin_dir = %pin_dir.display(),
+                "removed the pins of this failed start; DNS is still steered by the programs and maps an earlier agent attached, as they were"
+            ),
+            Ok(()) => warn!(pin_dir = %pin_dir.display(), "removed the pins of this failed start"),
+            Err(error) => {
+                warn!(pin_dir = %pin_dir.display(), error = %error, "cannot remove the pins of this failed start; the next start removes them");
             }
         }
     }
@@ -258,9 +119,10 @@ pub struct Datapath {
     pin_dir: PathBuf,
     attached_to: Option<PathBuf>,
     adopted: bool,
+    plan: Plan,
     load_times: LoadTimes,
-    /// Removes the pins this start created unless it attaches.
-    fresh: FreshPins,
+    /// Removes the maps this start staged unless it attaches.
+    staged: Staged,
 }
 
 /// Where `Datapath::load` spent its time.
@@ -270,54 +132,64 @@ pub struct LoadTimes {
     pub object: std::time::Duration,
     /// Loading the programs: the kernel's verifier, run on every core (wall time).
     pub verify: std::time::Duration,
+    /// Copying the pinned maps the plan migrates into the new ones.
+    pub migrate: std::time::Duration,
+}
+
+/// How to load the object.
+#[derive(Clone, Debug)]
+pub struct LoadOptions {
+    /// Entries of the translation map.
+    pub reverse_nat_entries: u32,
+    /// Where the maps and links are pinned.
+    pub pin_dir: PathBuf,
+    /// The programs' aya-log statements are live (`AYA_LOG_LEVEL` at debug); without it the
+    /// level is 0, a read-only global, so the verifier removes every logging branch and the
+    /// programs pay nothing for them.
+    pub kernel_log: bool,
+    /// The kernel lets sock_addr programs call `bpf_set_retval` (probed by the caller); without
+    /// it the read-only switch stays 0, the verifier removes the call, and the `fail` policy's
+    /// syscalls fail with `EPERM`.
+    pub set_retval: bool,
+    /// Fail after loading and migrating, before anything runs (tests only).
+    pub fail_after_load: bool,
 }
 
 impl Datapath {
-    /// Loads the object and every program (running the verifier), without attaching anything.
-    /// Maps pinned under `pin_dir/maps/` are adopted, with their state (modes, counts, pools,
-    /// translations), when `pinned_state` says they are compatible; missing ones are created and
-    /// pinned. Returns the typed map handles next to it.
-    ///
-    /// With `kernel_log`, the programs' aya-log statements are live (`AYA_LOG_LEVEL` set to
-    /// debug); without it the level is 0, a read-only global, so the verifier removes every
-    /// logging branch and the programs pay nothing for them.
-    ///
-    /// `set_retval`: the kernel lets sock_addr programs call `bpf_set_retval` (probed by the
-    /// caller); without it the read-only switch stays 0, the verifier removes the call, and the
-    /// `fail` policy's syscalls fail with `EPERM`.
-    pub fn load(
-        reverse_nat_entries: u32,
-        pin_dir: &Path,
-        kernel_log: bool,
-        set_retval: bool,
-    ) -> Result<(Self, Maps), DatapathError> {
-        let maps_dir = pin_dir.join(PINNED_MAPS_DIR);
-        std::fs::create_dir_all(&maps_dir).map_err(|source| DatapathError::PinDir {
-            path: maps_dir.clone(),
-            source,
-        })?;
-        let adopted = maps_dir.join(names::MAP_DATAPATH_CONFIG).exists();
+    /// Loads the object and every program (running the verifier) as `plan` says, without
+    /// attaching anything: pinned maps of this shape are shared with the programs that run now;
+    /// the others are created in `maps-next/` and filled from the pinned ones. Returns the typed
+    /// map handles (on the new set) next to it.
+    pub fn load(options: &LoadOptions, plan: Plan) -> Result<(Self, Maps), DatapathError> {
+        let pin_dir = options.pin_dir.as_path();
+        pins::settle_staged(pin_dir)?;
+        for dir in [MAPS_DIR, STAGED_MAPS_DIR] {
+            let dir = pin_dir.join(dir);
+            std::fs::create_dir_all(&dir)
+                .map_err(|source| DatapathError::PinDir { path: dir, source })?;
+        }
+        let adopted = plan.verdict() == Verdict::Adopt;
         let paths: Vec<(&str, PathBuf)> = names::ALL_MAPS
             .iter()
-            .map(|name| (*name, maps_dir.join(name)))
+            .map(|name| (*name, plan.pin_path(pin_dir, name)))
             .collect();
-        let log_level: u8 = if kernel_log {
+        let log_level: u8 = if options.kernel_log {
             aya_log::Level::Debug as u8
         } else {
             0
         };
         let mut loader = EbpfLoader::new();
-        loader.map_max_entries(names::MAP_REVERSE_NAT, reverse_nat_entries);
+        loader.map_max_entries(names::MAP_REVERSE_NAT, options.reverse_nat_entries);
         loader.override_global(aya_log::LEVEL, &log_level, true);
-        let set_retval = u8::from(set_retval);
+        let set_retval = u8::from(options.set_retval);
         loader.override_global(names::GLOBAL_SET_RETVAL, &set_retval, true);
         for (name, path) in &paths {
             // Opens the pinned map when there is one, else creates and pins it.
             loader.map_pin_path(name, path.as_path());
         }
-        // From here on a failure removes what this (first) start pinned.
-        let fresh = FreshPins {
-            pin_dir: (!adopted).then(|| pin_dir.to_owned()),
+        // From here on a failure removes what this start staged.
+        let staged = Staged {
+            pin_dir: Some(pin_dir.to_owned()),
         };
         let started = std::time::Instant::now();
         let mut ebpf = loader
@@ -325,9 +197,20 @@ impl Datapath {
             .map_err(|source| DatapathError::Load { source })?;
         let object = started.elapsed();
         verify_all(&mut ebpf)?;
+        let verified = started.elapsed();
+        for (name, action) in &plan.maps {
+            if let MapAction::Migrate { why } = action {
+                let copied = migrate::copy(pin_dir, name, raw::BPF_ANY)?;
+                info!(map = name, why = %why, entries = copied.entries, dropped = copied.dropped, "migrated a pinned map into a new one beside it");
+            }
+        }
+        if options.fail_after_load {
+            return Err(DatapathError::InjectedFailure);
+        }
         let load_times = LoadTimes {
             object,
-            verify: started.elapsed() - object,
+            verify: verified - object,
+            migrate: started.elapsed() - verified,
         };
         let maps = Maps::take(&mut ebpf)?;
         Ok((
@@ -336,8 +219,9 @@ impl Datapath {
                 pin_dir: pin_dir.to_owned(),
                 attached_to: None,
                 adopted,
+                plan,
                 load_times,
-                fresh,
+                staged,
             },
             maps,
         ))
@@ -364,12 +248,22 @@ impl Datapath {
         self.adopted
     }
 
-    /// Attaches every program to the cgroup v2 directory `cgroup` and pins each attachment under
-    /// `pin_dir/links/`, replacing an earlier agent's: the new attachment is pinned in the free
-    /// slot and only then is the old one unpinned (detaching it), so the old program runs until
-    /// the new one does. Both running for a moment is harmless: a rewritten address is no
-    /// listener address to the other, and a cache socket is counted once, by whoever inserts its
-    /// cookie.
+    /// What the start planned for each map.
+    #[must_use]
+    pub fn plan(&self) -> &Plan {
+        &self.plan
+    }
+
+    /// Puts every program in place on the cgroup v2 directory `cgroup`, then the maps it staged
+    /// in place of the pinned ones, and retires what no program of this release uses.
+    ///
+    /// A program whose pinned link is attached to `cgroup` replaces the link's program in place
+    /// (`BPF_LINK_UPDATE`, 5.7): each hook runs the old program or the new one, never neither nor
+    /// both, and the link and its pin stay. A program without one (a first start, a program new
+    /// in this release, another cgroup) is attached and pinned in the free slot, and only then is
+    /// an old link unpinned (detaching it): both run for a moment, which is harmless, since a
+    /// rewritten address is no listener address to the other, and a cache socket is counted by
+    /// whoever inserts its cookie.
     ///
     /// aya attaches through bpf_link on 5.7+, and a link attachment is always "multi": programs
     /// of other owners on the same cgroup (Cilium's socket LB, for one) keep running. The kernel
@@ -379,48 +273,28 @@ impl Datapath {
             path: cgroup.to_owned(),
             source,
         })?;
-        let links_dir = self.pin_dir.join(PINNED_LINKS_DIR);
+        let cgroup_id = {
+            use std::os::unix::fs::MetadataExt as _;
+            cgroup_dir.metadata().map(|metadata| metadata.ino()).ok()
+        };
+        let links_dir = self.pin_dir.join(LINKS_DIR);
         std::fs::create_dir_all(&links_dir).map_err(|source| DatapathError::PinDir {
             path: links_dir.clone(),
             source,
         })?;
-        let mut replaced = 0;
+        let (mut updated, mut replaced) = (0, 0);
         for name in ALL_PROGRAMS {
-            let attach_error = |source| DatapathError::Attach {
-                name,
-                path: cgroup.to_owned(),
-                source,
-            };
-            let link_error = |source| DatapathError::Link { name, source };
-            let link: FdLink = match program(&mut self.ebpf, name)? {
-                Program::CgroupSockAddr(program) => {
-                    let id = program
-                        .attach(&cgroup_dir, CgroupAttachMode::Single)
-                        .map_err(attach_error)?;
-                    let link = program.take_link(id).map_err(attach_error)?;
-                    FdLink::try_from(link).map_err(link_error)?
-                }
-                Program::CgroupSock(program) => {
-                    let id = program
-                        .attach(&cgroup_dir, CgroupAttachMode::Single)
-                        .map_err(attach_error)?;
-                    let link = program.take_link(id).map_err(attach_error)?;
-                    FdLink::try_from(link).map_err(link_error)?
-                }
-                Program::CgroupSkb(program) => {
-                    let id = program
-                        .attach(
-                            &cgroup_dir,
-                            CgroupSkbAttachType::Egress,
-                            CgroupAttachMode::Single,
-                        )
-                        .map_err(attach_error)?;
-                    let link = program.take_link(id).map_err(attach_error)?;
-                    FdLink::try_from(link).map_err(link_error)?
-                }
-                _ => return Err(DatapathError::ProgramType { name }),
-            };
-            let [first, second] = link_slots(&self.pin_dir, name);
+            let slots = link_slots(&self.pin_dir, name);
+            let pinned = slots.iter().find(|slot| slot.exists()).cloned();
+            let loaded = program(&mut self.ebpf, name)?;
+            if let Some(pinned) = &pinned
+                && update_in_place(name, loaded, pinned, cgroup_id)?
+            {
+                updated += 1;
+                continue;
+            }
+            let link = attach_one(name, loaded, &cgroup_dir, cgroup)?;
+            let [first, second] = slots;
             let (new, old) = if first.exists() {
                 (second, first)
             } else {
@@ -440,11 +314,61 @@ impl Datapath {
                 remove_file_if_present(&old)?;
             }
         }
-        if replaced > 0 {
-            info!(replaced, "replaced the programs an earlier agent attached");
+        if updated + replaced > 0 {
+            info!(
+                updated,
+                replaced, "replaced the programs an earlier agent attached"
+            );
         }
         self.attached_to = Some(cgroup.to_owned());
-        self.fresh.keep();
+        self.put_staged_maps_in_place()?;
+        self.retire_unknown()?;
+        self.staged.keep();
+        Ok(())
+    }
+
+    /// Copies again what the old programs added to a migrated map since the first copy, then
+    /// moves every staged map over the pinned one (which goes with the last program using it).
+    fn put_staged_maps_in_place(&self) -> Result<(), DatapathError> {
+        let staged_dir = self.pin_dir.join(STAGED_MAPS_DIR);
+        for (name, action) in &self.plan.maps {
+            if matches!(action, MapAction::Migrate { .. }) && migrate::refilled_after_swap(name) {
+                let copied = migrate::copy(&self.pin_dir, name, raw::BPF_NOEXIST)?;
+                info!(
+                    map = name,
+                    entries = copied.entries,
+                    "copied what the replaced programs added to a migrated map while the new ones took over"
+                );
+            }
+        }
+        for name in pinned_names(&staged_dir) {
+            rename(
+                &staged_dir.join(&name),
+                &self.pin_dir.join(MAPS_DIR).join(&name),
+            )?;
+        }
+        remove_dir_if_empty(&staged_dir)
+    }
+
+    /// Unpins the maps and links of programs this release does not have (a newer release's,
+    /// rolled back from): its programs no longer run.
+    fn retire_unknown(&self) -> Result<(), DatapathError> {
+        for name in &self.plan.unknown {
+            info!(map = %name, holds = pins::retired_kind(name), "retiring a pinned map this release does not use");
+            remove_file_if_present(&self.pin_dir.join(MAPS_DIR).join(name))?;
+        }
+        let links_dir = self.pin_dir.join(LINKS_DIR);
+        for name in pinned_names(&links_dir) {
+            let ours = ALL_PROGRAMS.iter().any(|program| {
+                link_slots(&self.pin_dir, program)
+                    .iter()
+                    .any(|slot| slot.file_name() == Some(name.as_ref()))
+            });
+            if !ours {
+                info!(link = %name, "detaching a program this release does not have");
+                remove_file_if_present(&links_dir.join(name))?;
+            }
+        }
         Ok(())
     }
 
@@ -455,52 +379,91 @@ impl Datapath {
     }
 }
 
-/// Removes every pin this module makes under `pin_dir` (maps and attachments), then the
-/// directories when empty. Unpinning an attachment detaches its program; the maps go with the
-/// last program or process holding them.
-pub fn remove_pins(pin_dir: &Path) -> Result<(), DatapathError> {
-    for name in ALL_PROGRAMS {
-        for slot in link_slots(pin_dir, name) {
-            remove_file_if_present(&slot)?;
-        }
+/// Pins an empty map named `name` under `maps/` unless one is there (`REDIRECTOR_TEST_LAYOUT_BUMP`:
+/// the stand-in for the state a newer layout adds, which a rollback must retire).
+pub fn pin_next_layout_map(pin_dir: &Path, name: &str) -> Result<(), DatapathError> {
+    let path = pin_dir.join(MAPS_DIR).join(name);
+    if path.exists() {
+        return Ok(());
     }
-    for name in names::ALL_MAPS {
-        remove_file_if_present(&pin_dir.join(PINNED_MAPS_DIR).join(name))?;
-    }
-    for path in [
-        pin_dir.join(PINNED_LINKS_DIR),
-        pin_dir.join(PINNED_MAPS_DIR),
-        pin_dir.to_owned(),
-    ] {
-        match std::fs::remove_dir(&path) {
-            Ok(()) => {}
-            Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
-            // Someone else's files share the directory: leave it.
-            Err(error) if error.raw_os_error() == Some(libc::ENOTEMPTY) => {
-                warn!(path = %path.display(), "left a directory that holds files of someone else");
-            }
-            Err(source) => return Err(DatapathError::PinDir { path, source }),
-        }
-    }
-    Ok(())
+    raw::pin_new_array(&path, 8).map_err(|source| DatapathError::PinDir { path, source })
 }
 
-/// The two pin paths an attachment of `program` may have.
-fn link_slots(pin_dir: &Path, program: &str) -> [PathBuf; 2] {
-    let dir = pin_dir.join(PINNED_LINKS_DIR);
-    [
-        dir.join(format!("{program}-0")),
-        dir.join(format!("{program}-1")),
-    ]
+/// Replaces the program of the link pinned at `pinned` with `program` when the link is attached
+/// to the cgroup `cgroup_id`; `false` when it is not (or its cgroup is unknown), for the caller
+/// to attach anew.
+fn update_in_place(
+    name: &'static str,
+    program: &Program,
+    pinned: &Path,
+    cgroup_id: Option<u64>,
+) -> Result<bool, DatapathError> {
+    let link = raw::open_pinned(pinned).map_err(|source| DatapathError::UpdateLink {
+        name,
+        path: pinned.to_owned(),
+        source,
+    })?;
+    if cgroup_id.is_none() || raw::link_cgroup_id(&link) != cgroup_id {
+        return Ok(false);
+    }
+    let program_fd = match program {
+        Program::CgroupSockAddr(program) => program.fd(),
+        Program::CgroupSock(program) => program.fd(),
+        Program::CgroupSkb(program) => program.fd(),
+        _ => return Err(DatapathError::ProgramType { name }),
+    }
+    .map_err(|source| DatapathError::Verify { name, source })?;
+    raw::update_link(link.as_fd(), program_fd.as_fd()).map_err(|source| {
+        DatapathError::UpdateLink {
+            name,
+            path: pinned.to_owned(),
+            source,
+        }
+    })?;
+    Ok(true)
 }
 
-/// True when attachments are pinned under `pin_dir`.
-#[must_use]
-pub fn has_pinned_attachments(pin_dir: &Path) -> bool {
-    ALL_PROGRAMS
-        .iter()
-        .flat_map(|name| link_slots(pin_dir, name))
-        .any(|slot| slot.exists())
+/// Attaches `program` to the cgroup and returns its link.
+fn attach_one(
+    name: &'static str,
+    program: &mut Program,
+    cgroup_dir: &File,
+    cgroup: &Path,
+) -> Result<FdLink, DatapathError> {
+    let attach_error = |source| DatapathError::Attach {
+        name,
+        path: cgroup.to_owned(),
+        source,
+    };
+    let link_error = |source| DatapathError::Link { name, source };
+    Ok(match program {
+        Program::CgroupSockAddr(program) => {
+            let id = program
+                .attach(cgroup_dir, CgroupAttachMode::Single)
+                .map_err(attach_error)?;
+            let link = program.take_link(id).map_err(attach_error)?;
+            FdLink::try_from(link).map_err(link_error)?
+        }
+        Program::CgroupSock(program) => {
+            let id = program
+                .attach(cgroup_dir, CgroupAttachMode::Single)
+                .map_err(attach_error)?;
+            let link = program.take_link(id).map_err(attach_error)?;
+            FdLink::try_from(link).map_err(link_error)?
+        }
+        Program::CgroupSkb(program) => {
+            let id = program
+                .attach(
+                    cgroup_dir,
+                    CgroupSkbAttachType::Egress,
+                    CgroupAttachMode::Single,
+                )
+                .map_err(attach_error)?;
+            let link = program.take_link(id).map_err(attach_error)?;
+            FdLink::try_from(link).map_err(link_error)?
+        }
+        _ => return Err(DatapathError::ProgramType { name }),
+    })
 }
 
 /// The ids of the programs attached through the pins under `pin_dir` (for `status` and tests).
@@ -577,17 +540,6 @@ fn program<'a>(ebpf: &'a mut Ebpf, name: &'static str) -> Result<&'a mut Program
         .ok_or(DatapathError::MissingProgram { name })
 }
 
-fn remove_file_if_present(path: &Path) -> Result<(), DatapathError> {
-    match std::fs::remove_file(path) {
-        Ok(()) => Ok(()),
-        Err(error) if error.kind() == std::io::ErrorKind::NotFound => Ok(()),
-        Err(source) => Err(DatapathError::PinDir {
-            path: path.to_owned(),
-            source,
-        }),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -615,14 +567,5 @@ mod tests {
         let mut attached = ALL_PROGRAMS.to_vec();
         attached.sort_unstable();
         assert_eq!(attached, expected, "every program is attached");
-    }
-
-    #[test]
-    fn an_empty_pin_directory_is_a_first_start() {
-        let dir = std::env::temp_dir().join(format!("redirector-pins-{}", std::process::id()));
-        assert_eq!(
-            pinned_state(&dir, 65_536).expect("nothing to inspect"),
-            PinnedState::Empty
-        );
     }
 }

@@ -1,0 +1,393 @@
+//! Upgrades and rollbacks of the agent across layouts lose no query: a release whose layout
+//! differs (`REDIRECTOR_TEST_LAYOUT_BUMP`: every map migrates into a new one beside it, the pins
+//! record the next layout and hold a map the first release does not know) with a changed
+//! `reverse_nat_entries`, then the first release again, each with the same command line and no
+//! flag, under query streams from fresh, kept connected and kept unconnected sockets (which
+//! refuse a reply from any other source than the one they asked). A start that fails after its
+//! load leaves the running set steering and failing over, and the next start takes over as if
+//! nothing happened.
+//!
+//! The listeners: `nodelocal`, a ClusterIP-like address nobody serves, with its cache on the
+//! node listener's address (the NodeLocal DNSCache layout: an unsteered query fails); and `node`,
+//! forced to `upstream` by the operator (an unsteered query reaches the cache, the wrong server).
+
+use std::{
+    net::{Ipv4Addr, SocketAddr},
+    path::{Path, PathBuf},
+    process::Command,
+    time::Duration,
+};
+
+use bpf_tests::{
+    cli::{CliOutput, set_state, start_agent, start_agent_with, stop_agent, uninstall},
+    command::{output_within, run},
+    dns::now_ms,
+    pace::pause,
+    sandbox::{CacheSpec, Ns, Sandbox, redirector_bin},
+    stream::{Stream, StreamReport},
+    tools,
+    topology::{NODE_LISTENER, dns},
+};
+use redirector_common::{LAYOUT_VERSION, names};
+
+/// The ClusterIP-like listener address: in the sandbox's test range, served by nobody.
+const NODELOCAL_LISTENER: Ipv4Addr = Ipv4Addr::new(198, 18, 3, 10);
+
+fn listeners(sandbox: &Sandbox) -> String {
+    format!(
+        r#"
+[[listener]]
+name = "node"
+address = "169.254.10.10"
+upstreams = ["198.18.2.2", "198.18.2.3:53"]
+skip_cgroups = [{skipped:?}]
+
+[[listener]]
+name = "nodelocal"
+address = "{NODELOCAL_LISTENER}"
+cache = "169.254.10.10:53"
+upstreams = ["198.18.2.2", "198.18.2.3:53"]
+"#,
+        skipped = sandbox.skipped_cgroup().path().display().to_string()
+    )
+}
+
+/// Writes the configuration as `name`, with `prefix` (top-level keys) before it.
+fn write_config(sandbox: &Sandbox, name: &str, prefix: &str) -> anyhow::Result<PathBuf> {
+    let text = format!("{prefix}{}", sandbox.config_toml(&listeners(sandbox)));
+    sandbox.write_file(name, &text)
+}
+
+/// The release "after" this one: every map migrates, the next layout is recorded.
+fn bumped() -> [(&'static str, &'static std::ffi::OsStr); 1] {
+    [("REDIRECTOR_TEST_LAYOUT_BUMP", std::ffi::OsStr::new("1"))]
+}
+
+/// Runs `redirector run` to its end (a start expected to fail) with `env`.
+fn failed_start(config: &Path, env: &[(&str, &str)]) -> anyhow::Result<CliOutput> {
+    let mut command = Command::new(redirector_bin());
+    command.args(["run", "--config", &config.display().to_string()]);
+    command.envs(env.iter().copied());
+    let output = output_within(&mut command, Duration::from_secs(60))?;
+    Ok(CliOutput {
+        code: output.status.code().unwrap_or(-1),
+        stdout: String::from_utf8_lossy(&output.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&output.stderr).into_owned(),
+    })
+}
+
+/// The two streams: `nodelocal` (answered by the cache while it lives) and `node` (forced
+/// upstream), each from fresh, kept connected and kept unconnected sockets.
+fn streams(sandbox: &Sandbox) -> anyhow::Result<(Stream, Stream)> {
+    let kinds = ["--kinds", "fresh,connected,long"];
+    let nodelocal = Stream::start_with(
+        sandbox,
+        Ns::Pod,
+        SocketAddr::new(NODELOCAL_LISTENER.into(), 53),
+        Duration::from_secs(600),
+        &kinds,
+    )?;
+    let node = Stream::start_with(
+        sandbox,
+        Ns::Pod,
+        dns(NODE_LISTENER),
+        Duration::from_secs(600),
+        &kinds,
+    )?;
+    Ok((nodelocal, node))
+}
+
+/// Ends both streams once each has run `after_ms` past `last_event`.
+fn stop_streams(
+    (nodelocal, node): (Stream, Stream),
+    last_event: u64,
+) -> anyhow::Result<(StreamReport, StreamReport)> {
+    let past = move |report: &StreamReport| {
+        report
+            .records
+            .iter()
+            .filter(|record| record.begun_ms > last_event)
+            .count()
+            > 30
+    };
+    let nodelocal = nodelocal.stop_once(
+        "queries after the last event",
+        Duration::from_secs(30),
+        past,
+    )?;
+    let node = node.stop_once(
+        "queries after the last event",
+        Duration::from_secs(30),
+        past,
+    )?;
+    Ok((nodelocal, node))
+}
+
+/// The maps pinned under the sandbox's pin directory.
+fn pinned_maps(sandbox: &Sandbox) -> Vec<String> {
+    let mut maps: Vec<String> = std::fs::read_dir(sandbox.pin_dir().join("maps"))
+        .map(|entries| {
+            entries
+                .filter_map(Result::ok)
+                .filter_map(|entry| entry.file_name().into_string().ok())
+                .collect()
+        })
+        .unwrap_or_default();
+    maps.sort_unstable();
+    maps
+}
+
+/// What `bpftool map show` says of the pinned map `name`.
+fn map_shown(sandbox: &Sandbox, name: &str) -> anyhow::Result<String> {
+    run(
+        "bpftool",
+        [
+            "map",
+            "show",
+            "pinned",
+            &sandbox
+                .pin_dir()
+                .join("maps")
+                .join(name)
+                .display()
+                .to_string(),
+        ],
+    )
+}
+
+/// The layout version the pins record.
+fn pinned_layout(sandbox: &Sandbox) -> anyhow::Result<u32> {
+    use aya::maps::{Array, Map, MapData};
+    let path = sandbox
+        .pin_dir()
+        .join("maps")
+        .join(names::MAP_DATAPATH_CONFIG);
+    let map: Array<MapData, redirector_common::datapath::DatapathConfig> =
+        Array::try_from(Map::from_map_data(MapData::from_pin(&path)?)?)?;
+    Ok(map.get(&0, 0)?.layout_version)
+}
+
+/// The ids of the programs attached through the pins, sorted.
+fn attached_ids(sandbox: &Sandbox) -> Vec<u32> {
+    let mut ids: Vec<u32> = redirector::datapath::pinned_program_ids(&sandbox.pin_dir())
+        .into_iter()
+        .map(|(_, id)| id)
+        .collect();
+    ids.sort_unstable();
+    ids
+}
+
+/// Every query of `nodelocal` answered by the cache, every one of `node` by an upstream.
+fn assert_nothing_lost(nodelocal: &StreamReport, node: &StreamReport) {
+    println!("nodelocal: {}", nodelocal.summary());
+    println!("node (forced upstream): {}", node.summary());
+    assert!(nodelocal.records.len() > 100, "{}", nodelocal.summary());
+    assert!(node.records.len() > 100, "{}", node.summary());
+    for record in &nodelocal.records {
+        assert_eq!(
+            StreamReport::answered_by(record),
+            "cache",
+            "a nodelocal query was not answered by the cache: {}",
+            nodelocal.summary()
+        );
+    }
+    for record in &node.records {
+        assert!(
+            StreamReport::answered_by(record).starts_with("upstream"),
+            "a query of the listener forced upstream was not answered upstream: {}",
+            node.summary()
+        );
+    }
+}
+
+#[test]
+fn an_upgrade_across_layouts_and_its_rollback_lose_no_query() -> anyhow::Result<()> {
+    let mut sandbox = Sandbox::new(tools!())?;
+    sandbox.start_standard_servers()?;
+    let first = write_config(&sandbox, "first.toml", "")?;
+    let resized = write_config(&sandbox, "resized.toml", "reverse_nat_entries = 4096\n")?;
+    let mut agent = start_agent(&first)?;
+    assert_eq!(set_state(&sandbox, "node", "upstream")?.code, 0);
+    let before = attached_ids(&sandbox);
+    let running = streams(&sandbox)?;
+    let mut events = Vec::new();
+    pause(800);
+
+    // The upgrade: the old agent stops as a DaemonSet stops it, the new release starts on its pins.
+    stop_agent(&mut agent)?;
+    events.push(("agent stopped (SIGTERM)", now_ms()));
+    let mut upgraded = start_agent_with(&resized, &[], &bumped())?;
+    events.push(("next release started", now_ms()));
+    let printed = upgraded.printed().join("\n");
+    assert!(
+        printed.contains("adopting the maps an earlier agent pinned"),
+        "{printed}"
+    );
+    assert!(
+        printed.contains("migrated a pinned map into a new one beside it"),
+        "{printed}"
+    );
+    assert!(map_shown(&sandbox, names::MAP_REVERSE_NAT)?.contains("max_entries 4096"));
+    assert_eq!(pinned_layout(&sandbox)?, LAYOUT_VERSION + 1);
+    assert!(pinned_maps(&sandbox).contains(&"NEXT_LAYOUT".to_owned()));
+    assert!(
+        !sandbox.pin_dir().join("maps-next").exists(),
+        "staged maps left behind"
+    );
+    let after_upgrade = attached_ids(&sandbox);
+    assert_eq!(after_upgrade.len(), before.len(), "one link per program");
+    assert!(
+        after_upgrade.iter().all(|id| !before.contains(id)),
+        "the new release's programs run: {before:?} then {after_upgrade:?}"
+    );
+    pause(800);
+
+    // The rollback: the first release again, same command line, no flag.
+    stop_agent(&mut upgraded)?;
+    events.push(("next release stopped (SIGTERM)", now_ms()));
+    let agent = start_agent(&first)?;
+    let last = now_ms();
+    events.push(("first release started again", last));
+    assert_eq!(pinned_layout(&sandbox)?, LAYOUT_VERSION);
+    assert!(
+        map_shown(&sandbox, names::MAP_REVERSE_NAT)?.contains(&format!(
+            "max_entries {}",
+            redirector_common::reverse::REVERSE_NAT_DEFAULT_ENTRIES
+        ))
+    );
+    let mut expected: Vec<String> = names::ALL_MAPS
+        .iter()
+        .map(|name| (*name).to_owned())
+        .collect();
+    expected.sort_unstable();
+    assert_eq!(
+        pinned_maps(&sandbox),
+        expected,
+        "the newer release's map is retired"
+    );
+
+    let (nodelocal, node) = stop_streams(running, last)?;
+    let start = nodelocal.started_ms().min(node.started_ms());
+    for (event, at) in &events {
+        println!("  +{} ms  {event}", at.saturating_sub(start));
+    }
+    assert_nothing_lost(&nodelocal, &node);
+    // The operator's override survived both.
+    let state = set_state(&sandbox, "node", "upstream")?;
+    assert!(state.stdout.contains("(was upstream)"), "{state:?}");
+    drop(agent);
+    uninstall(&first)?;
+    Ok(())
+}
+
+#[test]
+fn a_start_that_fails_after_its_load_leaves_the_running_set_steering() -> anyhow::Result<()> {
+    let mut sandbox = Sandbox::new(tools!())?;
+    sandbox.start_standard_servers()?;
+    let first = write_config(&sandbox, "first.toml", "")?;
+    let mut agent = start_agent(&first)?;
+    assert_eq!(set_state(&sandbox, "node", "upstream")?.code, 0);
+    stop_agent(&mut agent)?;
+    let running_ids = attached_ids(&sandbox);
+    let running_maps = pinned_maps(&sandbox);
+    let running = streams(&sandbox)?;
+    pause(500);
+
+    // A verifier refusal stands in: the start fails after loading and migrating every map.
+    let refused = failed_start(
+        &first,
+        &[
+            ("REDIRECTOR_TEST_LAYOUT_BUMP", "1"),
+            ("REDIRECTOR_TEST_FAIL_AFTER_LOAD", "1"),
+        ],
+    )?;
+    assert_eq!(refused.code, 1, "{refused:?}");
+    assert!(
+        refused
+            .stderr
+            .contains("DNS is still steered by the programs and maps an earlier agent attached"),
+        "{refused:?}"
+    );
+    // A taken metrics port: the start fails after the load, on its bind.
+    let taken = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let port_taken = sandbox.write_file(
+        "port-taken.toml",
+        &sandbox
+            .config_toml(&listeners(&sandbox))
+            .replace("127.0.0.1:0", &taken.local_addr()?.to_string()),
+    )?;
+    let refused = failed_start(&port_taken, &[("REDIRECTOR_TEST_LAYOUT_BUMP", "1")])?;
+    assert_eq!(refused.code, 1, "{refused:?}");
+    assert!(
+        refused.stderr.contains("DNS is still steered"),
+        "{refused:?}"
+    );
+    drop(taken);
+    assert_eq!(
+        attached_ids(&sandbox),
+        running_ids,
+        "the running programs were replaced"
+    );
+    assert_eq!(
+        pinned_maps(&sandbox),
+        running_maps,
+        "the running maps were touched"
+    );
+    assert!(
+        !sandbox.pin_dir().join("maps-next").exists(),
+        "staged maps left behind"
+    );
+    assert_eq!(pinned_layout(&sandbox)?, LAYOUT_VERSION);
+
+    // With no agent, the old set still fails over in the kernel when the cache dies.
+    let cache_killed = now_ms();
+    sandbox.stop_server("cache")?;
+    pause(700);
+    sandbox.start_cache("cache", &CacheSpec::standard())?;
+    // The next start takes over as if nothing had happened, and fails back.
+    let agent = start_agent_with(&first, &[], &bumped())?;
+    let started = now_ms();
+    let (nodelocal, node) = (running.0, running.1);
+    let nodelocal = nodelocal.stop_once("failback", Duration::from_secs(20), |report| {
+        report.first_cache_answer(started).is_some()
+    })?;
+    let node = node.stop_once(
+        "queries after the start",
+        Duration::from_secs(20),
+        |report| {
+            report
+                .records
+                .iter()
+                .any(|record| record.begun_ms > started)
+        },
+    )?;
+    println!("nodelocal: {}", nodelocal.summary());
+    println!("node: {}", node.summary());
+    // Queries the cache had taken in when it was killed are the cache's loss (one per socket
+    // kind at most); after the kernel's flip nothing is lost, with no agent running.
+    let flipped_by = nodelocal
+        .flipped_by(cache_killed)
+        .unwrap_or_else(|| panic!("the old set did not fail over: {}", nodelocal.summary()));
+    assert!(
+        nodelocal.failures_between(0, flipped_by + 1) <= 3,
+        "more queries failed than were in flight at the cache's kill: {}",
+        nodelocal.summary()
+    );
+    assert_eq!(
+        nodelocal.failures_after_flip(flipped_by),
+        0,
+        "{}",
+        nodelocal.summary()
+    );
+    for record in &node.records {
+        assert!(
+            StreamReport::answered_by(record).starts_with("upstream"),
+            "a query of the listener forced upstream was not answered upstream: {}",
+            node.summary()
+        );
+    }
+    assert_eq!(pinned_layout(&sandbox)?, LAYOUT_VERSION + 1);
+    drop(agent);
+    uninstall(&first)?;
+    Ok(())
+}

@@ -28,7 +28,11 @@ use bpf_tests::{
     tools,
     topology::{NODE_LISTENER, dns},
 };
-use redirector_common::{LAYOUT_VERSION, names};
+use redirector::datapath::Maps;
+use redirector_common::{
+    LAYOUT_VERSION, names,
+    reverse::{ReverseKey, ReverseValue},
+};
 
 /// The ClusterIP-like listener address: in the sandbox's test range, served by nobody.
 const NODELOCAL_LISTENER: Ipv4Addr = Ipv4Addr::new(198, 18, 3, 10);
@@ -177,6 +181,86 @@ fn attached_ids(sandbox: &Sandbox) -> Vec<u32> {
     ids
 }
 
+/// What the maps hold of every kind of state, for both listeners (ids 0 and 1).
+#[derive(Debug)]
+struct Held {
+    modes: Vec<u32>,
+    verdicts: Vec<(u32, u64)>,
+    counts: Vec<(i64, i64, u64)>,
+    pools: Vec<u32>,
+    counted_sockets: usize,
+    queries: Vec<u64>,
+    skip_levels: u32,
+    translations: Vec<(ReverseKey, ReverseValue)>,
+}
+
+fn held(sandbox: &Sandbox) -> anyhow::Result<Held> {
+    let maps = Maps::open_pinned(&sandbox.pin_dir())?;
+    let mut state = Held {
+        modes: Vec::new(),
+        verdicts: Vec::new(),
+        counts: Vec::new(),
+        pools: Vec::new(),
+        counted_sockets: maps.cache_sockets().len(),
+        queries: Vec::new(),
+        skip_levels: maps.datapath_config()?.skip_cgroup_levels,
+        translations: maps.reverse_entries(),
+    };
+    for id in 0..2 {
+        state.modes.push(maps.mode(id)?.mode);
+        let health = maps.health(id)?;
+        state
+            .verdicts
+            .push((health.verdict, health.confirmed_epoch));
+        let counts = maps.socket_counts(id)?;
+        state
+            .counts
+            .push((counts.udp, counts.tcp, counts.down_epoch));
+        state.pools.push(maps.pool(id)?.len);
+        let totals = maps.counters(id)?.total();
+        state.queries.push(totals.to_cache + totals.to_upstream);
+    }
+    Ok(state)
+}
+
+/// Each kind of state came through a migration: modes, verdicts and their epochs, socket counts
+/// and the counted sockets, pools, the skip list and translations as they were; counters did not
+/// go back.
+fn assert_migrated(before: &Held, after: &Held) {
+    assert_eq!(after.modes, before.modes, "modes");
+    assert_eq!(after.verdicts, before.verdicts, "verdicts and epochs");
+    assert_eq!(after.counts, before.counts, "socket counts");
+    assert_eq!(
+        after.counted_sockets, before.counted_sockets,
+        "counted sockets"
+    );
+    assert_eq!(after.pools, before.pools, "pools");
+    assert_eq!(after.skip_levels, before.skip_levels, "skip list");
+    for entry in &before.translations {
+        assert!(
+            after.translations.contains(entry),
+            "translation {entry:?} lost"
+        );
+    }
+    for (id, (after, before)) in after.queries.iter().zip(&before.queries).enumerate() {
+        assert!(
+            after >= before,
+            "listener {id}'s counters went back: {before} then {after}"
+        );
+    }
+}
+
+/// Every query of the listener forced upstream answered by an upstream.
+fn assert_all_upstream(node: &StreamReport) {
+    for record in &node.records {
+        assert!(
+            StreamReport::answered_by(record).starts_with("upstream"),
+            "a query of the listener forced upstream was not answered upstream: {}",
+            node.summary()
+        );
+    }
+}
+
 /// Every query of `nodelocal` answered by the cache, every one of `node` by an upstream.
 fn assert_nothing_lost(nodelocal: &StreamReport, node: &StreamReport) {
     println!("nodelocal: {}", nodelocal.summary());
@@ -191,13 +275,7 @@ fn assert_nothing_lost(nodelocal: &StreamReport, node: &StreamReport) {
             nodelocal.summary()
         );
     }
-    for record in &node.records {
-        assert!(
-            StreamReport::answered_by(record).starts_with("upstream"),
-            "a query of the listener forced upstream was not answered upstream: {}",
-            node.summary()
-        );
-    }
+    assert_all_upstream(node);
 }
 
 #[test]
@@ -208,7 +286,7 @@ fn an_upgrade_across_layouts_and_its_rollback_lose_no_query() -> anyhow::Result<
     let resized = write_config(&sandbox, "resized.toml", "reverse_nat_entries = 4096\n")?;
     let mut agent = start_agent(&first)?;
     assert_eq!(set_state(&sandbox, "node", "upstream")?.code, 0);
-    let before = attached_ids(&sandbox);
+    let first_ids = attached_ids(&sandbox);
     let running = streams(&sandbox)?;
     let mut events = Vec::new();
     pause(800);
@@ -216,7 +294,9 @@ fn an_upgrade_across_layouts_and_its_rollback_lose_no_query() -> anyhow::Result<
     // The upgrade: the old agent stops as a DaemonSet stops it, the new release starts on its pins.
     stop_agent(&mut agent)?;
     events.push(("agent stopped (SIGTERM)", now_ms()));
+    let before = held(&sandbox)?;
     let mut upgraded = start_agent_with(&resized, &[], &bumped())?;
+    assert_migrated(&before, &held(&sandbox)?);
     events.push(("next release started", now_ms()));
     let printed = upgraded.printed().join("\n");
     assert!(
@@ -235,17 +315,19 @@ fn an_upgrade_across_layouts_and_its_rollback_lose_no_query() -> anyhow::Result<
         "staged maps left behind"
     );
     let after_upgrade = attached_ids(&sandbox);
-    assert_eq!(after_upgrade.len(), before.len(), "one link per program");
+    assert_eq!(after_upgrade.len(), first_ids.len(), "one link per program");
     assert!(
-        after_upgrade.iter().all(|id| !before.contains(id)),
-        "the new release's programs run: {before:?} then {after_upgrade:?}"
+        after_upgrade.iter().all(|id| !first_ids.contains(id)),
+        "the new release's programs run: {first_ids:?} then {after_upgrade:?}"
     );
     pause(800);
 
     // The rollback: the first release again, same command line, no flag.
     stop_agent(&mut upgraded)?;
     events.push(("next release stopped (SIGTERM)", now_ms()));
+    let before = held(&sandbox)?;
     let agent = start_agent(&first)?;
+    assert_migrated(&before, &held(&sandbox)?);
     let last = now_ms();
     events.push(("first release started again", last));
     assert_eq!(pinned_layout(&sandbox)?, LAYOUT_VERSION);
@@ -379,13 +461,7 @@ fn a_start_that_fails_after_its_load_leaves_the_running_set_steering() -> anyhow
         "{}",
         nodelocal.summary()
     );
-    for record in &node.records {
-        assert!(
-            StreamReport::answered_by(record).starts_with("upstream"),
-            "a query of the listener forced upstream was not answered upstream: {}",
-            node.summary()
-        );
-    }
+    assert_all_upstream(&node);
     assert_eq!(pinned_layout(&sandbox)?, LAYOUT_VERSION + 1);
     drop(agent);
     uninstall(&first)?;

@@ -162,7 +162,6 @@ impl Datapath {
     /// map handles (on the new set) next to it.
     pub fn load(options: &LoadOptions, plan: Plan) -> Result<(Self, Maps), DatapathError> {
         let pin_dir = options.pin_dir.as_path();
-        pins::settle_staged(pin_dir)?;
         for dir in [MAPS_DIR, STAGED_MAPS_DIR] {
             let dir = pin_dir.join(dir);
             std::fs::create_dir_all(&dir)
@@ -321,10 +320,11 @@ impl Datapath {
             );
         }
         self.attached_to = Some(cgroup.to_owned());
-        self.put_staged_maps_in_place()?;
-        self.retire_unknown()?;
+        // The new programs run on the staged maps: from here on they are the maps in use, which
+        // a failure must not remove (the next start moves what is left into place).
         self.staged.keep();
-        Ok(())
+        self.put_staged_maps_in_place()?;
+        self.retire_unknown()
     }
 
     /// Copies again what the old programs added to a migrated map since the first copy, then
@@ -379,10 +379,11 @@ impl Datapath {
     }
 }
 
-/// Pins an empty map named `name` under `maps/` unless one is there (`REDIRECTOR_TEST_LAYOUT_BUMP`:
-/// the stand-in for the state a newer layout adds, which a rollback must retire).
+/// Stages an empty map named `name`, moved into `maps/` with this start's other maps
+/// (`REDIRECTOR_TEST_LAYOUT_BUMP`: the stand-in for the state a newer layout adds, which a
+/// rollback must retire).
 pub fn pin_next_layout_map(pin_dir: &Path, name: &str) -> Result<(), DatapathError> {
-    let path = pin_dir.join(MAPS_DIR).join(name);
+    let path = pin_dir.join(STAGED_MAPS_DIR).join(name);
     if path.exists() {
         return Ok(());
     }

@@ -134,7 +134,9 @@ impl Plan {
 }
 
 /// Looks at the pins under `pin_dir` and decides, for every map of the object, whether the new
-/// programs reuse the pinned map, migrate it into a new one, or create it. `reverse_nat_entries`
+/// programs reuse the pinned map, migrate it into a new one, or create it. First settles what an
+/// earlier start left in `maps-next/` (see [`settle_staged`]), so the plan is made on the maps in
+/// use. `reverse_nat_entries`
 /// sizes the translation map; `migrate_all` migrates every map that can be (a test's stand-in for
 /// a release whose layout differs everywhere).
 pub fn plan(
@@ -142,6 +144,7 @@ pub fn plan(
     reverse_nat_entries: u32,
     migrate_all: bool,
 ) -> Result<Plan, DatapathError> {
+    settle_staged(pin_dir)?;
     let maps_dir = pin_dir.join(MAPS_DIR);
     let object =
         aya_obj::Object::parse(OBJECT).map_err(|source| DatapathError::Object { source })?;
@@ -230,7 +233,7 @@ pub(super) fn pinned_names(dir: &Path) -> Vec<String> {
 /// Removes what an earlier start left in `maps-next/`, unless the attached programs use it: a
 /// start killed after its programs ran and before it moved their maps into `maps/` left those
 /// maps there, and they are the ones in use, so they are moved into `maps/` now.
-pub(super) fn settle_staged(pin_dir: &Path) -> Result<(), DatapathError> {
+pub fn settle_staged(pin_dir: &Path) -> Result<(), DatapathError> {
     let staged_dir = pin_dir.join(STAGED_MAPS_DIR);
     let staged = pinned_names(&staged_dir);
     if staged.is_empty() {

@@ -17,6 +17,7 @@ use bpf_tests::{
     harness::standard_listeners,
     pace::paced,
     sandbox::{CacheSpec, Ns, Query, Sandbox, Transport, redirector_bin},
+    stream::{Stream, StreamReport},
     tools,
     topology::{NODE_LISTENER, dns, who},
 };
@@ -113,6 +114,27 @@ fn agent_container(
     privileges: &Privileges<'_>,
     redirector_args: &[&str],
 ) -> anyhow::Result<Command> {
+    image_container(
+        podman,
+        sandbox,
+        dirs,
+        name,
+        privileges,
+        bpf_tests::container::IMAGE,
+        redirector_args,
+    )
+}
+
+/// The same, of `image`.
+fn image_container(
+    podman: &Podman,
+    sandbox: &Sandbox,
+    dirs: &AgentDirs,
+    name: &str,
+    privileges: &Privileges<'_>,
+    image: &str,
+    redirector_args: &[&str],
+) -> anyhow::Result<Command> {
     let seccomp = if privileges.seccomp.contains('/') {
         workspace().join(privileges.seccomp).display().to_string()
     } else {
@@ -151,7 +173,7 @@ fn agent_container(
             "--mount=type=bind,src={},dst=/run/systemd/resolve,ro=true",
             dirs.resolve.display()
         ))
-        .args(["--env=NODE_NAME=node-a", bpf_tests::container::IMAGE])
+        .args(["--env=NODE_NAME=node-a", image])
         .args(redirector_args);
     Ok(command)
 }
@@ -266,7 +288,18 @@ fn start_agent_container(
     dirs: &AgentDirs,
     name: &str,
 ) -> anyhow::Result<TestProcess> {
-    let command = agent_container(podman, sandbox, dirs, name, &DAEMONSET, RUN)?;
+    start_image_container(podman, sandbox, dirs, name, bpf_tests::container::IMAGE)
+}
+
+/// The DaemonSet's agent container of `image`, started and steering.
+fn start_image_container(
+    podman: &Podman,
+    sandbox: &Sandbox,
+    dirs: &AgentDirs,
+    name: &str,
+    image: &str,
+) -> anyhow::Result<TestProcess> {
+    let command = image_container(podman, sandbox, dirs, name, &DAEMONSET, image, RUN)?;
     TestProcess::start(
         "the agent's container",
         command,
@@ -376,6 +409,135 @@ fn the_image_steers_fails_over_and_is_adopted_by_its_next_container() -> anyhow:
     assert!(output.status.success(), "{output:?}");
     assert_eq!(sandbox.attached_programs()?, "");
     assert!(!sandbox.pin_dir().exists(), "pins left behind");
+    Ok(())
+}
+
+/// The image of "the next release": the image, with `REDIRECTOR_TEST_LAYOUT_BUMP` set (every map
+/// migrates, the pins record the next layout and hold a map the first release does not know).
+const NEXT_IMAGE: &str = "localhost/redirector-next:test";
+
+fn next_image(podman: &Podman) -> anyhow::Result<()> {
+    let context = Path::new(env!("CARGO_TARGET_TMPDIR")).join("next-image");
+    std::fs::create_dir_all(&context)?;
+    std::fs::write(
+        context.join("Containerfile"),
+        format!(
+            "FROM {}\nENV REDIRECTOR_TEST_LAYOUT_BUMP=1\n",
+            bpf_tests::container::IMAGE
+        ),
+    )?;
+    podman.run(
+        &["build", "--tag", NEXT_IMAGE, &context.display().to_string()],
+        Duration::from_secs(120),
+    )?;
+    Ok(())
+}
+
+/// Stops the last of `containers` as the kubelet does (SIGTERM, 10 s grace) and checks that its
+/// agent exited cleanly.
+fn stop_container(
+    podman: &Podman,
+    agent: &mut TestProcess,
+    containers: &[Named],
+) -> anyhow::Result<()> {
+    let current = containers
+        .last()
+        .ok_or_else(|| anyhow::anyhow!("no container to stop"))?;
+    podman.run(
+        &["stop", "--time", "10", &current.name],
+        Duration::from_secs(30),
+    )?;
+    let status = agent.wait_exit(Duration::from_secs(30))?;
+    anyhow::ensure!(status.success(), "{status:?}: {:?}", agent.printed());
+    Ok(())
+}
+
+/// A rollout of the next release's image and its rollback, each container stopped and started as
+/// the DaemonSet does it (SIGTERM, then the next pod), under a query stream to a listener forced
+/// upstream (an unsteered query would reach the cache): no query fails or is answered by the
+/// cache, and the layout each release records is on the pins it leaves.
+#[test]
+fn a_rollout_of_the_next_release_and_its_rollback_lose_no_query() -> anyhow::Result<()> {
+    let podman = podman()?;
+    image(&podman)?;
+    next_image(&podman)?;
+    let mut sandbox = Sandbox::new(tools!())?;
+    sandbox.start_standard_servers()?;
+    let dirs = AgentDirs::new(&sandbox)?;
+    let layout = |sandbox: &Sandbox| -> anyhow::Result<u32> {
+        use aya::maps::{Array, Map, MapData};
+        let path = sandbox.pin_dir().join("maps/DATAPATH_CONFIG");
+        let map: Array<MapData, redirector_common::datapath::DatapathConfig> =
+            Array::try_from(Map::from_map_data(MapData::from_pin(&path)?)?)?;
+        Ok(map.get(&0, 0)?.layout_version)
+    };
+    let mut containers = vec![Named::new(&podman, &format!("rdt-{}-agent", sandbox.tag()))];
+    let mut agent = start_agent_container(&podman, &sandbox, &dirs, &containers[0].name)?;
+    let state = bpf_tests::cli::set_state(&sandbox, "node", "upstream")?;
+    assert_eq!(state.code, 0, "{state:?}");
+    let stream = Stream::start_with(
+        &sandbox,
+        Ns::Pod,
+        dns(NODE_LISTENER),
+        Duration::from_secs(600),
+        &["--kinds", "fresh,connected,long"],
+    )?;
+    let mut last = 0;
+    for (image, name, recorded) in [
+        (NEXT_IMAGE, "next", redirector_common::LAYOUT_VERSION + 1),
+        (
+            bpf_tests::container::IMAGE,
+            "back",
+            redirector_common::LAYOUT_VERSION,
+        ),
+    ] {
+        std::thread::sleep(paced(Duration::from_millis(800)));
+        stop_container(&podman, &mut agent, &containers)?;
+        containers.push(Named::new(
+            &podman,
+            &format!("rdt-{}-{name}", sandbox.tag()),
+        ));
+        let current = &containers[containers.len() - 1].name;
+        agent = start_image_container(&podman, &sandbox, &dirs, current, image)?;
+        last = bpf_tests::dns::now_ms();
+        assert_eq!(layout(&sandbox)?, recorded, "{image}");
+    }
+    let report = stream.stop_once(
+        "queries after the rollback",
+        Duration::from_secs(30),
+        |report| {
+            report
+                .records
+                .iter()
+                .filter(|record| record.begun_ms > last)
+                .count()
+                > 30
+        },
+    )?;
+    println!("rollout and rollback: {}", report.summary());
+    assert!(report.records.len() > 100, "{}", report.summary());
+    for record in &report.records {
+        assert!(
+            StreamReport::answered_by(record).starts_with("upstream"),
+            "a query was not answered by the listener's route: {}",
+            report.summary()
+        );
+    }
+    let state = bpf_tests::cli::set_state(&sandbox, "node", "auto")?;
+    assert!(state.stdout.contains("(was upstream)"), "{state:?}");
+    stop_container(&podman, &mut agent, &containers)?;
+    let uninstall = Named::new(&podman, &format!("rdt-{}-uninstall", sandbox.tag()));
+    let mut command = agent_container(
+        &podman,
+        &sandbox,
+        &dirs,
+        &uninstall.name,
+        &DAEMONSET,
+        &["uninstall", "--config", "/etc/redirector/config.toml"],
+    )?;
+    let output = bpf_tests::command::output_within(&mut command, paced(Duration::from_secs(60)))?;
+    assert!(output.status.success(), "{output:?}");
+    assert_eq!(sandbox.attached_programs()?, "");
     Ok(())
 }
 

@@ -93,6 +93,33 @@ pub struct CacheMark {
 }
 const _: () = assert!(size_of::<CacheMark>() == 4);
 
+/// Entries of `CACHE_TASKS`: processes that bound a cache socket. An LRU: the entries of caches
+/// long gone age out (a process that exits is never told to the programs).
+pub const MAX_CACHE_TASKS: usize = 1024;
+
+/// Value of `CACHE_TASKS`, keyed by the tgid of a process that bound a cache socket (`post_bind`
+/// records it): which listeners it serves, and its cgroup then, so that a reused pid in another
+/// cgroup is not taken for the cache.
+#[repr(C)]
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
+pub struct CacheTask {
+    /// The listeners whose cache it bound (see `datapath::listener_bit`).
+    pub listeners: u64,
+    /// `bpf_get_current_cgroup_id` (cgroup v2) when it bound.
+    pub cgroup_id: u64,
+}
+const _: () = assert!(size_of::<CacheTask>() == 16);
+
+/// Whether signal `number` ends a process that does not handle it, as a cache is stopped:
+/// `SIGINT`, `SIGQUIT`, `SIGKILL` (also the OOM killer's, and a `SIGTERM` with the default action,
+/// which the kernel turns into a group exit) and `SIGTERM`. The same on every Linux architecture
+/// redirector builds for.
+#[inline(always)]
+#[must_use]
+pub const fn is_terminating(number: u64) -> bool {
+    matches!(number, 2 | 3 | 9 | 15)
+}
+
 /// `0.0.0.0` in the shared representation (IPv4-mapped).
 pub const IPV4_UNSPECIFIED: NetAddr = NetAddr::from_ipv4_be(0);
 /// `::`.
@@ -107,6 +134,17 @@ mod tests {
         assert_ne!(IPV4_UNSPECIFIED, IPV6_UNSPECIFIED);
         assert!(IPV4_UNSPECIFIED.is_ipv4());
         assert!(!IPV6_UNSPECIFIED.is_ipv4());
+    }
+
+    #[test]
+    fn only_the_signals_that_stop_a_cache_are_terminating() {
+        for number in [2, 3, 9, 15] {
+            assert!(is_terminating(number), "{number}");
+        }
+        // SIGHUP (a reload), SIGUSR1/2, SIGSTOP, SIGCONT, SIGURG (Go's preemption), SIGCHLD.
+        for number in [0, 1, 10, 12, 17, 18, 19, 23] {
+            assert!(!is_terminating(number), "{number}");
+        }
     }
 
     #[test]

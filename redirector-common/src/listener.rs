@@ -95,8 +95,10 @@ pub struct SocketCounts {
     pub udp: i64,
     /// Live TCP sockets (bound or listening; accepted connections are not counted).
     pub tcp: i64,
-    /// Incremented every time the UDP count falls to zero: how many times the kernel saw the
-    /// cache go away.
+    /// Incremented every time the UDP count falls to zero, and when a process that bound the
+    /// cache's sockets is delivered a terminating signal (the signal program; once per thread
+    /// that sees it): a new life of the cache begins after it, which the agent's probes must
+    /// confirm before the cache gets DNS again. One death may so count more than once.
     pub down_epoch: u64,
 }
 const _: () = assert!(size_of::<SocketCounts>() == 24);

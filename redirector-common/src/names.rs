@@ -28,13 +28,15 @@ pub const MAP_STEERED_SOCKS: &str = "STEERED_SOCKS";
 pub const MAP_REPLY_PORTS: &str = "REPLY_PORTS";
 /// `counter_index(listener, protocol)` → per-CPU `ListenerCounters`.
 pub const MAP_COUNTERS: &str = "COUNTERS";
+/// tgid → `CacheTask`: the processes that bound a cache socket, for the signal program.
+pub const MAP_CACHE_TASKS: &str = "CACHE_TASKS";
 /// cgroup id → `SkipCgroup`: sockets of these cgroups (and their descendants) are never steered.
 pub const MAP_SKIP_CGROUPS: &str = "SKIP_CGROUPS";
 /// Index 0 → `DatapathConfig`.
 pub const MAP_DATAPATH_CONFIG: &str = "DATAPATH_CONFIG";
 
 /// Every map in the object.
-pub const ALL_MAPS: [&str; 15] = [
+pub const ALL_MAPS: [&str; 16] = [
     MAP_LISTENERS,
     MAP_LISTENER_MODE,
     MAP_CACHE_HEALTH,
@@ -50,6 +52,7 @@ pub const ALL_MAPS: [&str; 15] = [
     MAP_COUNTERS,
     MAP_SKIP_CGROUPS,
     MAP_DATAPATH_CONFIG,
+    MAP_CACHE_TASKS,
 ];
 
 /// `cgroup/connect4`: TCP connect and UDP connect, IPv4.
@@ -98,6 +101,15 @@ pub const PROG_EGRESS: &str = "dns_egress";
 /// Every `cgroup_skb` program in the object.
 pub const SKB_PROGRAMS: [&str; 1] = [PROG_EGRESS];
 
+/// `raw_tracepoint/signal_deliver`: fails a cache's listeners over the moment a process that
+/// bound its sockets is delivered a terminating signal.
+pub const PROG_SIGNAL: &str = "dns_signal";
+/// The tracepoint `PROG_SIGNAL` attaches to.
+pub const SIGNAL_TRACEPOINT: &str = "signal_deliver";
+
+/// Every `raw_tracepoint` program in the object.
+pub const RAW_TRACEPOINT_PROGRAMS: [&str; 1] = [PROG_SIGNAL];
+
 /// Read-only global (`u8`, 0 or 1): whether sock_addr programs may call `bpf_set_retval` (6.1).
 /// The agent sets it from its probe of the running kernel before the load; at 0 the verifier
 /// removes the call as dead code, so the programs load on kernels without the helper and the
@@ -115,6 +127,7 @@ mod tests {
             .chain(SOCK_ADDR_PROGRAMS.iter())
             .chain(SOCK_PROGRAMS.iter())
             .chain(SKB_PROGRAMS.iter())
+            .chain(RAW_TRACEPOINT_PROGRAMS.iter())
         {
             assert!(
                 name.len() <= 15,

@@ -4,20 +4,24 @@
 //!
 //! cgroup `sock` hooks: `post_bind4`/`post_bind6` since 4.17, `sock_release` since 5.9;
 //! `bpf_get_netns_cookie` and `bpf_get_socket_cookie` for them since 5.7 and 5.10,
-//! `bpf_sk_storage_get` since 5.9 (f7c6cb1d9728).
+//! `bpf_sk_storage_get` since 5.9 (f7c6cb1d9728), `bpf_get_current_pid_tgid` and
+//! `bpf_get_current_cgroup_id` since 5.7 (the binding process, for the signal program).
 
 use core::ptr::{self, addr_of, addr_of_mut, read_volatile};
 
 use aya_ebpf::{
     EbpfContext as _,
     bindings::{BPF_NOEXIST, BPF_SK_STORAGE_GET_F_CREATE},
-    helpers::{bpf_get_netns_cookie, bpf_get_socket_cookie, bpf_sk_storage_get},
+    helpers::{
+        bpf_get_current_cgroup_id, bpf_get_current_pid_tgid, bpf_get_netns_cookie,
+        bpf_get_socket_cookie, bpf_sk_storage_get,
+    },
     programs::SockContext,
 };
 use aya_log_ebpf::info;
 use redirector_common::{
     addr::NetAddr,
-    binds::{BindKey, CacheMark, CacheSocket, MARKED, UNMARKED},
+    binds::{BindKey, CacheMark, CacheSocket, CacheTask, MARKED, UNMARKED},
     counters::{PROTOCOL_UDP, protocol_row},
     datapath::listener_bit,
     listener::MAX_LISTENERS,
@@ -25,7 +29,7 @@ use redirector_common::{
 
 use crate::{
     atomic::{add_u64, fetch_add_i64},
-    maps::{CACHE_BINDS, CACHE_MARKS, CACHE_SOCKETS, DATAPATH_CONFIG, SOCKET_COUNTS},
+    maps::{CACHE_BINDS, CACHE_MARKS, CACHE_SOCKETS, CACHE_TASKS, DATAPATH_CONFIG, SOCKET_COUNTS},
 };
 
 /// The address family of the `post_bind` hook (the verifier lets each read only its own family's
@@ -106,7 +110,29 @@ pub fn try_count_bind(ctx: &SockContext, family: BindFamily) -> Option<()> {
     {
         add_to_counts(ctx, &entry, -1);
     }
+    record_task(listeners);
     Some(())
+}
+
+/// Remembers the binding process as a cache of `listeners`, so that a terminating signal
+/// delivered to it fails them over (`signal.rs`). Binds are in process context: the current task
+/// is the binder.
+#[inline(always)]
+fn record_task(listeners: u64) {
+    // SAFETY: plain helper calls.
+    let (pid_tgid, cgroup_id) =
+        unsafe { (bpf_get_current_pid_tgid(), bpf_get_current_cgroup_id()) };
+    let tgid = (pid_tgid >> 32) as u32;
+    // SAFETY: entries are written whole.
+    let known = unsafe { CACHE_TASKS.get(tgid) }
+        .filter(|task| task.cgroup_id == cgroup_id)
+        .map_or(0, |task| task.listeners);
+    let task = CacheTask {
+        listeners: known | listeners,
+        cgroup_id,
+    };
+    // A full LRU evicts the oldest process; a failed update leaves the socket count as backstop.
+    let _ = CACHE_TASKS.insert(tgid, task, 0);
 }
 
 /// `sock_release`: uncounts a counted cache socket; when it was a listener's last UDP socket, the

@@ -9,6 +9,9 @@
 //! of a connected DNS socket whose peer is no longer where its listener's route points, so the
 //! resolver reconnects and connect steers it to the current route.
 //!
+//! A raw tracepoint on `signal_deliver` (4.17) fails a cache's listeners over the moment the
+//! process that bound its sockets is told to stop, before it closes them.
+//!
 //! Each entry point is a thin shim: it names its hook and address family and maps the result of a
 //! `try_*` function onto the verdict the kernel expects.
 #![no_std]
@@ -21,12 +24,13 @@ mod context;
 mod liveness;
 mod maps;
 mod reverse;
+mod signal;
 mod stale;
 mod steer;
 
 use aya_ebpf::{
-    macros::{cgroup_skb, cgroup_sock, cgroup_sock_addr},
-    programs::{SkBuffContext, SockAddrContext, SockContext},
+    macros::{cgroup_skb, cgroup_sock, cgroup_sock_addr, raw_tracepoint},
+    programs::{RawTracePointContext, SkBuffContext, SockAddrContext, SockContext},
 };
 
 use crate::{context::Family, steer::Hook};
@@ -134,6 +138,20 @@ pub fn dns_post_bind6(ctx: SockContext) -> i32 {
 #[cgroup_sock(sock_release)]
 pub fn dns_release(ctx: SockContext) -> i32 {
     tracking_verdict(liveness::try_uncount_release(&ctx))
+}
+
+/// The value a raw tracepoint program returns: the kernel ignores it.
+const RAW_TRACEPOINT_DONE: i32 = 0;
+
+/// The verdict of the signal program: it only records.
+#[inline(always)]
+fn signal_verdict(_flipped: Option<()>) -> i32 {
+    RAW_TRACEPOINT_DONE
+}
+
+#[raw_tracepoint(tracepoint = "signal_deliver")]
+pub fn dns_signal(ctx: RawTracePointContext) -> i32 {
+    signal_verdict(signal::try_flip_on_signal(&ctx))
 }
 
 #[cfg(not(test))]

@@ -8,7 +8,10 @@ use aya_ebpf::{
 };
 use redirector_common::{
     addr::NetAddr,
-    binds::{BindKey, BindListeners, CacheMark, CacheSocket, MAX_CACHE_BINDS, MAX_CACHE_SOCKETS},
+    binds::{
+        BindKey, BindListeners, CacheMark, CacheSocket, CacheTask, MAX_CACHE_BINDS,
+        MAX_CACHE_SOCKETS, MAX_CACHE_TASKS,
+    },
     counters::{COUNTER_ENTRIES, ListenerCounters},
     datapath::{DatapathConfig, MAX_SKIP_CGROUPS, SkipCgroup},
     listener::{
@@ -89,6 +92,12 @@ pub static COUNTERS: PerCpuArray<ListenerCounters, COUNTER_ENTRIES> = PerCpuArra
 /// cgroup id → the listeners its sockets (and its descendants') are not steered for.
 #[btf_map]
 pub static SKIP_CGROUPS: HashMap<u64, SkipCgroup, MAX_SKIP_CGROUPS> = HashMap::new();
+
+/// tgid → the listeners whose cache socket that process bound, and its cgroup then. Written by
+/// `post_bind`, read by the signal program. An LRU, preallocated as maps used from tracing
+/// programs should be: the entries of processes long gone age out.
+#[btf_map]
+pub static CACHE_TASKS: LruHashMap<u32, CacheTask, MAX_CACHE_TASKS> = LruHashMap::new();
 
 /// Datapath-wide settings at index 0.
 #[btf_map]

@@ -39,6 +39,38 @@ struct Args {
     /// Print `query` when a UDP query arrives, before answering it.
     #[arg(long)]
     log_queries: bool,
+    /// On SIGTERM, go on serving for this long, then exit (a cache that shuts down slowly, as
+    /// unbound does under load or CoreDNS in its `lameduck` period). Without it SIGTERM has its
+    /// default action.
+    #[arg(long)]
+    term_linger_ms: Option<u64>,
+}
+
+/// Set by the SIGTERM handler (`--term-linger-ms`).
+static TERMINATING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+extern "C" fn on_sigterm(_: libc::c_int) {
+    TERMINATING.store(true, std::sync::atomic::Ordering::SeqCst);
+}
+
+/// Handles SIGTERM: serving goes on for `linger`, then the process exits (its sockets close).
+fn linger_on_sigterm(linger: Duration) -> anyhow::Result<()> {
+    use nix::sys::signal::{SaFlags, SigAction, SigHandler, SigSet, Signal, sigaction};
+    let action = SigAction::new(
+        SigHandler::Handler(on_sigterm),
+        SaFlags::empty(),
+        SigSet::empty(),
+    );
+    // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
+    unsafe { sigaction(Signal::SIGTERM, &action) }.context("installing the SIGTERM handler")?;
+    thread::spawn(move || {
+        while !TERMINATING.load(std::sync::atomic::Ordering::SeqCst) {
+            thread::sleep(Duration::from_millis(1));
+        }
+        thread::sleep(linger);
+        std::process::exit(0);
+    });
+    Ok(())
 }
 
 /// `--rcode`.
@@ -83,6 +115,9 @@ fn main() -> anyhow::Result<()> {
         log_queries: args.log_queries,
         serve_from,
     };
+    if let Some(linger) = args.term_linger_ms {
+        linger_on_sigterm(Duration::from_millis(linger))?;
+    }
     let mut workers = Vec::new();
     for address in &args.listen {
         for _ in 0..args.udp_sockets {

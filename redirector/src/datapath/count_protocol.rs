@@ -9,7 +9,9 @@
 //! uncounted socket, the count reaching zero always means that no counted socket is left, and
 //! every decrement that reaches zero (release, the agent's uncount, either side's take-back)
 //! records the death by bumping `down_epoch`. Neither a false death (a bump while the socket
-//! lives) nor a hidden one (its last socket gone, no bump) can happen.
+//! lives) nor a hidden one (its last socket gone, no bump) can happen through counting. (The
+//! signal program bumps `down_epoch` on purpose while the sockets live: a cache told to stop is
+//! treated as dead from the signal on, and its next life needs the probes' confirmation.)
 //!
 //! Until layout 5 the programs inserted before counting, and the agent's take-back recorded no
 //! death: a release between the agent's count and its take-back then left the count at zero

@@ -98,7 +98,7 @@ const fn released(
 
 /// Every map ever released, with the shape it was released with. Append only: a row is never
 /// edited or removed (a retired `Config` map keeps its row, so its name is never reused).
-pub const RELEASED: [Released; 15] = [
+pub const RELEASED: [Released; 16] = [
     released(names::MAP_LISTENERS, HASH, 16, 32, 0, Kind::Config),
     released(names::MAP_LISTENER_MODE, ARRAY, 4, 4, 0, Kind::Kept),
     released(names::MAP_CACHE_HEALTH, ARRAY, 4, 16, 0, Kind::Kept),
@@ -128,6 +128,8 @@ pub const RELEASED: [Released; 15] = [
     released(names::MAP_COUNTERS, PERCPU_ARRAY, 4, 72, 0, Kind::Kept),
     released(names::MAP_SKIP_CGROUPS, HASH, 8, 16, 0, Kind::Config),
     released(names::MAP_DATAPATH_CONFIG, ARRAY, 4, 24, 0, Kind::Kept),
+    // #28: the processes that bound a cache socket, for the signal program.
+    released(names::MAP_CACHE_TASKS, LRU_HASH, 4, 16, 0, Kind::Kept),
 ];
 
 /// The released row of `name`.

@@ -48,7 +48,7 @@ pub static OBJECT: &[u8] =
 
 /// Every program, in attach order: the counting programs first, so that sockets bound from the
 /// moment steering starts are counted.
-pub const ALL_PROGRAMS: [&str; 12] = [
+pub const ALL_PROGRAMS: [&str; 13] = [
     names::PROG_POST_BIND4,
     names::PROG_POST_BIND6,
     names::PROG_SOCK_RELEASE,
@@ -62,6 +62,8 @@ pub const ALL_PROGRAMS: [&str; 12] = [
     names::PROG_GETPEERNAME6,
     // After connect: a socket it moves off a stale peer reconnects through the new connect4/6.
     names::PROG_EGRESS,
+    // Not on the cgroup: a raw tracepoint of the whole node.
+    names::PROG_SIGNAL,
 ];
 
 /// Removes what a start staged in `maps-next/` unless the start attaches: a failure (a verifier
@@ -411,7 +413,8 @@ fn update_in_place(
         Program::CgroupSockAddr(program) => program.fd(),
         Program::CgroupSock(program) => program.fd(),
         Program::CgroupSkb(program) => program.fd(),
-        _ => return Err(DatapathError::ProgramType { name }),
+        // Not a cgroup link (its fdinfo names no cgroup): attached anew above.
+        _ => return Ok(false),
     }
     .map_err(|source| DatapathError::Verify { name, source })?;
     raw::update_link(link.as_fd(), program_fd.as_fd()).map_err(|source| {
@@ -462,6 +465,16 @@ fn attach_one(
                 .map_err(attach_error)?;
             let link = program.take_link(id).map_err(attach_error)?;
             FdLink::try_from(link).map_err(link_error)?
+        }
+        // Raw tracepoint links cannot have their program replaced (no `update_prog`): a new one
+        // is attached beside, and the old one unpinned after. Both running for a moment records
+        // one signal twice, which only bumps an epoch once more.
+        Program::RawTracePoint(program) => {
+            let id = program
+                .attach(names::SIGNAL_TRACEPOINT)
+                .map_err(attach_error)?;
+            let link = program.take_link(id).map_err(attach_error)?;
+            FdLink::from(link)
         }
         _ => return Err(DatapathError::ProgramType { name }),
     })
@@ -531,6 +544,7 @@ fn verify(name: &'static str, program: &mut Program) -> Result<(), DatapathError
         Program::CgroupSockAddr(program) => program.load(),
         Program::CgroupSock(program) => program.load(),
         Program::CgroupSkb(program) => program.load(),
+        Program::RawTracePoint(program) => program.load(),
         _ => return Err(DatapathError::ProgramType { name }),
     }
     .map_err(|source| DatapathError::Verify { name, source })
@@ -561,6 +575,7 @@ mod tests {
             .iter()
             .chain(names::SOCK_PROGRAMS.iter())
             .chain(names::SKB_PROGRAMS.iter())
+            .chain(names::RAW_TRACEPOINT_PROGRAMS.iter())
             .copied()
             .collect();
         expected.sort_unstable();

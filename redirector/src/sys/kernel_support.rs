@@ -113,6 +113,7 @@ pub struct KernelFeature {
 const SOCK_ADDR: &[ProgramType] = &[ProgramType::CgroupSockAddr];
 const SOCK: &[ProgramType] = &[ProgramType::CgroupSock];
 const SKB: &[ProgramType] = &[ProgramType::CgroupSkb];
+const RAW_TRACEPOINT: &[ProgramType] = &[ProgramType::RawTracePoint];
 const ALL_TYPES: &[ProgramType] = &[
     ProgramType::CgroupSockAddr,
     ProgramType::CgroupSock,
@@ -169,6 +170,15 @@ pub const FEATURES: &[KernelFeature] = &[
         },
     },
     KernelFeature {
+        id: "raw_tracepoint",
+        name: "`raw_tracepoint` programs (`BPF_RAW_TRACEPOINT_OPEN`) on `signal_deliver`",
+        used_for: "failing a cache over when it is told to stop",
+        since: KernelVersion::new(4, 17, 0),
+        need: Need::Required,
+        probe: Probe::Program(ProgramType::RawTracePoint),
+        uses: Uses::Other,
+    },
+    KernelFeature {
         id: "sendmsg",
         name: "cgroup v2 `sendmsg4`/`sendmsg6`",
         used_for: "steering unconnected UDP",
@@ -176,6 +186,22 @@ pub const FEATURES: &[KernelFeature] = &[
         need: Need::Required,
         probe: Probe::Release,
         uses: Uses::Other,
+    },
+    KernelFeature {
+        id: "raw_tracepoint_helpers",
+        name: "`bpf_map_lookup_elem`, `bpf_get_current_pid_tgid`, `bpf_get_current_cgroup_id` in raw tracepoint programs",
+        used_for: "whether a signalled process is a cache",
+        since: KernelVersion::new(4, 18, 0),
+        need: Need::Required,
+        probe: Probe::Helpers,
+        uses: Uses::Helpers {
+            programs: RAW_TRACEPOINT,
+            helpers: &[
+                BpfHelper::BPF_FUNC_map_lookup_elem,
+                BpfHelper::BPF_FUNC_get_current_pid_tgid,
+                BpfHelper::BPF_FUNC_get_current_cgroup_id,
+            ],
+        },
     },
     KernelFeature {
         id: "sock_addr_socket_cookie",
@@ -297,6 +323,21 @@ pub const FEATURES: &[KernelFeature] = &[
             helpers: &[
                 BpfHelper::BPF_FUNC_get_netns_cookie,
                 BpfHelper::BPF_FUNC_get_socket_cookie,
+            ],
+        },
+    },
+    KernelFeature {
+        id: "sock_current_task",
+        name: "`bpf_get_current_pid_tgid`, `bpf_get_current_cgroup_id` in cgroup sock programs",
+        used_for: "the process that binds a cache socket",
+        since: KernelVersion::new(5, 7, 0),
+        need: Need::Required,
+        probe: Probe::Helpers,
+        uses: Uses::Helpers {
+            programs: SOCK,
+            helpers: &[
+                BpfHelper::BPF_FUNC_get_current_pid_tgid,
+                BpfHelper::BPF_FUNC_get_current_cgroup_id,
             ],
         },
     },
@@ -790,6 +831,8 @@ mod tests {
             ProgramType::CgroupSock
         } else if names::SKB_PROGRAMS.contains(&name) {
             ProgramType::CgroupSkb
+        } else if names::RAW_TRACEPOINT_PROGRAMS.contains(&name) {
+            ProgramType::RawTracePoint
         } else {
             panic!("the object holds a program the shared names do not: {name}")
         }

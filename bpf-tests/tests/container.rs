@@ -396,18 +396,7 @@ fn the_image_steers_fails_over_and_is_adopted_by_its_next_container() -> anyhow:
     let status = agent.wait_exit(Duration::from_secs(30))?;
     assert!(status.success(), "{status:?}: {:?}", agent.printed());
     // Removing it from the node is `redirector uninstall` in the same container.
-    let third = Named::new(&podman, &format!("rdt-{}-uninstall", sandbox.tag()));
-    let mut command = agent_container(
-        &podman,
-        &sandbox,
-        &dirs,
-        &third.name,
-        &DAEMONSET,
-        &["uninstall", "--config", "/etc/redirector/config.toml"],
-    )?;
-    let output = bpf_tests::command::output_within(&mut command, paced(Duration::from_secs(60)))?;
-    assert!(output.status.success(), "{output:?}");
-    assert_eq!(sandbox.attached_programs()?, "");
+    uninstall_in_container(&podman, &sandbox, &dirs)?;
     assert!(!sandbox.pin_dir().exists(), "pins left behind");
     Ok(())
 }
@@ -526,11 +515,20 @@ fn a_rollout_of_the_next_release_and_its_rollback_lose_no_query() -> anyhow::Res
     let state = bpf_tests::cli::set_state(&sandbox, "node", "auto")?;
     assert!(state.stdout.contains("(was upstream)"), "{state:?}");
     stop_container(&podman, &mut agent, &containers)?;
-    let uninstall = Named::new(&podman, &format!("rdt-{}-uninstall", sandbox.tag()));
+    uninstall_in_container(&podman, &sandbox, &dirs)
+}
+
+/// `redirector uninstall` in the agent's container, which must detach everything.
+fn uninstall_in_container(
+    podman: &Podman,
+    sandbox: &Sandbox,
+    dirs: &AgentDirs,
+) -> anyhow::Result<()> {
+    let uninstall = Named::new(podman, &format!("rdt-{}-uninstall", sandbox.tag()));
     let mut command = agent_container(
-        &podman,
-        &sandbox,
-        &dirs,
+        podman,
+        sandbox,
+        dirs,
         &uninstall.name,
         &DAEMONSET,
         &["uninstall", "--config", "/etc/redirector/config.toml"],

@@ -8,8 +8,9 @@ use std::time::Duration;
 
 use bpf_tests::{
     cli::{start_agent, stop_agent, uninstall},
+    command::TestProcess,
     dns::now_ms,
-    harness::write_standard_config,
+    harness::{NODE_ID, write_standard_config},
     pace::{paced_ms, pause, wait_until},
     sandbox::{CacheSpec, Ns, Query, Sandbox, Transport},
     stream::{Stream, StreamReport},
@@ -17,6 +18,8 @@ use bpf_tests::{
     topology::{NODE_LISTENER, dns, who},
 };
 use nix::sys::signal::Signal;
+use redirector::datapath::Maps;
+use redirector_common::{binds::CacheTask, datapath::listener_bit, names};
 
 fn answered_by(sandbox: &Sandbox) -> anyhow::Result<&'static str> {
     let outcome = sandbox.query(Ns::Pod, Query::new(dns(NODE_LISTENER), Transport::Udp))?;
@@ -113,6 +116,96 @@ fn a_cache_told_to_stop_moves_dns_before_it_closes_its_sockets_with_no_agent() -
         "{}",
         report.summary()
     );
+    uninstall(&config)?;
+    Ok(())
+}
+
+/// The node listener's `down_epoch`.
+fn node_epoch(sandbox: &Sandbox) -> anyhow::Result<u64> {
+    Ok(Maps::open_pinned(&sandbox.pin_dir())?
+        .socket_counts(NODE_ID)?
+        .down_epoch)
+}
+
+/// A process recorded as the node listener's cache whose pid was reused by another process (in
+/// another cgroup) is not taken for the cache: its SIGTERM moves nothing. The same process
+/// recorded in its own cgroup moves the listener upstream at the signal, and since it survives
+/// the signal (a false alarm), the agent's probes bring the cache back.
+#[test]
+fn a_signal_to_a_reused_pid_moves_nothing_and_a_false_alarm_fails_back() -> anyhow::Result<()> {
+    let mut sandbox = Sandbox::new(tools!())?;
+    sandbox.start_standard_servers()?;
+    let config = write_standard_config(&sandbox)?;
+    let agent = start_agent(&config)?;
+    let (mut command, procs) = sandbox.client_command(Ns::Pod, sandbox.cgroup(), "python3")?;
+    command.args([
+        "-c",
+        "import signal, time\n\
+         count = [0]\n\
+         def survive(*_):\n    count[0] += 1\n    print(f'survived {count[0]}', flush=True)\n\
+         signal.signal(signal.SIGTERM, survive)\n\
+         print('ready', flush=True)\n\
+         time.sleep(600)",
+    ]);
+    let mut survivor = TestProcess::start(
+        "a process that survives SIGTERM",
+        command,
+        "ready",
+        Duration::from_secs(10),
+    )?;
+    drop(procs);
+    let own_cgroup = {
+        use std::os::unix::fs::MetadataExt as _;
+        std::fs::metadata(sandbox.cgroup().path())?.ino()
+    };
+    let mut tasks: aya::maps::HashMap<aya::maps::MapData, u32, CacheTask> =
+        aya::maps::HashMap::try_from(aya::maps::Map::from_map_data(
+            aya::maps::MapData::from_pin(
+                sandbox.pin_dir().join("maps").join(names::MAP_CACHE_TASKS),
+            )?,
+        )?)?;
+    let pid = survivor.pid();
+    let record = |tasks: &mut aya::maps::HashMap<aya::maps::MapData, u32, CacheTask>,
+                  cgroup_id: u64|
+     -> anyhow::Result<()> {
+        let task = CacheTask {
+            listeners: listener_bit(NODE_ID),
+            cgroup_id,
+        };
+        tasks.insert(pid, task, 0)?;
+        Ok(())
+    };
+
+    // Recorded from another cgroup: a cache's pid, reused.
+    let epoch = node_epoch(&sandbox)?;
+    record(&mut tasks, own_cgroup + 1)?;
+    survivor.signal(Signal::SIGTERM)?;
+    survivor.wait_for_line("survived 1", Duration::from_secs(10))?;
+    pause(200);
+    assert_eq!(
+        node_epoch(&sandbox)?,
+        epoch,
+        "a reused pid's signal recorded a death"
+    );
+    assert_eq!(answered_by(&sandbox)?, "cache");
+
+    // Recorded from its own cgroup: the signal moves the listener at once, with no close.
+    record(&mut tasks, own_cgroup)?;
+    survivor.signal(Signal::SIGTERM)?;
+    survivor.wait_for_line("survived 2", Duration::from_secs(10))?;
+    assert!(
+        node_epoch(&sandbox)? > epoch,
+        "the signal recorded no death"
+    );
+    // The probes confirm the cache that survived, and it gets its DNS back.
+    wait_until(
+        "the agent fails back to the cache that survived",
+        Duration::from_secs(10),
+        Duration::from_millis(50),
+        || Ok(answered_by(&sandbox)? == "cache"),
+    )?;
+    drop(survivor);
+    drop(agent);
     uninstall(&config)?;
     Ok(())
 }

@@ -2,7 +2,7 @@
 
 use crate::{
     addr::NetAddr,
-    binds::{BindKey, BindListeners, CacheSocket},
+    binds::{BindKey, BindListeners, CacheSocket, CacheTask},
     counters::ListenerCounters,
     datapath::{DatapathConfig, SkipCgroup},
     listener::{CacheHealth, ListenerConfig, ListenerInfo, ListenerMode, SocketCounts},
@@ -31,6 +31,7 @@ impl_pod!(
     BindKey,
     BindListeners,
     CacheSocket,
+    CacheTask,
     ListenerInfo,
     ReverseKey,
     ReverseValue,

@@ -20,8 +20,14 @@ pub struct CliOutput {
 
 /// Runs `redirector ARGS` to completion.
 pub fn redirector(args: &[&str]) -> anyhow::Result<CliOutput> {
+    redirector_with_env(args, &[])
+}
+
+/// The same with environment variables (the test-only switches, `REDIRECTOR_TEST_*`).
+pub fn redirector_with_env(args: &[&str], env: &[(&str, &str)]) -> anyhow::Result<CliOutput> {
     let mut command = Command::new(redirector_bin());
     command.args(args);
+    command.envs(env.iter().copied());
     let output = output_within(&mut command, Duration::from_secs(30))?;
     Ok(CliOutput {
         code: output.status.code().unwrap_or(-1),

@@ -503,6 +503,13 @@ impl Sandbox {
         self.bpffs.path().join("redirector")
     }
 
+    /// The layout version the pinned maps record (`DATAPATH_CONFIG`).
+    pub fn pinned_layout(&self) -> anyhow::Result<u32> {
+        Ok(redirector::datapath::Maps::open_pinned(&self.pin_dir())?
+            .datapath_config()?
+            .layout_version)
+    }
+
     /// The helper binaries.
     #[must_use]
     pub fn tools(&self) -> &Tools {

@@ -453,13 +453,6 @@ fn a_rollout_of_the_next_release_and_its_rollback_lose_no_query() -> anyhow::Res
     let mut sandbox = Sandbox::new(tools!())?;
     sandbox.start_standard_servers()?;
     let dirs = AgentDirs::new(&sandbox)?;
-    let layout = |sandbox: &Sandbox| -> anyhow::Result<u32> {
-        use aya::maps::{Array, Map, MapData};
-        let path = sandbox.pin_dir().join("maps/DATAPATH_CONFIG");
-        let map: Array<MapData, redirector_common::datapath::DatapathConfig> =
-            Array::try_from(Map::from_map_data(MapData::from_pin(&path)?)?)?;
-        Ok(map.get(&0, 0)?.layout_version)
-    };
     let mut containers = vec![Named::new(&podman, &format!("rdt-{}-agent", sandbox.tag()))];
     let mut agent = start_agent_container(&podman, &sandbox, &dirs, &containers[0].name)?;
     let state = bpf_tests::cli::set_state(&sandbox, "node", "upstream")?;
@@ -489,7 +482,7 @@ fn a_rollout_of_the_next_release_and_its_rollback_lose_no_query() -> anyhow::Res
         let current = &containers[containers.len() - 1].name;
         agent = start_image_container(&podman, &sandbox, &dirs, current, image)?;
         last = bpf_tests::dns::now_ms();
-        assert_eq!(layout(&sandbox)?, recorded, "{image}");
+        assert_eq!(sandbox.pinned_layout()?, recorded, "{image}");
     }
     let report = stream.stop_once(
         "queries after the rollback",

@@ -14,16 +14,18 @@
 use std::{
     net::{Ipv4Addr, SocketAddr},
     path::{Path, PathBuf},
-    process::Command,
     time::Duration,
 };
 
 use bpf_tests::{
-    cli::{CliOutput, set_state, start_agent, start_agent_with, stop_agent, uninstall},
-    command::{output_within, run},
+    cli::{
+        CliOutput, redirector_with_env, set_state, start_agent, start_agent_with, stop_agent,
+        uninstall,
+    },
+    command::run,
     dns::now_ms,
     pace::pause,
-    sandbox::{CacheSpec, Ns, Sandbox, redirector_bin},
+    sandbox::{CacheSpec, Ns, Sandbox},
     stream::{Stream, StreamReport},
     tools,
     topology::{NODE_LISTENER, dns},
@@ -69,15 +71,7 @@ fn bumped() -> [(&'static str, &'static std::ffi::OsStr); 1] {
 
 /// Runs `redirector run` to its end (a start expected to fail) with `env`.
 fn failed_start(config: &Path, env: &[(&str, &str)]) -> anyhow::Result<CliOutput> {
-    let mut command = Command::new(redirector_bin());
-    command.args(["run", "--config", &config.display().to_string()]);
-    command.envs(env.iter().copied());
-    let output = output_within(&mut command, Duration::from_secs(60))?;
-    Ok(CliOutput {
-        code: output.status.code().unwrap_or(-1),
-        stdout: String::from_utf8_lossy(&output.stdout).into_owned(),
-        stderr: String::from_utf8_lossy(&output.stderr).into_owned(),
-    })
+    redirector_with_env(&["run", "--config", &config.display().to_string()], env)
 }
 
 /// The two streams: `nodelocal` (answered by the cache while it lives) and `node` (forced
@@ -157,18 +151,6 @@ fn map_shown(sandbox: &Sandbox, name: &str) -> anyhow::Result<String> {
                 .to_string(),
         ],
     )
-}
-
-/// The layout version the pins record.
-fn pinned_layout(sandbox: &Sandbox) -> anyhow::Result<u32> {
-    use aya::maps::{Array, Map, MapData};
-    let path = sandbox
-        .pin_dir()
-        .join("maps")
-        .join(names::MAP_DATAPATH_CONFIG);
-    let map: Array<MapData, redirector_common::datapath::DatapathConfig> =
-        Array::try_from(Map::from_map_data(MapData::from_pin(&path)?)?)?;
-    Ok(map.get(&0, 0)?.layout_version)
 }
 
 /// The ids of the programs attached through the pins, sorted.
@@ -308,7 +290,7 @@ fn an_upgrade_across_layouts_and_its_rollback_lose_no_query() -> anyhow::Result<
         "{printed}"
     );
     assert!(map_shown(&sandbox, names::MAP_REVERSE_NAT)?.contains("max_entries 4096"));
-    assert_eq!(pinned_layout(&sandbox)?, LAYOUT_VERSION + 1);
+    assert_eq!(sandbox.pinned_layout()?, LAYOUT_VERSION + 1);
     assert!(pinned_maps(&sandbox).contains(&"NEXT_LAYOUT".to_owned()));
     assert!(
         !sandbox.pin_dir().join("maps-next").exists(),
@@ -330,7 +312,7 @@ fn an_upgrade_across_layouts_and_its_rollback_lose_no_query() -> anyhow::Result<
     assert_migrated(&before, &held(&sandbox)?);
     let last = now_ms();
     events.push(("first release started again", last));
-    assert_eq!(pinned_layout(&sandbox)?, LAYOUT_VERSION);
+    assert_eq!(sandbox.pinned_layout()?, LAYOUT_VERSION);
     assert!(
         map_shown(&sandbox, names::MAP_REVERSE_NAT)?.contains(&format!(
             "max_entries {}",
@@ -419,7 +401,7 @@ fn a_start_that_fails_after_its_load_leaves_the_running_set_steering() -> anyhow
         !sandbox.pin_dir().join("maps-next").exists(),
         "staged maps left behind"
     );
-    assert_eq!(pinned_layout(&sandbox)?, LAYOUT_VERSION);
+    assert_eq!(sandbox.pinned_layout()?, LAYOUT_VERSION);
 
     // With no agent, the old set still fails over in the kernel when the cache dies.
     let cache_killed = now_ms();
@@ -462,7 +444,7 @@ fn a_start_that_fails_after_its_load_leaves_the_running_set_steering() -> anyhow
         nodelocal.summary()
     );
     assert_all_upstream(&node);
-    assert_eq!(pinned_layout(&sandbox)?, LAYOUT_VERSION + 1);
+    assert_eq!(sandbox.pinned_layout()?, LAYOUT_VERSION + 1);
     drop(agent);
     uninstall(&first)?;
     Ok(())

@@ -250,7 +250,8 @@ impl Agent {
             None
         };
         if options.layout_bump {
-            pin_next_layout_state(&config.pin_dir)?;
+            // The stand-in for the state a newer layout adds, which a rollback must retire.
+            datapath::pin_next_layout_map(&config.pin_dir, NEXT_LAYOUT_MAP)?;
         }
 
         phases.end("telemetry");
@@ -342,12 +343,6 @@ fn plan_pins(config: &Config, options: &StartOptions) -> Result<Plan, AgentError
             unreadable: first.differences(true),
         }),
     }
-}
-
-/// Pins a map no release has (`REDIRECTOR_TEST_LAYOUT_BUMP`): the stand-in for the state a newer
-/// layout adds, which a rollback must retire.
-fn pin_next_layout_state(pin_dir: &Path) -> Result<(), AgentError> {
-    datapath::pin_next_layout_map(pin_dir, NEXT_LAYOUT_MAP).map_err(AgentError::from)
 }
 
 /// The map `REDIRECTOR_TEST_LAYOUT_BUMP` pins.

@@ -79,6 +79,20 @@ fn sys_bpf<T>(command: bpf_cmd, attr: &mut T) -> std::io::Result<libc::c_long> {
     }
 }
 
+/// A path for the kernel.
+fn c_path(path: &Path) -> std::io::Result<CString> {
+    use std::os::unix::ffi::OsStrExt as _;
+    CString::new(path.as_os_str().as_bytes())
+        .map_err(|error| std::io::Error::new(std::io::ErrorKind::InvalidInput, error))
+}
+
+/// The descriptor a bpf(2) command returned, owned.
+fn owned(fd: libc::c_long) -> std::io::Result<OwnedFd> {
+    let fd = i32::try_from(fd).map_err(|_| std::io::Error::from_raw_os_error(libc::EBADF))?;
+    // SAFETY: the kernel returned a new descriptor that nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
 /// A map's key after `key` (the first with `None`), or `None` past the last.
 pub fn next_key(
     map: BorrowedFd<'_>,
@@ -129,23 +143,17 @@ pub fn update(map: BorrowedFd<'_>, key: &[u8], value: &[u8], flags: u64) -> std:
 
 /// A descriptor of the object pinned at `path` (a map, a program or a link).
 pub fn open_pinned(path: &Path) -> std::io::Result<OwnedFd> {
-    use std::os::unix::ffi::OsStrExt as _;
-    let path = CString::new(path.as_os_str().as_bytes())
-        .map_err(|error| std::io::Error::new(std::io::ErrorKind::InvalidInput, error))?;
+    let path = c_path(path)?;
     let mut attr = ObjAttr {
         pathname: path.as_ptr() as u64,
         ..ObjAttr::default()
     };
-    let fd = sys_bpf(bpf_cmd::BPF_OBJ_GET, &mut attr)?;
-    let fd = i32::try_from(fd).map_err(|_| std::io::Error::from_raw_os_error(libc::EBADF))?;
-    // SAFETY: the kernel returned a new descriptor that nothing else owns.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    owned(sys_bpf(bpf_cmd::BPF_OBJ_GET, &mut attr)?)
 }
 
 /// Creates a one-entry array of `value_size`-byte values and pins it at `path` (the stand-in for
 /// a newer release's map, in tests of rollbacks).
 pub fn pin_new_array(path: &Path, value_size: u32) -> std::io::Result<()> {
-    use std::os::unix::ffi::OsStrExt as _;
     let mut create = MapCreateAttr {
         map_type: bpf_map_type::BPF_MAP_TYPE_ARRAY as u32,
         key_size: 4,
@@ -153,12 +161,8 @@ pub fn pin_new_array(path: &Path, value_size: u32) -> std::io::Result<()> {
         max_entries: 1,
         ..MapCreateAttr::default()
     };
-    let fd = sys_bpf(bpf_cmd::BPF_MAP_CREATE, &mut create)?;
-    let fd = i32::try_from(fd).map_err(|_| std::io::Error::from_raw_os_error(libc::EBADF))?;
-    // SAFETY: the kernel returned a new descriptor that nothing else owns.
-    let map = unsafe { OwnedFd::from_raw_fd(fd) };
-    let path = CString::new(path.as_os_str().as_bytes())
-        .map_err(|error| std::io::Error::new(std::io::ErrorKind::InvalidInput, error))?;
+    let map = owned(sys_bpf(bpf_cmd::BPF_MAP_CREATE, &mut create)?)?;
+    let path = c_path(path)?;
     let mut pin = ObjAttr {
         pathname: path.as_ptr() as u64,
         bpf_fd: map.as_raw_fd().cast_unsigned(),

@@ -523,7 +523,9 @@ impl Sandbox {
     }
 
     /// An agent configuration for this sandbox: its cgroup, pin directory, lock file and node
-    /// namespace, probes every 250 ms with a 200 ms timeout (the defaults' hysteresis), socket
+    /// namespace, probes every 250 ms with a 200 ms timeout (the defaults' hysteresis), the
+    /// default stall limit, a signal hold of 1.5 s (the default's 6 s would only slow the tests
+    /// that wait it out), socket
     /// counts reconciled every 500 ms (all three stretched by [`crate::pace`]), metrics on a free
     /// loopback port, the listener addresses left to the sandbox (they are on the node's
     /// loopback), then `listeners` (TOML `[[listener]]` sections).
@@ -558,9 +560,11 @@ impl Sandbox {
             listeners,
             tables,
             &format!(
-                "interval_ms = {}\ntimeout_ms = {}\n",
+                "interval_ms = {}\ntimeout_ms = {}\nstall_after_ms = {}\nsignal_hold_ms = {}\n",
                 interval.as_millis(),
-                timeout.as_millis()
+                timeout.as_millis(),
+                paced_ms(redirector::config::DEFAULT_STALL_AFTER_MS),
+                paced_ms(1500),
             ),
         )
     }
@@ -629,14 +633,7 @@ impl Sandbox {
     /// (below the attach point, so the kernel counts its sockets; skipped, so its own queries are
     /// never steered).
     pub fn start_cache(&mut self, name: &str, cache: &CacheSpec) -> anyhow::Result<()> {
-        let mut args = server_args(&cache.listen, CACHE);
-        args.extend([
-            "--udp-sockets".to_owned(),
-            cache.udp_sockets.to_string(),
-            "--mute-ms".to_owned(),
-            cache.mute_ms.to_string(),
-        ]);
-        args.extend(cache.extra_args.iter().cloned());
+        let args = cache_args(cache);
         let program = self.tools.dns_server.display().to_string();
         let cgroup = self.skipped.path().to_owned();
         self.start_process(
@@ -647,6 +644,19 @@ impl Sandbox {
             &args,
             "ready",
         )
+    }
+
+    /// Starts a test DNS server as the cache, as `start_cache` does, but outside the attach
+    /// cgroup (in the test's own): the programs never see its binds or its reads, and only the
+    /// agent's socket table counts its sockets.
+    pub fn start_cache_outside_attach(
+        &mut self,
+        name: &str,
+        cache: &CacheSpec,
+    ) -> anyhow::Result<()> {
+        let args = cache_args(cache);
+        let program = self.tools.dns_server.display().to_string();
+        self.start_process(name, Some(Ns::Node), None, &program, &args, "ready")
     }
 
     /// The process started as `name`.
@@ -1017,4 +1027,17 @@ pub fn redirector_bin() -> PathBuf {
              `cargo xtask test`, which does (or set REDIRECTOR_BIN)"
         ),
     }
+}
+
+/// The `dns-server` arguments of a cache.
+fn cache_args(cache: &CacheSpec) -> Vec<String> {
+    let mut args = server_args(&cache.listen, CACHE);
+    args.extend([
+        "--udp-sockets".to_owned(),
+        cache.udp_sockets.to_string(),
+        "--mute-ms".to_owned(),
+        cache.mute_ms.to_string(),
+    ]);
+    args.extend(cache.extra_args.iter().cloned());
+    args
 }

@@ -284,9 +284,8 @@ fn hang_and_resume(kind: CacheKind) -> anyhow::Result<()> {
     );
     let transitions = harness.agent.stats.transitions("node");
     assert!(
-        transitions
-            .iter()
-            .any(|t| t.to == Route::Upstream && t.reason == Reason::ProbesFailing),
+        transitions.iter().any(|t| t.to == Route::Upstream
+            && matches!(t.reason, Reason::Stalled | Reason::ProbesFailing)),
         "{transitions:?}"
     );
     // The hung cache kept its sockets: the kernel never saw it go.

@@ -10,6 +10,7 @@
 //!   tested on the host.
 #![no_std]
 
+pub mod activity;
 pub mod addr;
 pub mod binds;
 pub mod counters;

@@ -125,6 +125,14 @@ pub enum Reason {
     AwaitingConfirmation,
     /// No verdict on the cache has been written yet (or it was reset).
     Unprobed,
+    /// A process that bound the cache's sockets was told to stop (the signal program); the probes
+    /// have not confirmed a cache since.
+    Signalled,
+    /// The cache left a query unread past its stall limit (the programs); the probes have not
+    /// confirmed it since.
+    Stalled,
+    /// Drained for planned work (`redirector drain`), until the cache's next life is confirmed.
+    Drained,
     /// The cache serves.
     Healthy,
 }

@@ -32,11 +32,19 @@ pub const MAP_COUNTERS: &str = "COUNTERS";
 pub const MAP_CACHE_TASKS: &str = "CACHE_TASKS";
 /// cgroup id → `SkipCgroup`: sockets of these cgroups (and their descendants) are never steered.
 pub const MAP_SKIP_CGROUPS: &str = "SKIP_CGROUPS";
+/// Listener id → `CacheActivity`: the cache's unread queries and reads, and the kernel's latest
+/// flip (mmapable; changed field by field).
+pub const MAP_CACHE_ACTIVITY: &str = "CACHE_ACTIVITY";
+/// Listener id → `StallLimit` (written by the agent).
+pub const MAP_STALL_LIMITS: &str = "STALL_LIMITS";
+/// `reply_port_bit` word → bits of the ports caches listen on: `recvmsg` looks further only on
+/// sockets bound to one.
+pub const MAP_CACHE_PORTS: &str = "CACHE_PORTS";
 /// Index 0 → `DatapathConfig`.
 pub const MAP_DATAPATH_CONFIG: &str = "DATAPATH_CONFIG";
 
 /// Every map in the object.
-pub const ALL_MAPS: [&str; 16] = [
+pub const ALL_MAPS: [&str; 19] = [
     MAP_LISTENERS,
     MAP_LISTENER_MODE,
     MAP_CACHE_HEALTH,
@@ -53,6 +61,9 @@ pub const ALL_MAPS: [&str; 16] = [
     MAP_SKIP_CGROUPS,
     MAP_DATAPATH_CONFIG,
     MAP_CACHE_TASKS,
+    MAP_CACHE_ACTIVITY,
+    MAP_STALL_LIMITS,
+    MAP_CACHE_PORTS,
 ];
 
 /// `cgroup/connect4`: TCP connect and UDP connect, IPv4.

@@ -1,6 +1,7 @@
 //! `aya::Pod` for every type the agent reads from or writes to a map.
 
 use crate::{
+    activity::{CacheActivity, StallLimit},
     addr::NetAddr,
     binds::{BindKey, BindListeners, CacheSocket, CacheTask},
     counters::ListenerCounters,
@@ -39,4 +40,6 @@ impl_pod!(
     ListenerCounters,
     DatapathConfig,
     SkipCgroup,
+    CacheActivity,
+    StallLimit,
 );

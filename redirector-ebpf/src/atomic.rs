@@ -40,3 +40,26 @@ pub unsafe fn add_u64(target: *mut u64, delta: u64) {
     // SAFETY: the caller guarantees a valid, aligned target.
     let _ = unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(target, delta) };
 }
+
+/// Atomically replaces `*target` with `new` if it holds `expected` (`BPF_CMPXCHG`, 5.12+), and
+/// returns the value it held: `expected` when this call made the change.
+///
+/// # Safety
+///
+/// `target` must point to a live, 8-byte aligned `u64` in map memory.
+#[inline(always)]
+pub unsafe fn compare_exchange_u64(target: *mut u64, expected: u64, new: u64) -> u64 {
+    let mut held = expected;
+    // SAFETY: the caller guarantees a valid, aligned target; the instruction compares with and
+    // returns into r0, and reads and writes only `*target`.
+    unsafe {
+        core::arch::asm!(
+            "r0 = cmpxchg_64({target} + 0, r0, {new})",
+            target = in(reg) target,
+            new = in(reg) new,
+            inout("r0") held,
+            options(nostack),
+        );
+    }
+    held
+}

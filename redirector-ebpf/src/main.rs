@@ -19,6 +19,7 @@
 #![feature(core_intrinsics, asm_experimental_arch)]
 #![expect(internal_features, reason = "atomic add intrinsic, see atomic.rs")]
 
+mod activity;
 mod atomic;
 mod context;
 mod liveness;
@@ -33,7 +34,7 @@ use aya_ebpf::{
     programs::{RawTracePointContext, SkBuffContext, SockAddrContext, SockContext},
 };
 
-use crate::{context::Family, steer::Hook};
+use crate::{context::Family, reverse::PeerHook, steer::Hook};
 
 /// `cgroup/connect*` and `cgroup/sendmsg*`: let the syscall proceed (with the address as the
 /// program left it).
@@ -82,22 +83,38 @@ pub fn dns_sendmsg6(ctx: SockAddrContext) -> i32 {
 
 #[cgroup_sock_addr(recvmsg4)]
 pub fn dns_recvmsg4(ctx: SockAddrContext) -> i32 {
-    reverse_verdict(reverse::try_translate_peer(&ctx, Family::Ipv4))
+    reverse_verdict(reverse::try_translate_peer(
+        &ctx,
+        Family::Ipv4,
+        PeerHook::Recvmsg,
+    ))
 }
 
 #[cgroup_sock_addr(recvmsg6)]
 pub fn dns_recvmsg6(ctx: SockAddrContext) -> i32 {
-    reverse_verdict(reverse::try_translate_peer(&ctx, Family::Ipv6))
+    reverse_verdict(reverse::try_translate_peer(
+        &ctx,
+        Family::Ipv6,
+        PeerHook::Recvmsg,
+    ))
 }
 
 #[cgroup_sock_addr(getpeername4)]
 pub fn dns_getpeer4(ctx: SockAddrContext) -> i32 {
-    reverse_verdict(reverse::try_translate_peer(&ctx, Family::Ipv4))
+    reverse_verdict(reverse::try_translate_peer(
+        &ctx,
+        Family::Ipv4,
+        PeerHook::Getpeername,
+    ))
 }
 
 #[cgroup_sock_addr(getpeername6)]
 pub fn dns_getpeer6(ctx: SockAddrContext) -> i32 {
-    reverse_verdict(reverse::try_translate_peer(&ctx, Family::Ipv6))
+    reverse_verdict(reverse::try_translate_peer(
+        &ctx,
+        Family::Ipv6,
+        PeerHook::Getpeername,
+    ))
 }
 
 /// `cgroup_skb/egress`: let the packet go.

@@ -7,6 +7,7 @@ use aya_ebpf::{
     macros::btf_map,
 };
 use redirector_common::{
+    activity::{CACHE_PORT_WORDS, CacheActivity, StallLimit},
     addr::NetAddr,
     binds::{
         BindKey, BindListeners, CacheMark, CacheSocket, CacheTask, MAX_CACHE_BINDS,
@@ -98,6 +99,22 @@ pub static SKIP_CGROUPS: HashMap<u64, SkipCgroup, MAX_SKIP_CGROUPS> = HashMap::n
 /// programs should be: the entries of processes long gone age out.
 #[btf_map]
 pub static CACHE_TASKS: LruHashMap<u32, CacheTask, MAX_CACHE_TASKS> = LruHashMap::new();
+
+/// Listener id → what the programs saw the cache read and leave unread, and their latest flip.
+/// Mmapable, so that the agent reads it and records a drain field by field, with the atomic
+/// operations the programs use, never replacing an element under them.
+#[btf_map]
+pub static CACHE_ACTIVITY: Array<CacheActivity, MAX_LISTENERS, { BPF_F_MMAPABLE as usize }> =
+    Array::new();
+
+/// Listener id → how long its cache may leave a query unread (0: never stalled).
+#[btf_map]
+pub static STALL_LIMITS: Array<StallLimit, MAX_LISTENERS> = Array::new();
+
+/// `reply_port_bit` word → the ports caches listen on (network byte order): `recvmsg` looks up a
+/// socket's cache entry only when it is bound to one of them.
+#[btf_map]
+pub static CACHE_PORTS: Array<u64, CACHE_PORT_WORDS> = Array::new();
 
 /// Datapath-wide settings at index 0.
 #[btf_map]

@@ -10,10 +10,20 @@ use redirector_common::{
 };
 
 use crate::{
+    activity,
     context::{self, Family},
     maps::{LISTENERS, REPLY_PORTS, REVERSE_NAT, STEERED_SOCKS},
     steer::count,
 };
+
+/// Which syscall the program sees.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum PeerHook {
+    /// `recvmsg(2)` and friends: a datagram's source, read by its socket (perhaps a cache's).
+    Recvmsg,
+    /// `getpeername(2)`: a connected socket's peer.
+    Getpeername,
+}
 
 /// What the reply hook did.
 pub enum Outcome {
@@ -30,7 +40,10 @@ pub enum Outcome {
 /// peer is the target it holds (always, for a socket that talks to one target), else from the
 /// LRU map.
 #[inline(always)]
-pub fn try_translate_peer(ctx: &SockAddrContext, family: Family) -> Outcome {
+pub fn try_translate_peer(ctx: &SockAddrContext, family: Family, hook: PeerHook) -> Outcome {
+    if hook == PeerHook::Recvmsg {
+        activity::note_cache_read(ctx);
+    }
     let peer_port_be = context::user_port_be(ctx);
     if !is_reply_port(peer_port_be) {
         return Outcome::NotSteered;

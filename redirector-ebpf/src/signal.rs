@@ -7,7 +7,8 @@
 //! SIGTERM as 15 and for SIGKILL, the OOM killer's and an unhandled SIGTERM as 9 on each thread.
 //! When the receiver is a process that bound a cache socket (`CACHE_TASKS`, recorded by
 //! `post_bind`, in the same cgroup: pids are reused), each of its listeners whose cache still has
-//! sockets gets a new `down_epoch`, exactly as the last close records one: from the next syscall
+//! sockets gets a new `down_epoch`, exactly as the last close records one, and the flip is recorded
+//! as `signalled` (`CACHE_ACTIVITY`): from the next syscall
 //! on the listener routes upstream, and only the agent's probes, confirming the cache in the new
 //! epoch, bring it back. A false alarm (an `execve` in a multi-threaded cache shows SIGKILL on its
 //! other threads; a signal the cache survives) costs a stay on the upstreams until then.
@@ -16,17 +17,20 @@
 //! signal on the node, so the number is tested first (Go's runtime sends SIGURG often), and a
 //! signal to any other process costs one hash lookup more.
 
-use core::ptr::addr_of_mut;
+use core::ptr::{addr_of, read_volatile};
 
 use aya_ebpf::{
-    helpers::{bpf_get_current_cgroup_id, bpf_get_current_pid_tgid},
+    helpers::{bpf_get_current_cgroup_id, bpf_get_current_pid_tgid, bpf_ktime_get_ns},
     programs::RawTracePointContext,
 };
-use redirector_common::{binds::is_terminating, datapath::listener_bit, listener::MAX_LISTENERS};
+use redirector_common::{
+    activity::FLIP_SIGNALLED, binds::is_terminating, datapath::listener_bit,
+    listener::MAX_LISTENERS,
+};
 
 use crate::{
-    atomic::add_u64,
-    maps::{CACHE_TASKS, SOCKET_COUNTS},
+    activity,
+    maps::{CACHE_ACTIVITY, CACHE_TASKS, SOCKET_COUNTS},
 };
 
 /// Fails over the listeners of the cache process the signal is delivered to, if it is one.
@@ -49,16 +53,17 @@ pub fn try_flip_on_signal(ctx: &RawTracePointContext) -> Option<()> {
     let mut id = 0;
     while id < MAX_LISTENERS as u32 {
         if listeners & listener_bit(id) != 0
-            && let Some(counts) = SOCKET_COUNTS.get_ptr_mut(id)
+            && let Some(counts) = SOCKET_COUNTS.get_ptr(id)
         {
-            // SAFETY: an element of an array map, valid for the program's lifetime and 8-byte
-            // aligned; shared with other CPUs and the agent's mmap, hence atomic adds only. A
-            // plain read of `udp` may be stale by a concurrent add, which changes nothing here:
-            // a cache with no socket left has had its epoch recorded by its last close.
-            unsafe {
-                if (*counts).udp > 0 {
-                    add_u64(addr_of_mut!((*counts).down_epoch), 1);
-                }
+            // SAFETY: an element of an array map, valid for the program's lifetime. A plain
+            // read of `udp` may be stale by a concurrent add, which changes nothing here: a cache
+            // with no socket left has had its epoch recorded by its last close.
+            if unsafe { read_volatile(addr_of!((*counts).udp)) } > 0
+                && let Some(activity) = CACHE_ACTIVITY.get_ptr_mut(id)
+            {
+                // SAFETY: the listener's own element. The clock is read only for a cache, and is not
+                // the coarse one, which tracing programs may not call (it takes a seqlock).
+                unsafe { activity::flip(id, activity, FLIP_SIGNALLED, bpf_ktime_get_ns()) };
             }
         }
         id += 1;

@@ -31,6 +31,7 @@ use redirector_common::{
 };
 
 use crate::{
+    activity::{self, Handing},
     context,
     maps::{LISTENERS, POOLS, STEERED_SOCKS},
     steer::{self, count},
@@ -90,10 +91,14 @@ pub fn try_check_egress(ctx: &SkBuffContext) -> Egress {
     }) {
         return Egress::Pass;
     }
-    let Some(route) = steer::current_route(&listener) else {
+    let Some(mut route) = steer::current_route(&listener) else {
         return Egress::Pass;
     };
     let on_cache = peer == listener.cache.addr && port_be(DNS_PORT) == listener.cache.udp_port_be;
+    // A query leaving for the cache: noted, and refused if the cache has stopped reading.
+    if route == Route::Cache && on_cache && activity::cache_stalled(listener.id, Handing::Query) {
+        route = Route::Upstream;
+    }
     // The pool matters only towards the upstreams: a socket on the cache route is judged by its
     // peer alone, without the pool's lookup and scan on every send.
     let (in_pool, pool_len) = match route {

@@ -9,7 +9,7 @@ use aya_log_ebpf::info;
 use redirector_common::{
     DNS_PORT,
     addr::port_be,
-    counters::{ListenerCounters, counter_index},
+    counters::{ListenerCounters, PROTOCOL_UDP, counter_index},
     datapath::{MAX_CGROUP_LEVEL, listener_bit},
     listener::{EMPTY_POOL_FAIL, ListenerConfig, Route, route},
     pool::{MAX_POOL_TARGETS, Target, pick_index},
@@ -17,6 +17,7 @@ use redirector_common::{
 };
 
 use crate::{
+    activity::{self, Handing},
     context::{self, Family},
     maps::{
         CACHE_HEALTH, COUNTERS, DATAPATH_CONFIG, LISTENER_MODE, LISTENERS, POOLS, REVERSE_NAT,
@@ -66,8 +67,14 @@ pub fn try_steer(ctx: &SockAddrContext, family: Family, hook: Hook) -> Result<()
     // stale copy is still a complete configuration.
     let listener = unsafe { context::snapshot(listener) };
     let counters = counter_index(listener.id, protocol);
-    let Some(route) = current_route(&listener) else {
+    let Some(mut route) = current_route(&listener) else {
         return Ok(());
+    };
+    // Only a UDP datagram is a query the cache must read; a connect sends nothing yet.
+    let handing = if hook == Hook::Sendmsg && protocol == PROTOCOL_UDP {
+        Handing::Query
+    } else {
+        Handing::Nothing
     };
     if route == Route::Cache
         && listener.cache.addr == listener_addr
@@ -75,9 +82,13 @@ pub fn try_steer(ctx: &SockAddrContext, family: Family, hook: Hook) -> Result<()
     {
         // The cache listens on the listener address itself and serves: nothing is rewritten,
         // whoever asks (a skipped cgroup's socket reaches it untouched all the same), so the
-        // cgroup check is spared on the path every query takes in this layout.
-        count(counters, |c| c.to_cache += 1);
-        return Ok(());
+        // cgroup check is spared on the path every query takes in this layout, unless the cache
+        // has stopped reading.
+        if !activity::cache_stalled(listener.id, handing) {
+            count(counters, |c| c.to_cache += 1);
+            return Ok(());
+        }
+        route = Route::Upstream;
     }
 
     // SAFETY: plain helper call; `bpf_get_current_ancestor_cgroup_id` is available to sock_addr
@@ -87,6 +98,11 @@ pub fn try_steer(ctx: &SockAddrContext, family: Family, hook: Hook) -> Result<()
     }) {
         count(counters, |c| c.skipped_cgroup += 1);
         return Ok(());
+    }
+    // A query of a skipped cgroup is not noted: it may go to the listener address untouched,
+    // where the cache never reads it.
+    if route == Route::Cache && activity::cache_stalled(listener.id, handing) {
+        route = Route::Upstream;
     }
     // The cookie is a helper call: fetched once, and only when a target choice or a reverse
     // entry needs it.

@@ -8,7 +8,7 @@ use std::{path::PathBuf, process::ExitCode};
 use clap::{Parser, Subcommand};
 use redirector::config::DEFAULT_CONFIG_PATH;
 
-use crate::cli::{run::RunArgs, state::StateArgs, status::StatusArgs};
+use crate::cli::{drain::DrainArgs, run::RunArgs, state::StateArgs, status::StatusArgs};
 
 #[derive(Parser, Debug)]
 #[command(version, about = "eBPF fast-path DNS redirector for Kubernetes nodes")]
@@ -30,6 +30,9 @@ enum Command {
     },
     /// Force a listener to the cache or to its upstreams, or give it back to automatic failover.
     State(StateArgs),
+    /// Move a listener upstream before planned work on its cache (until the cache's next life
+    /// is confirmed), optionally waiting until the cache has answered what it was handed.
+    Drain(DrainArgs),
     /// Show every listener's state, the programs, the conntrack bypass and whether an agent
     /// runs, from the pinned maps (works while the agent is stopped).
     Status(StatusArgs),
@@ -57,6 +60,7 @@ fn main() -> ExitCode {
         Command::Run(args) => cli::run::run(args),
         Command::Uninstall { config } => cli::uninstall::uninstall(&config),
         Command::State(args) => cli::state::set_state(&args),
+        Command::Drain(args) => cli::drain::drain(&args),
         Command::Status(args) => cli::status::status(&args),
         Command::Cache { config, log_level } => cli::cache::cache(&config, &log_level),
         Command::CheckConfig { config } => cli::check_config::check_config(&config),

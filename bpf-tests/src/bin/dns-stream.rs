@@ -230,9 +230,16 @@ fn run_open_loop(settings: &Settings, kind: Kind, first_id: u16) -> anyhow::Resu
                     .as_ref()
                     .is_err_and(|error| error.to_string() == SEND_FAILED)
             {
-                // As c-ares does: a new socket, and the query asked again at once.
+                // As c-ares does: a new socket, and the query asked again at once; the queries
+                // still pending on the old socket, whose answers it can no longer hear, are
+                // asked again on the new one (c-ares requeues a closed connection's queries).
                 reopened = true;
                 long_lived = Some(nonblocking(open(settings, true)?)?);
+                for query in &mut pending {
+                    query.reopened = true;
+                    let _ = send_open_loop(settings, kind, long_lived.as_ref(), query.id);
+                    query.steered_ms = now_ms();
+                }
                 sent = send_open_loop(settings, kind, long_lived.as_ref(), id);
             }
             let record = |error: Option<String>| StreamRecord {

@@ -20,7 +20,10 @@ use super::{Agent, AgentError, current_route};
 use redirector_common::pool::{MAX_POOL_TARGETS, Target};
 
 use crate::{
-    liveness::probe::ProbeOutcome,
+    liveness::{
+        health::{self, Probe},
+        probe::ProbeOutcome,
+    },
     sources::{SourceEvent, SourceKind, Upstream, subset},
     sys::sd_notify,
     telemetry::{
@@ -262,7 +265,16 @@ impl Agent {
                 debug!(listener = %listener.name, cache = %listener.prober.target(), reason, "probe failed");
             }
         }
-        if let Some(health) = listener.tracker.record(outcome.is_alive(), epoch) {
+        let held = self.maps.cache_activity(listener.id).is_ok_and(|activity| {
+            health::held(
+                &activity,
+                epoch,
+                health::monotonic_ns(),
+                self.config.probe.signal_hold,
+            )
+        });
+        let probe = Probe::new(outcome.is_alive(), held);
+        if let Some(health) = listener.tracker.record(probe, epoch) {
             info!(
                 listener = %listener.name,
                 cache = %listener.prober.target(),

@@ -20,7 +20,7 @@ use std::{
 };
 
 use redirector_common::{
-    listener::{Reason, Route, explain},
+    listener::{Reason, Route},
     settings::Liveness,
 };
 pub use start::NEXT_LAYOUT_MAP;
@@ -361,10 +361,5 @@ fn namespace_identity(path: &Path) -> std::io::Result<(u64, u64)> {
 /// The route the kernel takes for listener `id` now, and why: the same truth table, on the same
 /// map values.
 fn current_route(maps: &Maps, id: u32, liveness: Liveness) -> Result<(Route, Reason), AgentError> {
-    Ok(explain(
-        liveness.value(),
-        &maps.mode(id)?,
-        &maps.health(id)?,
-        &maps.socket_counts(id)?,
-    ))
+    Ok(maps.route(id, liveness.value())?)
 }

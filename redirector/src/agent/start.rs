@@ -30,7 +30,7 @@ use crate::{
     datapath::{self, Datapath, ListenerEntry, LoadOptions, MapAction, Maps, Plan, Verdict},
     liveness::{
         binds::{TrackedCache, cache_binds},
-        health::{HealthTracker, Hysteresis},
+        health::{self, HealthTracker, Hysteresis, Probe},
         probe::Prober,
         reconcile::Reconciler,
         sockdiag::SocketTable,
@@ -227,6 +227,7 @@ impl Agent {
             let pool: Option<Vec<Target>> =
                 static_pool(listener).map(|pool| pool.iter().map(Upstream::target).collect());
             maps.install_listener(&entry, pool.as_deref())?;
+            maps.set_stall_limit(*id, config.probe.stall_after, listener.cache.port())?;
         }
 
         phases.end("maps");
@@ -526,17 +527,24 @@ async fn first_verdicts(
         config.listeners.iter().zip(ids).zip(probers).zip(alive)
     {
         let counts = maps.socket_counts(*id)?;
+        let held = health::held(
+            &maps.cache_activity(*id)?,
+            counts.down_epoch,
+            health::monotonic_ns(),
+            config.probe.signal_hold,
+        );
         // A verdict an earlier agent pinned stands, and this probe is one more in its streak; a
         // first verdict is this probe's (nothing better is known, and until it is written the
         // listener gets no DNS to its cache).
         let tracker = match HealthTracker::resume(hysteresis, maps.health(*id)?, counts.down_epoch)
         {
             Some(mut tracker) => {
-                tracker.record(alive, counts.down_epoch);
+                tracker.record(Probe::new(alive, held), counts.down_epoch);
                 tracker
             }
             None => {
-                let up = alive && (listener.liveness == Liveness::Probes || counts.udp > 0);
+                let up =
+                    alive && !held && (listener.liveness == Liveness::Probes || counts.udp > 0);
                 HealthTracker::new(hysteresis, up, counts.down_epoch)
             }
         };

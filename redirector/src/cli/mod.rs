@@ -3,6 +3,7 @@
 
 pub(crate) mod cache;
 pub(crate) mod check_config;
+pub(crate) mod drain;
 pub(crate) mod run;
 pub(crate) mod state;
 pub(crate) mod status;

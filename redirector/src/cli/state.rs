@@ -6,7 +6,7 @@ use anyhow::bail;
 use clap::builder::{PossibleValuesParser, TypedValueParser};
 use redirector::{config::DEFAULT_PIN_DIR, datapath::Maps, telemetry};
 use redirector_common::{
-    listener::{LIVENESS_SOCKETS_AND_PROBES, Route, explain},
+    listener::{LIVENESS_SOCKETS_AND_PROBES, Route},
     settings::Mode,
 };
 
@@ -57,7 +57,7 @@ pub(crate) fn set_state(args: &StateArgs) -> anyhow::Result<()> {
     let liveness = maps
         .listener_config(address)?
         .map_or(LIVENESS_SOCKETS_AND_PROBES, |config| config.liveness);
-    let (route, reason) = explain(liveness, &mode, &maps.health(id)?, &maps.socket_counts(id)?);
+    let (route, reason) = maps.route(id, liveness)?;
     let target = match route {
         Route::Cache => "the cache",
         Route::Upstream => "the upstream pool",

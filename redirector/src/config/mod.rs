@@ -76,7 +76,13 @@ pub struct Config {
     pub listeners: Vec<Listener>,
 }
 
-/// How the agent probes caches with real DNS queries.
+/// `probe.stall_after_ms` unless configured.
+pub const DEFAULT_STALL_AFTER_MS: u64 = 80;
+/// The shortest `probe.stall_after_ms` accepted.
+const MIN_STALL_AFTER_MS: u64 = 20;
+
+/// How the agent probes caches with real DNS queries, and how the kernel's own judgements of a
+/// cache (a stall, a signal) are weighed.
 #[derive(Clone, PartialEq, Eq, Debug)]
 pub struct ProbeSettings {
     /// The name asked for (A); any answer or NXDOMAIN means alive.
@@ -89,6 +95,12 @@ pub struct ProbeSettings {
     pub failures_to_fail_over: u32,
     /// Consecutive successes that fail it back.
     pub successes_to_fail_back: u32,
+    /// How long a cache may leave a query unread before the programs move its listener upstream
+    /// (`None`: never).
+    pub stall_after: Option<Duration>,
+    /// How long after a terminating signal to the cache its probes' answers are not trusted to
+    /// bring DNS back (a cache shutting down answers until it closes its sockets).
+    pub signal_hold: Duration,
 }
 
 impl Default for ProbeSettings {
@@ -101,6 +113,12 @@ impl Default for ProbeSettings {
             timeout: Duration::from_millis(250),
             failures_to_fail_over: 2,
             successes_to_fail_back: 3,
+            // Above the 50 ms a cache under a half-core CPU quota can sit throttled in a 100 ms
+            // period; the flip comes within about 85 ms of the first unread query (the kernel's
+            // coarse clock ticks every 4 ms at HZ=250).
+            stall_after: Some(Duration::from_millis(DEFAULT_STALL_AFTER_MS)),
+            // Above CoreDNS's `lameduck 5s`, the longest shutdown a shipped cache is told to take.
+            signal_hold: Duration::from_secs(6),
         }
     }
 }
@@ -493,10 +511,30 @@ fn validate_probe(raw: RawProbe) -> Result<ProbeSettings, ConfigError> {
             });
         }
     }
+    let stall_after = match raw.stall_after_ms {
+        None => defaults.stall_after,
+        Some(0) => None,
+        Some(ms) if ms < MIN_STALL_AFTER_MS => {
+            return Err(ConfigError::BadTiming {
+                key: "probe.stall_after_ms",
+                problem: format!(
+                    "{ms} ms is within a busy cache's scheduling jitter and would move its DNS \
+                     upstream while it serves; give at least {MIN_STALL_AFTER_MS} (the default is \
+                     {DEFAULT_STALL_AFTER_MS}), or 0 to turn stall detection off"
+                ),
+            });
+        }
+        Some(ms) => Some(Duration::from_millis(ms)),
+    };
+    let signal_hold = raw
+        .signal_hold_ms
+        .map_or(defaults.signal_hold, Duration::from_millis);
     Ok(ProbeSettings {
         name,
         interval,
         timeout,
+        stall_after,
+        signal_hold,
         failures_to_fail_over,
         successes_to_fail_back,
     })

@@ -71,6 +71,8 @@ pub(super) struct RawProbe {
     pub(super) timeout_ms: Option<u64>,
     pub(super) failures_to_fail_over: Option<u32>,
     pub(super) successes_to_fail_back: Option<u32>,
+    pub(super) stall_after_ms: Option<u64>,
+    pub(super) signal_hold_ms: Option<u64>,
 }
 
 #[derive(Deserialize)]

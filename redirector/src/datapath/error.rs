@@ -115,13 +115,14 @@ pub enum DatapathError {
         #[source]
         source: MapError,
     },
-    /// The socket counts map is not the one this build expects.
+    /// An mmapable map is not the one this build expects.
     #[error(
-        "the SOCKET_COUNTS map has {value_size}-byte values, {max_entries} entries and flags \
+        "the {name} map has {value_size}-byte values, {max_entries} entries and flags \
          {map_flags:#x}, not what this build expects; it belongs to a release that broke the \
          layout rule: remove the pins (redirector uninstall) or start with --replace"
     )]
-    SocketCountsLayout {
+    MappedLayout {
+        name: &'static str,
         /// Its value size.
         value_size: u32,
         /// Its entries.
@@ -129,7 +130,7 @@ pub enum DatapathError {
         /// Its flags.
         map_flags: u32,
     },
-    /// The socket counts could not be mapped into memory.
+    /// An mmapable map could not be mapped into memory.
     #[error("mapping the {name} map into memory failed")]
     Mmap {
         name: &'static str,

@@ -98,7 +98,7 @@ const fn released(
 
 /// Every map ever released, with the shape it was released with. Append only: a row is never
 /// edited or removed (a retired `Config` map keeps its row, so its name is never reused).
-pub const RELEASED: [Released; 16] = [
+pub const RELEASED: [Released; 19] = [
     released(names::MAP_LISTENERS, HASH, 16, 32, 0, Kind::Config),
     released(names::MAP_LISTENER_MODE, ARRAY, 4, 4, 0, Kind::Kept),
     released(names::MAP_CACHE_HEALTH, ARRAY, 4, 16, 0, Kind::Kept),
@@ -130,6 +130,17 @@ pub const RELEASED: [Released; 16] = [
     released(names::MAP_DATAPATH_CONFIG, ARRAY, 4, 24, 0, Kind::Kept),
     // #28: the processes that bound a cache socket, for the signal program.
     released(names::MAP_CACHE_TASKS, LRU_HASH, 4, 16, 0, Kind::Kept),
+    // #28: what the caches read and leave unread, the kernel's flips and the drains.
+    released(
+        names::MAP_CACHE_ACTIVITY,
+        ARRAY,
+        4,
+        64,
+        MMAPABLE,
+        Kind::Kept,
+    ),
+    released(names::MAP_STALL_LIMITS, ARRAY, 4, 8, 0, Kind::Config),
+    released(names::MAP_CACHE_PORTS, ARRAY, 4, 8, 0, Kind::Config),
 ];
 
 /// The released row of `name`.

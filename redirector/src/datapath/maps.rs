@@ -11,6 +11,7 @@ use aya::{
     maps::{Array, HashMap, Map, MapData, MapError, PerCpuArray},
 };
 use redirector_common::{
+    activity::{CacheActivity, StallLimit, explain_flip},
     addr::{NetAddr, port_be},
     binds::{BindKey, BindListeners, CacheSocket, UNMARKED},
     counters::{ListenerCounters, PROTOCOL_TCP, PROTOCOL_UDP, counter_index},
@@ -18,7 +19,7 @@ use redirector_common::{
     datapath::{DatapathConfig, SkipCgroup, level_mask},
     listener::{
         CacheHealth, LISTENER_NAME_MAX, ListenerConfig, ListenerInfo, ListenerMode, MAX_LISTENERS,
-        SocketCounts,
+        Reason, Route, SocketCounts, explain,
     },
     names,
     pool::{Pool, Target},
@@ -28,8 +29,8 @@ use redirector_common::{
 
 use super::{
     error::{DatapathError, read, write},
+    mmapped::MappedArray,
     pins::MAPS_DIR,
-    socket_counts::SharedSocketCounts,
 };
 
 /// `BPF_NOEXIST`: insert only if the key is absent.
@@ -42,7 +43,10 @@ pub struct Maps {
     listeners: HashMap<MapData, NetAddr, ListenerConfig>,
     listener_mode: Array<MapData, ListenerMode>,
     cache_health: Array<MapData, CacheHealth>,
-    socket_counts: SharedSocketCounts,
+    socket_counts: MappedArray<SocketCounts>,
+    cache_activity: MappedArray<CacheActivity>,
+    stall_limits: Array<MapData, StallLimit>,
+    cache_ports: Array<MapData, u64>,
     cache_binds: HashMap<MapData, BindKey, BindListeners>,
     cache_sockets: HashMap<MapData, u64, CacheSocket>,
     listener_info: Array<MapData, ListenerInfo>,
@@ -179,7 +183,16 @@ impl Maps {
             listeners: typed(open, names::MAP_LISTENERS)?,
             listener_mode: typed(open, names::MAP_LISTENER_MODE)?,
             cache_health: typed(open, names::MAP_CACHE_HEALTH)?,
-            socket_counts: SharedSocketCounts::new(open(names::MAP_SOCKET_COUNTS)?)?,
+            socket_counts: MappedArray::new(
+                open(names::MAP_SOCKET_COUNTS)?,
+                names::MAP_SOCKET_COUNTS,
+            )?,
+            cache_activity: MappedArray::new(
+                open(names::MAP_CACHE_ACTIVITY)?,
+                names::MAP_CACHE_ACTIVITY,
+            )?,
+            stall_limits: typed(open, names::MAP_STALL_LIMITS)?,
+            cache_ports: typed(open, names::MAP_CACHE_PORTS)?,
             cache_binds: typed(open, names::MAP_CACHE_BINDS)?,
             cache_sockets: typed(open, names::MAP_CACHE_SOCKETS)?,
             listener_info: typed(open, names::MAP_LISTENER_INFO)?,
@@ -393,6 +406,66 @@ impl Maps {
     /// The kernel's count of a listener's cache sockets.
     pub fn socket_counts(&self, id: u32) -> Result<SocketCounts, DatapathError> {
         Ok(self.socket_counts.get(checked_id(id)?))
+    }
+
+    /// The route the kernel takes for listener `id` now, and why (`listener::explain`, with the
+    /// kernel's own flips told apart): the same truth table, on the same map values.
+    pub fn route(&self, id: u32, liveness: u32) -> Result<(Route, Reason), DatapathError> {
+        let counts = self.socket_counts(id)?;
+        let (route, reason) = explain(liveness, &self.mode(id)?, &self.health(id)?, &counts);
+        Ok((
+            route,
+            explain_flip(reason, &self.cache_activity(id)?, &counts),
+        ))
+    }
+
+    /// What the programs saw a listener's cache read and leave unread, and their latest flip.
+    pub fn cache_activity(&self, id: u32) -> Result<CacheActivity, DatapathError> {
+        Ok(self.cache_activity.get(checked_id(id)?))
+    }
+
+    /// Drains a listener at `now_ns` (monotonic): a new epoch, recorded as a drain, which the
+    /// agent's probes do not confirm while the record stands. Returns the epoch.
+    pub fn drain(&self, id: u32, now_ns: u64) -> Result<u64, DatapathError> {
+        let id = checked_id(id)?;
+        let epoch = self
+            .socket_counts
+            .new_epoch(id)
+            .ok_or(DatapathError::ListenerId { id })?;
+        self.cache_activity.record_drain(id, epoch, now_ns);
+        Ok(epoch)
+    }
+
+    /// Ends the drain that began `epoch`, if it is still the listener's latest flip.
+    pub fn end_drain(&self, id: u32, epoch: u64) -> Result<bool, DatapathError> {
+        Ok(self.cache_activity.end_drain(checked_id(id)?, epoch))
+    }
+
+    /// How long listener `id`'s cache may leave a query unread (`None`: never stalled), and the
+    /// cache's port, so that the programs see its reads.
+    pub fn set_stall_limit(
+        &mut self,
+        id: u32,
+        limit: Option<std::time::Duration>,
+        cache_port: u16,
+    ) -> Result<(), DatapathError> {
+        let id = checked_id(id)?;
+        let (word, bit) = reply_port_bit(port_be(cache_port));
+        let ports = self
+            .cache_ports
+            .get(&word, 0)
+            .map_err(read(names::MAP_CACHE_PORTS))?;
+        if ports & bit == 0 {
+            self.cache_ports
+                .set(word, ports | bit, 0)
+                .map_err(write(names::MAP_CACHE_PORTS))?;
+        }
+        let stall_after_ns = limit.map_or(0, |limit| {
+            u64::try_from(limit.as_nanos()).unwrap_or(u64::MAX)
+        });
+        self.stall_limits
+            .set(id, StallLimit { stall_after_ns }, 0)
+            .map_err(write(names::MAP_STALL_LIMITS))
     }
 
     /// Every counted cache socket: (cookie, entry).

@@ -9,11 +9,13 @@
 //! puts its programs in the pinned links, one hook at a time ([`Datapath::attach`]). The pin
 //! layout and the rule that keeps releases compatible are in [`pins`] and [`layout`].
 
+mod cache_activity;
 mod count_protocol;
 mod error;
 pub mod layout;
 mod maps;
 mod migrate;
+mod mmapped;
 pub mod pins;
 mod raw;
 mod socket_counts;

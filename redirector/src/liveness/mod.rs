@@ -2,6 +2,7 @@
 //! the socket tables here) and real DNS probes decide.
 
 pub mod binds;
+pub mod drain;
 pub mod health;
 pub mod probe;
 pub mod reconcile;

@@ -30,6 +30,8 @@ pub struct BoundSocket {
     pub port: u16,
     /// The socket's cookie (what `bpf_get_socket_cookie` returns for it).
     pub cookie: u64,
+    /// Bytes waiting in its receive queue (for UDP: datagrams not read yet).
+    pub recv_queue: u32,
 }
 
 /// Why the socket tables could not be read.
@@ -136,6 +138,7 @@ impl SocketTable {
                                 addr: NetAddr::from(id.source_address),
                                 port: id.source_port,
                                 cookie: u64::from_ne_bytes(id.cookie),
+                                recv_queue: response.header.recv_queue,
                             });
                         }
                     }

@@ -113,6 +113,7 @@ pub struct KernelFeature {
 const SOCK_ADDR: &[ProgramType] = &[ProgramType::CgroupSockAddr];
 const SOCK: &[ProgramType] = &[ProgramType::CgroupSock];
 const SKB: &[ProgramType] = &[ProgramType::CgroupSkb];
+const SOCK_ADDR_AND_SKB: &[ProgramType] = &[ProgramType::CgroupSockAddr, ProgramType::CgroupSkb];
 const RAW_TRACEPOINT: &[ProgramType] = &[ProgramType::RawTracePoint];
 const ALL_TYPES: &[ProgramType] = &[
     ProgramType::CgroupSockAddr,
@@ -189,8 +190,8 @@ pub const FEATURES: &[KernelFeature] = &[
     },
     KernelFeature {
         id: "raw_tracepoint_helpers",
-        name: "`bpf_map_lookup_elem`, `bpf_get_current_pid_tgid`, `bpf_get_current_cgroup_id` in raw tracepoint programs",
-        used_for: "whether a signalled process is a cache",
+        name: "`bpf_map_lookup_elem`, `bpf_get_current_pid_tgid`, `bpf_get_current_cgroup_id`, `bpf_ktime_get_ns` in raw tracepoint programs",
+        used_for: "whether a signalled process is a cache; when it was signalled",
         since: KernelVersion::new(4, 18, 0),
         need: Need::Required,
         probe: Probe::Helpers,
@@ -200,6 +201,7 @@ pub const FEATURES: &[KernelFeature] = &[
                 BpfHelper::BPF_FUNC_map_lookup_elem,
                 BpfHelper::BPF_FUNC_get_current_pid_tgid,
                 BpfHelper::BPF_FUNC_get_current_cgroup_id,
+                BpfHelper::BPF_FUNC_ktime_get_ns,
             ],
         },
     },
@@ -388,9 +390,22 @@ pub const FEATURES: &[KernelFeature] = &[
         },
     },
     KernelFeature {
+        id: "ktime_get_coarse_ns",
+        name: "`bpf_ktime_get_coarse_ns` in sock_addr and cgroup_skb programs",
+        used_for: "how long a cache has left a query unread",
+        since: KernelVersion::new(5, 11, 0),
+        need: Need::Required,
+        probe: Probe::Helpers,
+        uses: Uses::Helpers {
+            programs: SOCK_ADDR_AND_SKB,
+            helpers: &[BpfHelper::BPF_FUNC_ktime_get_coarse_ns],
+        },
+    },
+    KernelFeature {
         id: "atomic_fetch",
-        name: "`BPF_ATOMIC` with `BPF_FETCH` (`atomic_fetch_add`)",
-        used_for: "the close that takes a cache's socket count to zero, decided atomically",
+        name: "`BPF_ATOMIC` with `BPF_FETCH` (`atomic_fetch_add`, `cmpxchg`)",
+        used_for: "the close that takes a cache's socket count to zero, and the query that finds a \
+                   cache stalled, decided atomically",
         since: KernelVersion::new(5, 12, 0),
         need: Need::Required,
         probe: Probe::Release,
@@ -731,9 +746,10 @@ mod tests {
         );
         assert_eq!(
             require(&support).unwrap_err().to_string(),
-            "Linux 5.10.240-238.955.amzn2.x86_64 lacks BPF_ATOMIC with BPF_FETCH \
-             (atomic_fetch_add) (5.12, by release), SO_NETNS_COOKIE (agent) (5.14, by release), \
-             which redirector needs: run it on Linux 5.15 or later (or on a kernel with these \
+            "Linux 5.10.240-238.955.amzn2.x86_64 lacks bpf_ktime_get_coarse_ns in sock_addr and \
+             cgroup_skb programs (5.11, probed), BPF_ATOMIC with BPF_FETCH (atomic_fetch_add, \
+             cmpxchg) (5.12, by release), SO_NETNS_COOKIE (agent) (5.14, by release), which \
+             redirector needs: run it on Linux 5.15 or later (or on a kernel with these \
              backported) (nothing was loaded or attached)"
         );
     }
@@ -785,7 +801,7 @@ mod tests {
         for expected in [
             "cgroup v2 sock_release (5.9, by release)",
             "BPF_F_MMAPABLE array (5.5, by release)",
-            "BPF_ATOMIC with BPF_FETCH (atomic_fetch_add) (5.12, by release)",
+            "BPF_ATOMIC with BPF_FETCH (atomic_fetch_add, cmpxchg) (5.12, by release)",
         ] {
             assert!(error.missing.contains(expected), "{}", error.missing);
         }

@@ -16,12 +16,15 @@ use redirector_common::listener::Reason;
 use super::snapshot::{ListenerSnapshot, ProtocolCounters, reason_label};
 
 /// Every reason's label, so that each listener has one stable series per reason.
-const REASONS: [&str; 6] = [
+const REASONS: [&str; 9] = [
     reason_label(Reason::Override),
     reason_label(Reason::NoSockets),
     reason_label(Reason::ProbesFailing),
     reason_label(Reason::AwaitingConfirmation),
     reason_label(Reason::Unprobed),
+    reason_label(Reason::Signalled),
+    reason_label(Reason::Stalled),
+    reason_label(Reason::Drained),
     reason_label(Reason::Healthy),
 ];
 use super::stats::{AgentStats, ErrorKind};

@@ -5,7 +5,7 @@ use std::net::{IpAddr, SocketAddr};
 
 use redirector_common::{
     addr::port_from_be,
-    listener::{HEALTH_DOWN, HEALTH_UP, LIVENESS_PROBES, Reason, Route, explain},
+    listener::{HEALTH_DOWN, HEALTH_UP, LIVENESS_PROBES, Reason, Route},
     settings::{EmptyPoolPolicy, Mode},
 };
 use serde::Serialize;
@@ -124,6 +124,9 @@ pub fn reason_text(reason: Reason) -> &'static str {
         Reason::ProbesFailing => "the cache fails its probes",
         Reason::AwaitingConfirmation => "the cache is back, awaiting its probes",
         Reason::Unprobed => "the cache has no verdict yet",
+        Reason::Signalled => "the cache was told to stop, awaiting its next life",
+        Reason::Stalled => "the cache left a query unread, awaiting its probes",
+        Reason::Drained => "drained, until the cache's next life is confirmed",
         Reason::Healthy => "the cache is healthy",
     }
 }
@@ -137,6 +140,9 @@ pub const fn reason_label(reason: Reason) -> &'static str {
         Reason::ProbesFailing => "probes_failing",
         Reason::AwaitingConfirmation => "awaiting_confirmation",
         Reason::Unprobed => "unprobed",
+        Reason::Signalled => "signalled",
+        Reason::Stalled => "stalled",
+        Reason::Drained => "drained",
         Reason::Healthy => "healthy",
     }
 }
@@ -172,7 +178,7 @@ pub fn listeners(maps: &Maps) -> Result<Vec<ListenerSnapshot>, DatapathError> {
         let mode = maps.mode(id)?;
         let health = maps.health(id)?;
         let counts = maps.socket_counts(id)?;
-        let (route, reason) = explain(config.liveness, &mode, &health, &counts);
+        let (route, reason) = maps.route(id, config.liveness)?;
         let pool = maps
             .pool(id)?
             .targets()

@@ -1,0 +1,172 @@
+//! Drains for planned work on a cache (#28): `redirector drain --listener NAME --wait` moves the
+//! listener upstream, waits until the cache has read what it was handed, and returns; the cache
+//! can then be stopped without losing a query, and its next life, confirmed by the probes, gets
+//! the DNS back. Without `--wait` it returns at once; `--cancel` ends a drain.
+
+use std::time::Duration;
+
+use bpf_tests::{
+    cli::{CliOutput, redirector, start_agent, uninstall},
+    dns::now_ms,
+    harness::{NODE_ID, write_standard_config},
+    pace::{pause, wait_until},
+    sandbox::{CacheSpec, Ns, Query, Sandbox, Transport},
+    stream::{Stream, StreamReport},
+    tools,
+    topology::{NODE_LISTENER, dns, who},
+};
+use redirector::{datapath::Maps, telemetry::snapshot};
+use redirector_common::activity::FLIP_DRAINED;
+
+fn answered_by(sandbox: &Sandbox) -> anyhow::Result<&'static str> {
+    let outcome = sandbox.query(Ns::Pod, Query::new(dns(NODE_LISTENER), Transport::Udp))?;
+    Ok(who(outcome.answer()))
+}
+
+fn node_reason(sandbox: &Sandbox) -> anyhow::Result<&'static str> {
+    let maps = Maps::open_pinned(&sandbox.pin_dir())?;
+    snapshot::listeners(&maps)?
+        .into_iter()
+        .find(|listener| listener.name == "node")
+        .map(|listener| listener.reason_code)
+        .ok_or_else(|| anyhow::anyhow!("no node listener"))
+}
+
+fn drain(config: &std::path::Path, extra: &[&str]) -> anyhow::Result<CliOutput> {
+    let config = config.display().to_string();
+    let mut args = vec!["drain", "--listener", "node", "--config", &config];
+    args.extend_from_slice(extra);
+    let output = redirector(&args)?;
+    anyhow::ensure!(output.code == 0, "drain failed: {output:?}");
+    Ok(output)
+}
+
+/// The planned restart: drain and wait, stop the cache (SIGTERM with its default action), start
+/// its next life. Nothing is lost, from before the drain to after the failback, and the drained
+/// cache gets no query even though it answers its probes throughout.
+#[test]
+fn drain_and_wait_then_a_restart_loses_nothing() -> anyhow::Result<()> {
+    let mut sandbox = Sandbox::new(tools!())?;
+    sandbox.start_standard_servers()?;
+    let config = write_standard_config(&sandbox)?;
+    let agent = start_agent(&config)?;
+    wait_until(
+        "the agent confirms the cache",
+        Duration::from_secs(10),
+        Duration::from_millis(50),
+        || Ok(answered_by(&sandbox)? == "cache"),
+    )?;
+    let stream = Stream::start_with(
+        &sandbox,
+        Ns::Pod,
+        dns(NODE_LISTENER),
+        Duration::from_secs(120),
+        &[
+            "--kinds",
+            "fresh,connected,long",
+            "--open-loop",
+            "--interval-ms",
+            "1",
+        ],
+    )?;
+    pause(500);
+    let drained = now_ms();
+    let output = drain(&config, &["--wait"])?;
+    let waited = now_ms();
+    println!("{}", output.stdout);
+    // The probes answer, and still the drain holds.
+    pause(1000);
+    assert_eq!(node_reason(&sandbox)?, "drained");
+    let maps = Maps::open_pinned(&sandbox.pin_dir())?;
+    let activity = maps.cache_activity(NODE_ID)?;
+    assert_eq!(activity.flip_reason, FLIP_DRAINED, "{activity:?}");
+    assert_eq!(activity.drained, 1, "{activity:?}");
+    let stopped = now_ms();
+    sandbox.stop_server("cache")?;
+    sandbox.start_cache("cache", &CacheSpec::standard())?;
+    wait_until(
+        "the probes confirm the cache's next life",
+        Duration::from_secs(10),
+        Duration::from_millis(50),
+        || Ok(answered_by(&sandbox)? == "cache"),
+    )?;
+    let back = now_ms();
+    let report = stream.stop_once(
+        "queries after the failback",
+        Duration::from_secs(20),
+        |report| report.between(back + 200, u64::MAX).count() > 100,
+    )?;
+    println!(
+        "drain at +{} ms, waited until +{} ms, stopped at +{} ms, back at +{} ms: {}",
+        drained - report.started_ms(),
+        waited - report.started_ms(),
+        stopped - report.started_ms(),
+        back - report.started_ms(),
+        report.summary()
+    );
+    let flipped_by = report
+        .flipped_by(drained)
+        .unwrap_or_else(|| panic!("the drain moved nothing: {}", report.summary()));
+    assert!(flipped_by <= waited, "{}", report.summary());
+    for record in report.between(flipped_by + 1, stopped) {
+        assert!(
+            StreamReport::answered_by(record).starts_with("upstream"),
+            "the drained cache answered a query ({record:?}): {}",
+            report.summary()
+        );
+    }
+    assert_eq!(
+        report.failures_between(0, u64::MAX),
+        0,
+        "a planned restart lost queries: {}",
+        report.summary()
+    );
+    drop(agent);
+    uninstall(&config)?;
+    Ok(())
+}
+
+/// Without `--wait` the drain returns at once and the listener is upstream; `--cancel` ends it
+/// and the probes give the cache, which never stopped, its DNS back.
+#[test]
+fn drain_without_wait_moves_at_once_and_cancel_gives_the_dns_back() -> anyhow::Result<()> {
+    let mut sandbox = Sandbox::new(tools!())?;
+    sandbox.start_standard_servers()?;
+    let config = write_standard_config(&sandbox)?;
+    let agent = start_agent(&config)?;
+    wait_until(
+        "the agent confirms the cache",
+        Duration::from_secs(10),
+        Duration::from_millis(50),
+        || Ok(answered_by(&sandbox)? == "cache"),
+    )?;
+    drain(&config, &[])?;
+    assert!(
+        answered_by(&sandbox)?.starts_with("upstream"),
+        "the drain did not move the next query"
+    );
+    pause(1000);
+    assert!(answered_by(&sandbox)?.starts_with("upstream"));
+    assert_eq!(node_reason(&sandbox)?, "drained");
+    let output = drain(&config, &["--cancel"])?;
+    assert!(output.stdout.contains("drain ended"), "{output:?}");
+    wait_until(
+        "the probes give the cache its DNS back",
+        Duration::from_secs(10),
+        Duration::from_millis(50),
+        || Ok(answered_by(&sandbox)? == "cache"),
+    )?;
+    // A drain whose cache restarted ends with it: a cancel finds nothing to end.
+    drain(&config, &[])?;
+    sandbox.stop_server("cache")?;
+    sandbox.start_cache("cache", &CacheSpec::standard())?;
+    wait_until(
+        "the cache's next life ends the drain",
+        Duration::from_secs(10),
+        Duration::from_millis(50),
+        || Ok(answered_by(&sandbox)? == "cache"),
+    )?;
+    drop(agent);
+    uninstall(&config)?;
+    Ok(())
+}

@@ -1,0 +1,151 @@
+//! The cache's own traffic, seen from both ends: a cache that stops reading its queries is moved
+//! off in the kernel, and every flip the programs make (a signal, a stall) is recorded with its
+//! reason (`redirector_common::activity` has the rule).
+//!
+//! The queries handed to the cache are noted where a datagram leaves for it: `sendmsg` of an
+//! unconnected socket (the steering program) and the egress of a connected one. The cache's reads
+//! are noted by `recvmsg` on a counted cache socket, which fires for every datagram a cache reads
+//! with its source address (every DNS server does: it must answer the sender), when the cache
+//! runs in the attach cgroup. A cache whose reads were never seen is never called stalled.
+//!
+//! Kernel features: `bpf_ktime_get_coarse_ns` 5.11 in sock_addr and cgroup_skb programs (a clock
+//! read without the TSC; its tick is fine for a limit of tens of ms), `BPF_CMPXCHG` 5.12,
+//! mmapable arrays 5.5, `bpf_sock_addr.sk` 5.3 (the reading socket's bound port).
+
+use core::ptr::{addr_of, addr_of_mut, read_volatile, write_volatile};
+
+use aya_ebpf::{helpers::bpf_ktime_get_coarse_ns, programs::SockAddrContext};
+use redirector_common::{
+    activity::{CacheActivity, FLIP_SIGNALLED, FLIP_STALLED, is_stalled},
+    datapath::listener_bit,
+    listener::MAX_LISTENERS,
+    reverse::reply_port_bit,
+};
+
+use crate::{
+    atomic::{add_u64, compare_exchange_u64, fetch_add_i64},
+    context,
+    maps::{CACHE_ACTIVITY, CACHE_PORTS, CACHE_SOCKETS, SOCKET_COUNTS, STALL_LIMITS},
+};
+
+/// Whether the program is handing the cache a datagram, or only asking where DNS goes.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Handing {
+    /// A UDP query leaves for the cache now (`sendmsg`, egress).
+    Query,
+    /// A connect: nothing is sent yet.
+    Nothing,
+}
+
+/// On the cache route: notes a query handed to the cache, and tells whether the cache has left
+/// one unread past its limit. The first program to see the stall flips the listener (a new
+/// `down_epoch`, as the last close records one); every program that sees it routes upstream.
+/// While the cache reads, this is one array lookup, two loads and, when a query leaves, a clock
+/// read.
+#[inline(always)]
+pub fn cache_stalled(listener_id: u32, handing: Handing) -> bool {
+    let Some(limit) = STALL_LIMITS.get(listener_id).copied() else {
+        return false;
+    };
+    if limit.stall_after_ns == 0 {
+        return false;
+    }
+    let Some(activity) = CACHE_ACTIVITY.get_ptr_mut(listener_id) else {
+        return false;
+    };
+    // SAFETY: an element of an array map, valid for the program's lifetime and 8-byte aligned;
+    // other CPUs and the agent's mmap change its fields one by one, so each is read and written
+    // whole, never borrowed.
+    unsafe {
+        if read_volatile(addr_of!((*activity).last_read_ns)) == 0 {
+            return false;
+        }
+        let first_unread = read_volatile(addr_of!((*activity).first_unread_ns));
+        if first_unread == 0 && handing == Handing::Nothing {
+            return false;
+        }
+        let now = bpf_ktime_get_coarse_ns();
+        if first_unread == 0 {
+            // Two CPUs may both stamp a first query: either stamp is the first within a tick.
+            write_volatile(addr_of_mut!((*activity).first_unread_ns), now);
+            return false;
+        }
+        if !is_stalled(first_unread, now, &limit) {
+            return false;
+        }
+        if compare_exchange_u64(addr_of_mut!((*activity).first_unread_ns), first_unread, 0)
+            == first_unread
+        {
+            flip(listener_id, activity, FLIP_STALLED, now);
+        }
+    }
+    true
+}
+
+/// `recvmsg`: when the reading socket is a counted cache socket, notes the read for each of its
+/// listeners. Any other socket returns after its bound port is checked against `CACHE_PORTS`.
+#[inline(always)]
+pub fn note_cache_read(ctx: &SockAddrContext) {
+    // SAFETY: `sk` is always set in sock_addr programs (a full socket, readable as `bpf_sock`);
+    // `src_port` is its bound port in host byte order.
+    let port = unsafe {
+        let sock = (*ctx.sock_addr).__bindgen_anon_1.sk;
+        read_volatile(addr_of!((*sock).src_port))
+    };
+    let (word, bit) = reply_port_bit((port as u16).to_be());
+    if CACHE_PORTS.get(word).is_none_or(|ports| *ports & bit == 0) {
+        return;
+    }
+    let Some(entry) = CACHE_SOCKETS.get_ptr(context::socket_cookie(ctx)) else {
+        return;
+    };
+    // SAFETY: entries are written whole.
+    let listeners = unsafe { (*entry).listeners };
+    // SAFETY: plain helper call.
+    let now = unsafe { bpf_ktime_get_coarse_ns() };
+    let mut id = 0;
+    while id < MAX_LISTENERS as u32 {
+        if listeners & listener_bit(id) != 0
+            && let Some(activity) = CACHE_ACTIVITY.get_ptr_mut(id)
+        {
+            // SAFETY: as in `cache_stalled`. A query stamped between these two stores waits for
+            // the next read: a stall is judged at most one read late.
+            unsafe {
+                write_volatile(addr_of_mut!((*activity).last_read_ns), now);
+                if read_volatile(addr_of!((*activity).first_unread_ns)) != 0 {
+                    write_volatile(addr_of_mut!((*activity).first_unread_ns), 0);
+                }
+            }
+        }
+        id += 1;
+    }
+}
+
+/// Fails listener `listener_id` over in the kernel for `reason`, at `now_ns`: a new `down_epoch`
+/// (routes upstream from the next syscall until the agent's probes confirm the cache in it) and
+/// the record of why, which `status` shows while the epoch lasts.
+///
+/// # Safety
+///
+/// `activity` must be the listener's `CACHE_ACTIVITY` element.
+#[inline(always)]
+pub unsafe fn flip(listener_id: u32, activity: *mut CacheActivity, reason: u32, now_ns: u64) {
+    let Some(counts) = SOCKET_COUNTS.get_ptr_mut(listener_id) else {
+        return;
+    };
+    // SAFETY: elements of array maps, 8-byte aligned, shared with other CPUs and the agent's
+    // mmap: the epoch is changed by an atomic add only, the record field by field.
+    unsafe {
+        let epoch = addr_of_mut!((*counts).down_epoch);
+        let before = fetch_add_i64(epoch.cast(), 1);
+        write_volatile(addr_of_mut!((*activity).flip_epoch), before as u64 + 1);
+        write_volatile(addr_of_mut!((*activity).flip_ns), now_ns);
+        write_volatile(addr_of_mut!((*activity).flip_reason), reason);
+        let tally = if reason == FLIP_SIGNALLED {
+            addr_of_mut!((*activity).signalled)
+        } else {
+            addr_of_mut!((*activity).stalled)
+        };
+        add_u64(tally, 1);
+    }
+}

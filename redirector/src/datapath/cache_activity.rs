@@ -1,0 +1,76 @@
+//! The `CACHE_ACTIVITY` map, mapped into the agent's memory: what the programs saw the caches read
+//! and leave unread, their flips, and the drains the agent records beside them.
+
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+
+use redirector_common::activity::{CacheActivity, FLIP_DRAINED};
+
+use super::mmapped::MappedArray;
+
+impl MappedArray<CacheActivity> {
+    /// A listener's activity, each field read atomically.
+    #[must_use]
+    pub fn get(&self, id: u32) -> CacheActivity {
+        let Some(element) = self.element(id) else {
+            return CacheActivity::default();
+        };
+        let load = |field: *mut u64| {
+            // SAFETY: a valid, aligned field of the mapping, changed only whole.
+            unsafe { AtomicU64::from_ptr(field) }.load(Ordering::Relaxed)
+        };
+        // SAFETY: fields of a valid element.
+        unsafe {
+            CacheActivity {
+                first_unread_ns: load(&raw mut (*element).first_unread_ns),
+                last_read_ns: load(&raw mut (*element).last_read_ns),
+                flip_epoch: load(&raw mut (*element).flip_epoch),
+                flip_ns: load(&raw mut (*element).flip_ns),
+                flip_reason: AtomicU32::from_ptr(&raw mut (*element).flip_reason)
+                    .load(Ordering::Relaxed),
+                _padding: 0,
+                signalled: load(&raw mut (*element).signalled),
+                stalled: load(&raw mut (*element).stalled),
+                drained: load(&raw mut (*element).drained),
+            }
+        }
+    }
+
+    /// Records a drain of listener `id` that began `epoch` at `now_ns` (monotonic), as the
+    /// programs record their flips.
+    pub fn record_drain(&self, id: u32, epoch: u64, now_ns: u64) {
+        let Some(element) = self.element(id) else {
+            return;
+        };
+        // SAFETY: valid, aligned fields of the mapping, each written whole.
+        unsafe {
+            AtomicU64::from_ptr(&raw mut (*element).flip_epoch).store(epoch, Ordering::Relaxed);
+            AtomicU64::from_ptr(&raw mut (*element).flip_ns).store(now_ns, Ordering::Relaxed);
+            AtomicU32::from_ptr(&raw mut (*element).flip_reason)
+                .store(FLIP_DRAINED, Ordering::Relaxed);
+            AtomicU64::from_ptr(&raw mut (*element).drained).fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Ends a drain of listener `id` that began `epoch`, if it is still the latest flip: the
+    /// record says no more than that a flip happened (the probes may confirm the epoch).
+    pub fn end_drain(&self, id: u32, epoch: u64) -> bool {
+        let Some(element) = self.element(id) else {
+            return false;
+        };
+        // SAFETY: valid, aligned fields of the mapping.
+        unsafe {
+            if AtomicU64::from_ptr(&raw mut (*element).flip_epoch).load(Ordering::Relaxed) != epoch
+            {
+                return false;
+            }
+            AtomicU32::from_ptr(&raw mut (*element).flip_reason)
+                .compare_exchange(
+                    FLIP_DRAINED,
+                    redirector_common::activity::FLIP_NONE,
+                    Ordering::Relaxed,
+                    Ordering::Relaxed,
+                )
+                .is_ok()
+        }
+    }
+}

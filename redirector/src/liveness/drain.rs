@@ -1,0 +1,136 @@
+//! Drains: a listener moved upstream for planned work on its cache, before the cache is stopped.
+//!
+//! A drain begins a new `down_epoch`, recorded as a drain in `CACHE_ACTIVITY`: the programs route
+//! upstream from the next syscall, and the agent's probes do not confirm that epoch however well
+//! the cache answers. It ends when the cache's next life begins a new epoch (its last socket
+//! closes, or it is signalled to stop) and the probes confirm that life, or when an operator ends
+//! it. Waiting for a drain means waiting until the cache has read every query it was handed and
+//! its receive queues are empty, then for the answers it is still working on.
+
+use std::time::{Duration, Instant};
+
+use redirector_common::{activity::FLIP_DRAINED, counters::PROTOCOL_UDP, datapath::listener_bit};
+
+use super::{
+    health::monotonic_ns,
+    sockdiag::{SockDiagError, SocketTable},
+};
+use crate::datapath::{DatapathError, Maps};
+
+/// Why a drain failed.
+#[derive(Debug, thiserror::Error)]
+pub enum DrainError {
+    /// The maps could not be read or written.
+    #[error("the pinned maps could not be used")]
+    Maps(#[from] DatapathError),
+    /// The caches' socket tables could not be read.
+    #[error("the caches' sockets could not be read")]
+    Sockets(#[from] SockDiagError),
+    /// The cache still had queries to read when the wait ran out.
+    #[error(
+        "the cache still had queries unread after {waited:?} ({unread_bytes} bytes queued on its \
+         sockets); the listener stays drained (upstream): stopping the cache now loses those \
+         queries, so wait longer (--timeout) or look at why the cache does not read"
+    )]
+    Timeout {
+        /// How long the wait lasted.
+        waited: Duration,
+        /// Bytes still queued on the cache's UDP sockets.
+        unread_bytes: u64,
+    },
+}
+
+/// Begins a drain of listener `id`; returns the epoch it began.
+///
+/// # Errors
+///
+/// [`DrainError::Maps`] when the maps cannot be written.
+pub fn begin(maps: &Maps, id: u32) -> Result<u64, DrainError> {
+    Ok(maps.drain(id, monotonic_ns())?)
+}
+
+/// Ends the drain of listener `id` if one is its latest flip: the probes may then confirm the
+/// cache. Returns whether a drain was ended.
+///
+/// # Errors
+///
+/// [`DrainError::Maps`] when the maps cannot be read or written.
+pub fn end(maps: &Maps, id: u32) -> Result<bool, DrainError> {
+    let activity = maps.cache_activity(id)?;
+    if activity.flip_reason != FLIP_DRAINED {
+        return Ok(false);
+    }
+    Ok(maps.end_drain(id, activity.flip_epoch)?)
+}
+
+/// Whether a drain of listener `id` stands: its latest flip, in the epoch it began.
+///
+/// # Errors
+///
+/// [`DrainError::Maps`] when the maps cannot be read.
+pub fn stands(maps: &Maps, id: u32) -> Result<bool, DrainError> {
+    let activity = maps.cache_activity(id)?;
+    Ok(activity.flip_reason == FLIP_DRAINED
+        && activity.flip_epoch == maps.socket_counts(id)?.down_epoch)
+}
+
+/// What a finished wait saw.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Quiet {
+    /// From the start of the wait until nothing was left unread.
+    pub read_all_after: Duration,
+}
+
+/// Waits until listener `id`'s cache has nothing left unread (the programs saw it read every
+/// query handed to it, and its UDP sockets' receive queues in `table` are empty), then `settle`
+/// more for the answers to the last ones; gives up after `timeout`.
+///
+/// # Errors
+///
+/// [`DrainError::Timeout`] when something is still unread at `timeout`; [`DrainError::Maps`] or
+/// [`DrainError::Sockets`] when the state cannot be read.
+pub fn wait_quiet(
+    maps: &Maps,
+    table: &mut SocketTable,
+    id: u32,
+    settle: Duration,
+    timeout: Duration,
+) -> Result<Quiet, DrainError> {
+    let started = Instant::now();
+    loop {
+        let unread_bytes = unread_bytes(maps, table, id)?;
+        let activity = maps.cache_activity(id)?;
+        // A first unread stamp counts only where the cache's reads are seen at all.
+        let handed_unread = activity.last_read_ns != 0 && activity.first_unread_ns != 0;
+        if unread_bytes == 0 && !handed_unread {
+            let read_all_after = started.elapsed();
+            std::thread::sleep(settle);
+            return Ok(Quiet { read_all_after });
+        }
+        if started.elapsed() >= timeout {
+            return Err(DrainError::Timeout {
+                waited: started.elapsed(),
+                unread_bytes,
+            });
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// Bytes queued on the UDP sockets counted as listener `id`'s cache.
+fn unread_bytes(maps: &Maps, table: &mut SocketTable, id: u32) -> Result<u64, DrainError> {
+    let cookies: Vec<u64> = maps
+        .cache_sockets()
+        .into_iter()
+        .filter(|(_, entry)| {
+            entry.protocol == PROTOCOL_UDP && entry.listeners & listener_bit(id) != 0
+        })
+        .map(|(cookie, _)| cookie)
+        .collect();
+    Ok(table
+        .bound_sockets()?
+        .iter()
+        .filter(|socket| socket.protocol == PROTOCOL_UDP && cookies.contains(&socket.cookie))
+        .map(|socket| u64::from(socket.recv_queue))
+        .sum())
+}

@@ -1254,7 +1254,7 @@ fn promtool(args: &[&str]) -> String {
 #[test]
 fn the_alert_rules_are_valid_and_fire_as_their_tests_say() {
     let checked = promtool(&["check", "rules", "redirector.rules.yml"]);
-    assert!(checked.contains("SUCCESS: 6 rules found"), "{checked}");
+    assert!(checked.contains("SUCCESS: 8 rules found"), "{checked}");
     promtool(&["test", "rules", "redirector.rules.test.yml"]);
     // Every alert has a unit test, and every metric an alert reads is one the agent serves.
     let rules = read("deploy/prometheus/redirector.rules.yml");
@@ -1274,6 +1274,7 @@ fn the_alert_rules_are_valid_and_fire_as_their_tests_say() {
         "redirector_listener_route",
         "redirector_listener_reason",
         "redirector_probe_servfails_total",
+        "redirector_kernel_flips_total",
         "redirector_pool_backends",
         "redirector_conntrack_bypass_active",
         "redirector_ready",
@@ -1308,6 +1309,7 @@ fn served_metrics() -> String {
         pool: Vec::new(),
         empty_pool: "pass",
         counters: redirector::telemetry::snapshot::CounterSnapshot::default(),
+        flips: redirector::telemetry::snapshot::FlipCounts::default(),
     };
     let stats = redirector::telemetry::stats::AgentStats::default();
     stats.record_probe("node", true, std::time::Duration::from_millis(1));

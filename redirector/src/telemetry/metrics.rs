@@ -122,6 +122,14 @@ fn register_listeners(registry: &mut Registry, listeners: &[ListenerSnapshot], s
         "Upstream targets in a listener's pool",
         backends.clone(),
     );
+    let flips = CounterFamily::default();
+    registry.register(
+        "kernel_flips",
+        "Moves of a listener upstream the kernel made itself, by reason: signalled (a terminating \
+         signal to the cache, counted once per thread that saw it), stalled (the cache left a \
+         query unread past its limit); and drained (redirector drain)",
+        flips.clone(),
+    );
     let failover = SecondsCounter::default();
     registry.register_with_unit(
         "failover",
@@ -204,6 +212,15 @@ fn register_listeners(registry: &mut Registry, listeners: &[ListenerSnapshot], s
                     .get_or_create(&labels(&[("listener", name), ("protocol", protocol)]))
                     .set(count.max(0));
             }
+        }
+        for (reason, count) in [
+            ("signalled", listener.flips.signalled),
+            ("stalled", listener.flips.stalled),
+            ("drained", listener.flips.drained),
+        ] {
+            flips
+                .get_or_create(&labels(&[("listener", name), ("reason", reason)]))
+                .inc_by(count);
         }
         backends
             .get_or_create(&labels(&[("listener", name)]))

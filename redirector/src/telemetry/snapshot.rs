@@ -41,6 +41,20 @@ pub struct ListenerSnapshot {
     pub empty_pool: &'static str,
     /// Decisions and rewrites since the maps were created, per protocol.
     pub counters: CounterSnapshot,
+    /// The kernel's own moves of the listener upstream, and the drains, since the maps were
+    /// created.
+    pub flips: FlipCounts,
+}
+
+/// The kernel's flips of one listener by reason, since the maps were created.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct FlipCounts {
+    /// A terminating signal to the cache (one per thread that saw it).
+    pub signalled: u64,
+    /// The cache left a query unread past its stall limit.
+    pub stalled: u64,
+    /// `redirector drain`.
+    pub drained: u64,
 }
 
 /// One upstream target.
@@ -209,6 +223,14 @@ pub fn listeners(maps: &Maps) -> Result<Vec<ListenerSnapshot>, DatapathError> {
                 .unwrap_or_default()
                 .label(),
             counters: maps.counters(id)?.into(),
+            flips: {
+                let activity = maps.cache_activity(id)?;
+                FlipCounts {
+                    signalled: activity.signalled,
+                    stalled: activity.stalled,
+                    drained: activity.drained,
+                }
+            },
         });
     }
     Ok(snapshots)

@@ -197,8 +197,9 @@ pub fn render_table(report: &StatusReport) -> String {
             let _ = writeln!(
                 text,
                 "agent:     NOT RUNNING: the pinned programs keep steering and failing over in the \
-                 kernel, but a hung cache is not detected and a restarted cache stays on the \
-                 upstreams until an agent runs"
+                 kernel (a cache's last close, its stop signal, a stall they see), but a cache \
+                 moved upstream stays there until an agent's probes confirm it, and a hung cache \
+                 whose reads they cannot see is not detected"
             );
         }
     }
@@ -304,6 +305,20 @@ pub fn render_table(report: &StatusReport) -> String {
         }
     }
     table(&mut text, &rows);
+
+    text.push_str("
+moves the kernel made itself, and drains, since the maps were created:
+");
+    let mut rows = vec![["LISTENER", "SIGNALLED", "STALLED", "DRAINED"].map(str::to_owned)];
+    for listener in &report.listeners {
+        rows.push([
+            listener.name.clone(),
+            listener.flips.signalled.to_string(),
+            listener.flips.stalled.to_string(),
+            listener.flips.drained.to_string(),
+        ]);
+    }
+    table(&mut text, &rows);
     text
 }
 
@@ -328,7 +343,7 @@ fn table<const N: usize>(text: &mut String, rows: &[[String; N]]) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::telemetry::snapshot::{CounterSnapshot, PoolTarget};
+    use crate::telemetry::snapshot::{CounterSnapshot, FlipCounts, PoolTarget};
 
     fn report(running: bool) -> StatusReport {
         StatusReport {
@@ -369,6 +384,7 @@ mod tests {
                 }],
                 empty_pool: "pass",
                 counters: CounterSnapshot::default(),
+                flips: FlipCounts::default(),
             }],
         }
     }

@@ -573,13 +573,20 @@ impl Sandbox {
     #[must_use]
     pub fn config_toml_with_probe(&self, listeners: &str, tables: &str, probe: &str) -> String {
         format!(
-            "cgroup = {:?}\npin_dir = {:?}\nlock_file = {:?}\ncache_netns = {:?}\nsocket_reconcile_interval_ms = {}\n\n[probe]\n{probe}\n[metrics]\naddress = \"127.0.0.1:0\"\n\n{tables}\n{listeners}",
+            "cgroup = {:?}\npin_dir = {:?}\nlock_file = {:?}\ndrain_socket = {:?}\ncache_netns = {:?}\nsocket_reconcile_interval_ms = {}\n\n[probe]\n{probe}\n[metrics]\naddress = \"127.0.0.1:0\"\n\n{tables}\n{listeners}",
             self.cgroup.path().display().to_string(),
             self.pin_dir().display().to_string(),
             self.lock_file().display().to_string(),
+            self.drain_socket().display().to_string(),
             self.node_netns_path().display().to_string(),
             paced_ms(500),
         )
+    }
+
+    /// The agent's drain socket in this sandbox (`drain_socket`).
+    #[must_use]
+    pub fn drain_socket(&self) -> PathBuf {
+        self.scratch.0.join("drain").join("drain.sock")
     }
 
     /// Starts a test DNS server in `ns` answering as `identity` on every address of `listen`

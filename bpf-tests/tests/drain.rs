@@ -1,7 +1,8 @@
 //! Drains for planned work on a cache (#28): `redirector drain --listener NAME --wait` moves the
 //! listener upstream, waits until the cache has read what it was handed, and returns; the cache
 //! can then be stopped without losing a query, and its next life, confirmed by the probes, gets
-//! the DNS back. Without `--wait` it returns at once; `--cancel` ends a drain.
+//! the DNS back. Without `--wait` it returns at once; `--cancel` ends a drain. A cache's pod asks
+//! the agent over its drain socket; on the node the CLI uses the pins itself.
 
 use std::time::Duration;
 
@@ -32,9 +33,20 @@ fn node_reason(sandbox: &Sandbox) -> anyhow::Result<&'static str> {
         .ok_or_else(|| anyhow::anyhow!("no node listener"))
 }
 
-fn drain(config: &std::path::Path, extra: &[&str]) -> anyhow::Result<CliOutput> {
-    let config = config.display().to_string();
-    let mut args = vec!["drain", "--listener", "node", "--config", &config];
+/// How `redirector drain` reaches the state.
+enum Via<'a> {
+    /// The pinned maps, as on the node (the configuration says where).
+    Pins(&'a std::path::Path),
+    /// The agent's drain socket, as from a cache's pod.
+    Socket(&'a std::path::Path),
+}
+
+fn drain(via: &Via<'_>, extra: &[&str]) -> anyhow::Result<CliOutput> {
+    let (flag, path) = match via {
+        Via::Pins(config) => ("--config", config.display().to_string()),
+        Via::Socket(socket) => ("--socket", socket.display().to_string()),
+    };
+    let mut args = vec!["drain", "--listener", "node", flag, &path];
     args.extend_from_slice(extra);
     let output = redirector(&args)?;
     anyhow::ensure!(output.code == 0, "drain failed: {output:?}");
@@ -71,7 +83,14 @@ fn drain_and_wait_then_a_restart_loses_nothing() -> anyhow::Result<()> {
     )?;
     pause(500);
     let drained = now_ms();
-    let output = drain(&config, &["--wait"])?;
+    // Asked over the agent's socket, as a cache's preStop hook does: a root-only socket.
+    let socket = sandbox.drain_socket();
+    {
+        use std::os::unix::fs::PermissionsExt as _;
+        let mode = std::fs::metadata(&socket)?.permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600, "the drain socket is open to others: {mode:o}");
+    }
+    let output = drain(&Via::Socket(&socket), &["--wait"])?;
     let waited = now_ms();
     println!("{}", output.stdout);
     // The probes answer, and still the drain holds.
@@ -140,7 +159,7 @@ fn drain_without_wait_moves_at_once_and_cancel_gives_the_dns_back() -> anyhow::R
         Duration::from_millis(50),
         || Ok(answered_by(&sandbox)? == "cache"),
     )?;
-    drain(&config, &[])?;
+    drain(&Via::Pins(&config), &[])?;
     assert!(
         answered_by(&sandbox)?.starts_with("upstream"),
         "the drain did not move the next query"
@@ -148,7 +167,7 @@ fn drain_without_wait_moves_at_once_and_cancel_gives_the_dns_back() -> anyhow::R
     pause(1000);
     assert!(answered_by(&sandbox)?.starts_with("upstream"));
     assert_eq!(node_reason(&sandbox)?, "drained");
-    let output = drain(&config, &["--cancel"])?;
+    let output = drain(&Via::Pins(&config), &["--cancel"])?;
     assert!(output.stdout.contains("drain ended"), "{output:?}");
     wait_until(
         "the probes give the cache its DNS back",
@@ -156,8 +175,8 @@ fn drain_without_wait_moves_at_once_and_cancel_gives_the_dns_back() -> anyhow::R
         Duration::from_millis(50),
         || Ok(answered_by(&sandbox)? == "cache"),
     )?;
-    // A drain whose cache restarted ends with it: a cancel finds nothing to end.
-    drain(&config, &[])?;
+    // A drain ends with its cache's next life.
+    drain(&Via::Pins(&config), &[])?;
     sandbox.stop_server("cache")?;
     sandbox.start_cache("cache", &CacheSpec::standard())?;
     wait_until(

@@ -8,6 +8,7 @@
 //! the caches' namespace.
 
 mod controller;
+mod drain_socket;
 mod environment;
 mod ids;
 mod start;
@@ -184,6 +185,17 @@ pub enum AgentError {
     /// The metrics endpoint could not be opened.
     #[error(transparent)]
     Telemetry(#[from] telemetry::http::BindError),
+    /// The drain socket could not be made.
+    #[error(
+        "cannot serve drains on {path}; fix the directory's permissions, set drain_socket to \
+         another path, or to \"\" to serve none"
+    )]
+    DrainSocket {
+        path: PathBuf,
+        /// What the OS said.
+        #[source]
+        source: std::io::Error,
+    },
     /// The conntrack bypass table could not be removed.
     #[error(
         "removing the nftables table inet redirector failed; remove it with `nft delete table inet redirector`"
@@ -253,6 +265,8 @@ pub struct Agent {
     sources: Vec<JoinHandle<()>>,
     /// The task keeping the conntrack bypass table (`None` when `conntrack.bypass` is off).
     bypass: Option<JoinHandle<()>>,
+    /// The task serving the drain socket (`None` when `drain_socket` is off).
+    drains: Option<JoinHandle<()>>,
     /// The metrics and health endpoint: its address and server.
     telemetry: Option<(SocketAddr, telemetry::http::Server)>,
     lock: InstanceLock,
@@ -327,8 +341,8 @@ impl Agent {
     }
 
     /// Stops the agent and leaves the datapath in place: the pinned programs keep steering and
-    /// failing over (a hung cache is not noticed without the agent's probes). `uninstall`
-    /// removes everything.
+    /// failing over (a hung cache whose reads they cannot see is not noticed without the agent's
+    /// probes). `uninstall` removes everything.
     pub fn shutdown(self) {
         if let Err(error) = crate::sys::sd_notify::notify("STOPPING=1") {
             warn!(error = %error, "cannot tell systemd the agent is stopping");
@@ -338,6 +352,9 @@ impl Agent {
         }
         if let Some(keeper) = &self.bypass {
             keeper.abort();
+        }
+        if let Some(drains) = &self.drains {
+            drains.abort();
         }
         if let Some(node_events) = &self.node_events {
             node_events.stop();

@@ -22,7 +22,8 @@ use tokio::{sync::mpsc, task::JoinHandle};
 use tracing::{info, warn};
 
 use super::{
-    Agent, AgentError, ListenerRuntime, StartOptions, environment, ids, namespace_identity,
+    Agent, AgentError, ListenerRuntime, StartOptions, drain_socket, environment, ids,
+    namespace_identity,
 };
 use crate::{
     config::{Config, UpstreamSource},
@@ -262,6 +263,14 @@ impl Agent {
             Some(listener) => Some(serve_telemetry(listener, config, &stats)?),
             None => None,
         };
+        let drains = match &config.drain_socket {
+            Some(path) => Some(drain_socket::serve(
+                path,
+                config.pin_dir.clone(),
+                config.cache_netns.clone(),
+            )?),
+            None => None,
+        };
         // Binds and releases that raced the attach are caught here, or by the next pass.
         if let Err(error) = reconciler.reconcile(&mut maps, true).await {
             warn!(error = %error, "re-counting the caches' sockets after attaching failed; the next pass retries");
@@ -283,6 +292,7 @@ impl Agent {
             events,
             sources,
             bypass,
+            drains,
             telemetry,
             lock,
             node,

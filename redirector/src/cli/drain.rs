@@ -1,14 +1,20 @@
 //! `redirector drain`: move a listener upstream before planned work on its cache (a restart, an
 //! upgrade), and wait until the cache has nothing left to answer; the cache's next life, once
-//! the agent's probes confirm it, gets its DNS back.
+//! the agent's probes confirm it, gets its DNS back. On the node it works on the pinned maps
+//! itself; from a cache's pod, which has neither the pins nor CAP_BPF, it asks the agent over
+//! the agent's drain socket (`--socket`).
 
-use std::{path::PathBuf, time::Duration};
+use std::{
+    io::{BufRead as _, BufReader, Write as _},
+    os::unix::net::UnixStream,
+    path::PathBuf,
+    time::Duration,
+};
 
 use anyhow::{Context as _, bail};
 use redirector::{
     config::{Config, DEFAULT_CONFIG_PATH, DEFAULT_PIN_DIR},
-    datapath::Maps,
-    liveness::{drain, sockdiag::SocketTable},
+    liveness::drain::{self, DEFAULT_SETTLE_MS, DEFAULT_TIMEOUT_MS, DrainReply, DrainRequest},
 };
 
 #[derive(clap::Args, Debug)]
@@ -22,16 +28,20 @@ pub(crate) struct DrainArgs {
     #[arg(long)]
     pub(crate) wait: bool,
     /// How long `--wait` waits for the cache's queues to empty.
-    #[arg(long, default_value_t = 10_000)]
+    #[arg(long, default_value_t = DEFAULT_TIMEOUT_MS)]
     pub(crate) timeout_ms: u64,
     /// How long `--wait` gives the cache for the answers to the last queries it read (a miss it
     /// forwards takes its upstream's time).
-    #[arg(long, default_value_t = 300)]
+    #[arg(long, default_value_t = DEFAULT_SETTLE_MS)]
     pub(crate) settle_ms: u64,
     /// End a drain instead (the planned work was called off): the probes may confirm the cache
     /// that serves now.
     #[arg(long, conflicts_with = "wait")]
     pub(crate) cancel: bool,
+    /// Ask the running agent over its drain socket (`drain_socket` in its configuration) instead
+    /// of using the pinned maps: for a cache's pod or unit without the pins or CAP_BPF.
+    #[arg(long)]
+    pub(crate) socket: Option<PathBuf>,
     /// The agent's configuration file: its pin directory and the caches' network namespace
     /// (defaults are used when the file does not exist).
     #[arg(long, env = "REDIRECTOR_CONFIG", default_value = DEFAULT_CONFIG_PATH)]
@@ -42,6 +52,21 @@ pub(crate) struct DrainArgs {
 }
 
 pub(crate) fn drain(args: &DrainArgs) -> anyhow::Result<()> {
+    let request = DrainRequest {
+        listener: args.listener.clone(),
+        cancel: args.cancel,
+        wait: args.wait,
+        timeout_ms: args.timeout_ms,
+        settle_ms: args.settle_ms,
+    };
+    if let Some(socket) = &args.socket {
+        let reply = ask_agent(socket, &request)?;
+        if !reply.ok {
+            bail!("the agent could not drain: {}", reply.message);
+        }
+        println!("{}", reply.message);
+        return Ok(());
+    }
     let (pin_dir, cache_netns) = if args.config.exists() {
         let config = Config::load(&args.config)?;
         (config.pin_dir, config.cache_netns)
@@ -49,57 +74,34 @@ pub(crate) fn drain(args: &DrainArgs) -> anyhow::Result<()> {
         (PathBuf::from(DEFAULT_PIN_DIR), None)
     };
     let pin_dir = args.pin_dir.clone().unwrap_or(pin_dir);
-    let maps = Maps::open_pinned(&pin_dir)?;
-    let Some((id, _)) = maps.listener_by_name(&args.listener)? else {
-        let known: Vec<String> = maps
-            .listeners()?
-            .iter()
-            .filter_map(|(_, info)| info.name().map(str::to_owned))
-            .collect();
-        bail!(
-            "no listener {:?} in {}; the agent's listeners are: {}",
-            args.listener,
-            pin_dir.display(),
-            known.join(", ")
-        );
-    };
-    if args.cancel {
-        if drain::end(&maps, id)? {
-            println!(
-                "listener {}: drain ended; its DNS goes back to the cache once the agent's probes \
-                 confirm it",
-                args.listener
-            );
-        } else {
-            println!(
-                "listener {}: no drain to end (the cache's next life ended it, or none began)",
-                args.listener
-            );
-        }
-        return Ok(());
-    }
-    let epoch = drain::begin(&maps, id)?;
-    println!(
-        "listener {}: drained (epoch {epoch}); its DNS goes upstream from now until the cache's \
-         next life is confirmed",
-        args.listener
-    );
-    if !args.wait {
-        return Ok(());
-    }
-    let mut table = SocketTable::open(cache_netns.as_deref())
-        .context("cannot read the caches' sockets to wait for their queues")?;
-    let quiet = drain::wait_quiet(
-        &maps,
-        &mut table,
-        id,
-        Duration::from_millis(args.settle_ms),
-        Duration::from_millis(args.timeout_ms),
-    )?;
-    println!(
-        "listener {}: the cache read everything it was handed after {} ms; it can be stopped",
-        args.listener,
-        quiet.read_all_after.as_millis()
-    );
+    let message = drain::handle(&pin_dir, cache_netns.as_deref(), &request)?;
+    println!("{message}");
     Ok(())
+}
+
+/// Sends `request` on the agent's drain socket and reads its one-line reply.
+fn ask_agent(socket: &std::path::Path, request: &DrainRequest) -> anyhow::Result<DrainReply> {
+    let mut stream = UnixStream::connect(socket).with_context(|| {
+        format!(
+            "cannot reach the agent's drain socket {} (is the agent running, and is the socket's \
+             directory mounted here?)",
+            socket.display()
+        )
+    })?;
+    // The agent answers once the wait is over, or has failed.
+    let patience = Duration::from_millis(request.timeout_ms + request.settle_ms) + Duration::from_secs(5);
+    stream
+        .set_read_timeout(Some(patience))
+        .context("setting the drain socket's timeout")?;
+    let mut line = serde_json::to_string(request).context("encoding the drain request")?;
+    line.push('\n');
+    stream
+        .write_all(line.as_bytes())
+        .context("sending the drain request")?;
+    let mut reply = String::new();
+    BufReader::new(stream)
+        .read_line(&mut reply)
+        .context("reading the agent's answer to the drain")?;
+    serde_json::from_str(&reply)
+        .with_context(|| format!("the agent's answer to the drain is not one: {reply:?}"))
 }

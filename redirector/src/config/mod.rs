@@ -37,6 +37,9 @@ pub const DEFAULT_PROBE_NAME: &str = "localhost.";
 pub const DEFAULT_INTERFACE: &str = "redirector0";
 /// The lock that keeps one agent per node unless told otherwise.
 pub const DEFAULT_LOCK_FILE: &str = "/run/redirector/agent.lock";
+/// The drain socket unless told otherwise: beside the lock, in a directory of its own that a
+/// cache's pod can be given alone.
+pub const DEFAULT_DRAIN_SOCKET: &str = "/run/redirector/drain/drain.sock";
 /// How often socket counts are reconciled unless told otherwise.
 pub const DEFAULT_SOCKET_RECONCILE_INTERVAL: Duration = Duration::from_secs(5);
 
@@ -64,6 +67,9 @@ pub struct Config {
     pub socket_reconcile_interval: Duration,
     /// The file locked by the running agent (one agent per node).
     pub lock_file: PathBuf,
+    /// The unix socket on which caches' stop hooks ask for drains (`redirector drain
+    /// --socket`); `None`: none is served.
+    pub drain_socket: Option<PathBuf>,
     /// Where the listener addresses live.
     pub interface: InterfaceSettings,
     /// How the agent talks to Kubernetes (listeners with `kube_dns`).
@@ -385,6 +391,11 @@ impl Config {
             lock_file: raw
                 .lock_file
                 .unwrap_or_else(|| PathBuf::from(DEFAULT_LOCK_FILE)),
+            drain_socket: match raw.drain_socket {
+                None => Some(PathBuf::from(DEFAULT_DRAIN_SOCKET)),
+                Some(path) if path.as_os_str().is_empty() => None,
+                Some(path) => Some(path),
+            },
             interface,
             kubernetes,
             conntrack,

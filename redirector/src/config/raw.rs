@@ -19,6 +19,7 @@ pub(super) struct RawConfig {
     pub(super) cache_netns: Option<PathBuf>,
     pub(super) socket_reconcile_interval_ms: Option<u64>,
     pub(super) lock_file: Option<PathBuf>,
+    pub(super) drain_socket: Option<PathBuf>,
     #[serde(default)]
     pub(super) probe: RawProbe,
     #[serde(default)]

@@ -7,7 +7,12 @@
 //! it. Waiting for a drain means waiting until the cache has read every query it was handed and
 //! its receive queues are empty, then for the answers it is still working on.
 
-use std::time::{Duration, Instant};
+use std::{
+    path::Path,
+    time::{Duration, Instant},
+};
+
+use serde::{Deserialize, Serialize};
 
 use redirector_common::{activity::FLIP_DRAINED, counters::PROTOCOL_UDP, datapath::listener_bit};
 
@@ -17,9 +22,116 @@ use super::{
 };
 use crate::datapath::{DatapathError, Maps};
 
+/// A drain asked of the agent over its drain socket (one JSON line), or done by the CLI itself.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DrainRequest {
+    /// The listener's name.
+    pub listener: String,
+    /// End a drain instead of beginning one.
+    #[serde(default)]
+    pub cancel: bool,
+    /// Wait until the cache has read what it was handed ([`wait_quiet`]).
+    #[serde(default)]
+    pub wait: bool,
+    /// How long to wait, in ms.
+    #[serde(default = "default_timeout_ms")]
+    pub timeout_ms: u64,
+    /// How long to give the last answers once nothing is unread, in ms.
+    #[serde(default = "default_settle_ms")]
+    pub settle_ms: u64,
+}
+
+/// `DrainRequest::timeout_ms` unless given.
+pub const DEFAULT_TIMEOUT_MS: u64 = 10_000;
+/// `DrainRequest::settle_ms` unless given.
+pub const DEFAULT_SETTLE_MS: u64 = 300;
+
+const fn default_timeout_ms() -> u64 {
+    DEFAULT_TIMEOUT_MS
+}
+
+const fn default_settle_ms() -> u64 {
+    DEFAULT_SETTLE_MS
+}
+
+/// The agent's answer on its drain socket (one JSON line).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DrainReply {
+    /// Whether the request was done.
+    pub ok: bool,
+    /// What happened, or what failed and what to do, for people.
+    pub message: String,
+}
+
+/// Does `request` against the maps pinned under `pin_dir`, reading the caches' sockets in the
+/// network namespace at `cache_netns` (or the caller's); returns what happened, for people.
+///
+/// # Errors
+///
+/// [`DrainError`] for an unknown listener, maps or sockets that cannot be read, or a wait that
+/// ran out.
+pub fn handle(
+    pin_dir: &Path,
+    cache_netns: Option<&Path>,
+    request: &DrainRequest,
+) -> Result<String, DrainError> {
+    let maps = Maps::open_pinned(pin_dir)?;
+    let Some((id, _)) = maps.listener_by_name(&request.listener)? else {
+        let known: Vec<String> = maps
+            .listeners()?
+            .iter()
+            .filter_map(|(_, info)| info.name().map(str::to_owned))
+            .collect();
+        return Err(DrainError::UnknownListener {
+            listener: request.listener.clone(),
+            known: known.join(", "),
+        });
+    };
+    let name = &request.listener;
+    if request.cancel {
+        return Ok(if end(&maps, id)? {
+            format!(
+                "listener {name}: drain ended; its DNS goes back to the cache once the agent's \
+                 probes confirm it"
+            )
+        } else {
+            format!("listener {name}: no drain to end (the cache's next life ended it, or none began)")
+        });
+    }
+    let epoch = begin(&maps, id)?;
+    let drained = format!(
+        "listener {name}: drained (epoch {epoch}); its DNS goes upstream from now until the \
+         cache's next life is confirmed"
+    );
+    if !request.wait {
+        return Ok(drained);
+    }
+    let mut table = SocketTable::open(cache_netns)?;
+    let quiet = wait_quiet(
+        &maps,
+        &mut table,
+        id,
+        Duration::from_millis(request.settle_ms),
+        Duration::from_millis(request.timeout_ms),
+    )?;
+    Ok(format!(
+        "{drained}\nlistener {name}: the cache read everything it was handed after {} ms; it can \
+         be stopped",
+        quiet.read_all_after.as_millis()
+    ))
+}
+
 /// Why a drain failed.
 #[derive(Debug, thiserror::Error)]
 pub enum DrainError {
+    /// No listener of that name.
+    #[error("no listener {listener:?}; the agent's listeners are: {known}")]
+    UnknownListener {
+        /// The name asked for.
+        listener: String,
+        /// The names there are.
+        known: String,
+    },
     /// The maps could not be read or written.
     #[error("the pinned maps could not be used")]
     Maps(#[from] DatapathError),

@@ -189,3 +189,64 @@ fn drain_without_wait_moves_at_once_and_cancel_gives_the_dns_back() -> anyhow::R
     uninstall(&config)?;
     Ok(())
 }
+
+/// The sidecar beside a cache in its pod (`--on-sigterm`): it drains over the agent's socket
+/// when Kubernetes stops the pod (SIGTERM), not before, and exits once the cache has read what
+/// it was handed.
+#[test]
+fn a_sidecar_drains_at_its_sigterm_over_the_agents_socket() -> anyhow::Result<()> {
+    use nix::{sys::signal, unistd::Pid};
+    let mut sandbox = Sandbox::new(tools!())?;
+    sandbox.start_standard_servers()?;
+    let config = write_standard_config(&sandbox)?;
+    let agent = start_agent(&config)?;
+    wait_until(
+        "the agent confirms the cache",
+        Duration::from_secs(10),
+        Duration::from_millis(50),
+        || Ok(answered_by(&sandbox)? == "cache"),
+    )?;
+    let socket = sandbox.drain_socket().display().to_string();
+    let mut sidecar = std::process::Command::new(bpf_tests::sandbox::redirector_bin())
+        .args([
+            "drain",
+            "--listener",
+            "node",
+            "--wait",
+            "--on-sigterm",
+            "--socket",
+            &socket,
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()?;
+    pause(500);
+    assert_eq!(
+        answered_by(&sandbox)?,
+        "cache",
+        "the sidecar drained before its SIGTERM"
+    );
+    assert_eq!(node_reason(&sandbox)?, "healthy");
+    let pid = Pid::from_raw(i32::try_from(sidecar.id())?);
+    signal::kill(pid, signal::Signal::SIGTERM)?;
+    let deadline = std::time::Instant::now() + bpf_tests::pace::paced(Duration::from_secs(20));
+    while sidecar.try_wait()?.is_none() {
+        if std::time::Instant::now() > deadline {
+            sidecar.kill()?;
+            anyhow::bail!("the sidecar did not exit after its SIGTERM");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let output = sidecar.wait_with_output()?;
+    println!("{output:?}");
+    assert!(output.status.success(), "{output:?}");
+    assert!(
+        String::from_utf8_lossy(&output.stdout).contains("it can be stopped"),
+        "{output:?}"
+    );
+    assert!(answered_by(&sandbox)?.starts_with("upstream"));
+    assert_eq!(node_reason(&sandbox)?, "drained");
+    drop(agent);
+    uninstall(&config)?;
+    Ok(())
+}

@@ -1382,3 +1382,103 @@ fn the_dashboard_reads_only_metrics_the_agent_serves() {
         .collect();
     assert_eq!(ids.len(), panels.len(), "panel ids are unique");
 }
+
+/// The cache-drain examples run the drain the CLI has: the DaemonSet patch keeps its fields as a
+/// DaemonSet, its drain container mounts the agent's default drain socket's directory and only
+/// that, the cache's `preStop` sleeps longer than the drain may take, and `redirector drain`
+/// accepts the container's arguments and the systemd drop-in's (each fails only for want of an
+/// agent here, never as a usage error).
+#[test]
+fn the_cache_drain_examples_run_the_drain_the_cli_has() {
+    let dir = "deploy/examples/cache-drain";
+    let daemonset: DaemonSet = typed_from(
+        "node-local-dns.yaml",
+        &read(&format!("{dir}/node-local-dns.yaml")),
+    )
+    .unwrap_or_else(|error| panic!("{error}"));
+    let spec = daemonset
+        .spec
+        .and_then(|spec| spec.template.spec)
+        .expect("a pod spec");
+    let drain = spec
+        .containers
+        .iter()
+        .find(|container| container.name == "redirector-drain")
+        .expect("the drain container");
+    let args = drain.args.clone().expect("its arguments");
+    let value = |flag: &str| -> String {
+        let at = args.iter().position(|arg| arg == flag).expect(flag);
+        args[at + 1].clone()
+    };
+    let socket = value("--socket");
+    assert_eq!(socket, redirector::config::DEFAULT_DRAIN_SOCKET);
+    let mounts = drain.volume_mounts.clone().unwrap_or_default();
+    assert_eq!(
+        mounts.len(),
+        1,
+        "the drain container is given one directory"
+    );
+    assert_eq!(
+        Some(mounts[0].mount_path.as_str()),
+        std::path::Path::new(&socket)
+            .parent()
+            .and_then(|dir| dir.to_str())
+    );
+    let waits_ms: u64 = value("--timeout-ms").parse::<u64>().expect("ms")
+        + redirector::liveness::drain::DEFAULT_SETTLE_MS;
+    let cache = spec
+        .containers
+        .iter()
+        .find(|container| container.name == "node-cache")
+        .expect("the cache container");
+    let sleep_s = cache
+        .lifecycle
+        .as_ref()
+        .and_then(|lifecycle| lifecycle.pre_stop.as_ref())
+        .and_then(|pre_stop| pre_stop.sleep.as_ref())
+        .map(|sleep| sleep.seconds)
+        .expect("the cache's preStop sleep");
+    assert!(
+        u64::try_from(sleep_s).expect("seconds") * 1000 > waits_ms,
+        "the cache's preStop ({sleep_s} s) ends before the drain may ({waits_ms} ms)"
+    );
+
+    let nobody = std::env::temp_dir().join(format!("redirector-no-agent-{}", std::process::id()));
+    let run = |args: &[String]| {
+        let output = Command::new(env!("CARGO_BIN_EXE_redirector"))
+            .args(args)
+            .output()
+            .expect("running redirector");
+        let said = String::from_utf8_lossy(&output.stderr).into_owned();
+        assert_ne!(output.status.code(), Some(2), "a usage error: {said}");
+        assert!(!output.status.success(), "drained with no agent: {said}");
+        said
+    };
+    let container_args: Vec<String> = args
+        .iter()
+        .filter(|arg| *arg != "--on-sigterm")
+        .map(|arg| {
+            if *arg == socket {
+                nobody.join("drain.sock").display().to_string()
+            } else {
+                arg.clone()
+            }
+        })
+        .collect();
+    let said = run(&container_args);
+    assert!(
+        said.contains("cannot reach the agent's drain socket"),
+        "{said}"
+    );
+
+    let unit = read(&format!("{dir}/systemd-drop-in.conf"));
+    let exec_stop = unit
+        .lines()
+        .find_map(|line| line.strip_prefix("ExecStop="))
+        .expect("an ExecStop line");
+    let mut words = exec_stop.trim_start_matches(['-', '+']).split_whitespace();
+    assert_eq!(words.next(), Some("/usr/local/bin/redirector"));
+    let mut unit_args: Vec<String> = words.map(str::to_owned).collect();
+    unit_args.extend(["--pin-dir".to_owned(), nobody.display().to_string()]);
+    run(&unit_args);
+}

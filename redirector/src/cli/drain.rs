@@ -12,6 +12,8 @@ use std::{
 };
 
 use anyhow::{Context as _, bail};
+
+use super::{runtime, stop_signal};
 use redirector::{
     config::{Config, DEFAULT_CONFIG_PATH, DEFAULT_PIN_DIR},
     liveness::drain::{self, DEFAULT_SETTLE_MS, DEFAULT_TIMEOUT_MS, DrainReply, DrainRequest},
@@ -42,6 +44,11 @@ pub(crate) struct DrainArgs {
     /// of using the pinned maps: for a cache's pod or unit without the pins or CAP_BPF.
     #[arg(long)]
     pub(crate) socket: Option<PathBuf>,
+    /// Wait for SIGTERM or SIGINT first, then drain: for a container beside the cache in its
+    /// pod, which Kubernetes stops at the same moment as the cache (give the cache a `preStop`
+    /// sleep longer than the drain takes).
+    #[arg(long)]
+    pub(crate) on_sigterm: bool,
     /// The agent's configuration file: its pin directory and the caches' network namespace
     /// (defaults are used when the file does not exist).
     #[arg(long, env = "REDIRECTOR_CONFIG", default_value = DEFAULT_CONFIG_PATH)]
@@ -52,6 +59,11 @@ pub(crate) struct DrainArgs {
 }
 
 pub(crate) fn drain(args: &DrainArgs) -> anyhow::Result<()> {
+    if args.on_sigterm {
+        let runtime = runtime()?;
+        let signal = runtime.block_on(async { anyhow::Ok(stop_signal()?.await) })?;
+        eprintln!("{signal}: draining listener {}", args.listener);
+    }
     let request = DrainRequest {
         listener: args.listener.clone(),
         cancel: args.cancel,
@@ -89,7 +101,8 @@ fn ask_agent(socket: &std::path::Path, request: &DrainRequest) -> anyhow::Result
         )
     })?;
     // The agent answers once the wait is over, or has failed.
-    let patience = Duration::from_millis(request.timeout_ms + request.settle_ms) + Duration::from_secs(5);
+    let patience =
+        Duration::from_millis(request.timeout_ms + request.settle_ms) + Duration::from_secs(5);
     stream
         .set_read_timeout(Some(patience))
         .context("setting the drain socket's timeout")?;

@@ -95,7 +95,9 @@ pub fn handle(
                  probes confirm it"
             )
         } else {
-            format!("listener {name}: no drain to end (the cache's next life ended it, or none began)")
+            format!(
+                "listener {name}: no drain to end (the cache's next life ended it, or none began)"
+            )
         });
     }
     let epoch = begin(&maps, id)?;

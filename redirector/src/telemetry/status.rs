@@ -306,9 +306,11 @@ pub fn render_table(report: &StatusReport) -> String {
     }
     table(&mut text, &rows);
 
-    text.push_str("
+    text.push_str(
+        "
 moves the kernel made itself, and drains, since the maps were created:
-");
+",
+    );
     let mut rows = vec![["LISTENER", "SIGNALLED", "STALLED", "DRAINED"].map(str::to_owned)];
     for listener in &report.listeners {
         rows.push([

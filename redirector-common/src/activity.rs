@@ -14,12 +14,13 @@ use crate::listener::{Reason, SocketCounts};
 #[repr(C)]
 #[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
 pub struct CacheActivity {
-    /// `bpf_ktime_get_coarse_ns` of the first UDP query handed to the cache since its last read;
-    /// 0 when it has read everything it was handed (as far as the programs know).
+    /// `bpf_ktime_get_coarse_ns` of the first UDP query handed to the cache in a clock tick after
+    /// its last read: the query is unread while this is later than `last_read_ns`
+    /// ([`unread_since`]); 0 after a stall's flip.
     pub first_unread_ns: u64,
-    /// `bpf_ktime_get_coarse_ns` of the cache's last read; 0 while no read was ever seen (the
-    /// cache runs outside the attach cgroup, or serves only TCP): such a cache is never called
-    /// stalled.
+    /// `bpf_ktime_get_coarse_ns` of the cache's last read (written once a tick at most); 0 while
+    /// no read was ever seen (the cache runs outside the attach cgroup, or serves only TCP): such
+    /// a cache is never called stalled.
     pub last_read_ns: u64,
     /// The `SocketCounts::down_epoch` the kernel's latest flip of this listener began (a signal,
     /// a stall or a drain); the flip explains the listener's route while the epoch is unchanged.
@@ -57,6 +58,21 @@ pub struct StallLimit {
     pub stall_after_ns: u64,
 }
 const _: () = assert!(size_of::<StallLimit>() == 8);
+
+/// When the oldest query the cache has not read was handed to it, from `CacheActivity`'s two
+/// stamps: `None` when it has read since (or its reads were never seen). Each side writes its
+/// stamp at most once a clock tick (a query only when the stamp is older than the last read, the
+/// cache only when the tick changed), so a cache under load and its clients do not bounce the
+/// stamps' cache line between CPUs at every query; a stall is seen a tick late at most.
+#[inline(always)]
+#[must_use]
+pub const fn unread_since(first_unread_ns: u64, last_read_ns: u64) -> Option<u64> {
+    if last_read_ns != 0 && first_unread_ns > last_read_ns {
+        Some(first_unread_ns)
+    } else {
+        None
+    }
+}
 
 /// Whether a cache handed its first unread query at `first_unread_ns` is stalled at `now_ns`
 /// under `limit` (all coarse monotonic ns). A clock read on another CPU may be a tick behind the
@@ -113,6 +129,17 @@ mod tests {
         assert!(!is_stalled(0, u64::MAX, &LIMIT));
         assert!(!is_stalled(1_000, u64::MAX, &StallLimit::default()));
         assert!(!is_stalled(2_000, 1_000, &LIMIT));
+    }
+
+    #[test]
+    fn a_query_is_unread_only_when_stamped_after_the_last_read() {
+        assert_eq!(unread_since(2_000, 1_000), Some(2_000));
+        // Read in the same tick, or later: nothing unread.
+        assert_eq!(unread_since(1_000, 1_000), None);
+        assert_eq!(unread_since(1_000, 2_000), None);
+        // Reads never seen, or the stamp cleared by a flip.
+        assert_eq!(unread_since(2_000, 0), None);
+        assert_eq!(unread_since(0, 1_000), None);
     }
 
     #[test]

@@ -6,7 +6,9 @@
 //! unconnected socket (the steering program) and the egress of a connected one. The cache's reads
 //! are noted by `recvmsg` on a counted cache socket, which fires for every datagram a cache reads
 //! with its source address (every DNS server does: it must answer the sender), when the cache
-//! runs in the attach cgroup. A cache whose reads were never seen is never called stalled.
+//! runs in the attach cgroup. A cache whose reads were never seen is never called stalled. Both
+//! sides write their stamp at most once a clock tick, so the stamps' cache line is not bounced
+//! between the clients' CPUs and the cache's at every query.
 //!
 //! Kernel features: `bpf_ktime_get_coarse_ns` 5.11 in sock_addr and cgroup_skb programs (a clock
 //! read without the TSC; its tick is fine for a limit of tens of ms), `BPF_CMPXCHG` 5.12,
@@ -16,8 +18,8 @@ use core::ptr::{addr_of, addr_of_mut, read_volatile, write_volatile};
 
 use aya_ebpf::{helpers::bpf_ktime_get_coarse_ns, programs::SockAddrContext};
 use redirector_common::{
-    activity::{CacheActivity, FLIP_SIGNALLED, FLIP_STALLED, is_stalled},
-    datapath::listener_bit,
+    activity::{CacheActivity, FLIP_SIGNALLED, FLIP_STALLED, is_stalled, unread_since},
+    datapath::lowest_listener,
     listener::MAX_LISTENERS,
     reverse::reply_port_bit,
 };
@@ -40,8 +42,8 @@ pub enum Handing {
 /// On the cache route: notes a query handed to the cache, and tells whether the cache has left
 /// one unread past its limit. The first program to see the stall flips the listener (a new
 /// `down_epoch`, as the last close records one); every program that sees it routes upstream.
-/// While the cache reads, this is one array lookup, two loads and, when a query leaves, a clock
-/// read.
+/// While the cache reads, this is two array lookups, two loads, a clock read when a query leaves
+/// and a store at most once a clock tick (`activity::unread_since` has why).
 #[inline(always)]
 pub fn cache_stalled(listener_id: u32, handing: Handing) -> bool {
     let Some(limit) = STALL_LIMITS.get(listener_id).copied() else {
@@ -57,25 +59,28 @@ pub fn cache_stalled(listener_id: u32, handing: Handing) -> bool {
     // other CPUs and the agent's mmap change its fields one by one, so each is read and written
     // whole, never borrowed.
     unsafe {
-        if read_volatile(addr_of!((*activity).last_read_ns)) == 0 {
+        let last_read = read_volatile(addr_of!((*activity).last_read_ns));
+        if last_read == 0 {
             return false;
         }
         let first_unread = read_volatile(addr_of!((*activity).first_unread_ns));
-        if first_unread == 0 && handing == Handing::Nothing {
+        let unread = unread_since(first_unread, last_read);
+        if unread.is_none() && handing == Handing::Nothing {
             return false;
         }
         let now = bpf_ktime_get_coarse_ns();
-        if first_unread == 0 {
-            // Two CPUs may both stamp a first query: either stamp is the first within a tick.
-            write_volatile(addr_of_mut!((*activity).first_unread_ns), now);
+        let Some(since) = unread else {
+            // The first query after the cache's last read, in a later tick (in the same tick it
+            // cannot be told from the queries that read took): stamped; two CPUs may both stamp.
+            if now > last_read {
+                write_volatile(addr_of_mut!((*activity).first_unread_ns), now);
+            }
+            return false;
+        };
+        if !is_stalled(since, now, &limit) {
             return false;
         }
-        if !is_stalled(first_unread, now, &limit) {
-            return false;
-        }
-        if compare_exchange_u64(addr_of_mut!((*activity).first_unread_ns), first_unread, 0)
-            == first_unread
-        {
+        if compare_exchange_u64(addr_of_mut!((*activity).first_unread_ns), since, 0) == since {
             flip(listener_id, activity, FLIP_STALLED, now);
         }
     }
@@ -83,7 +88,8 @@ pub fn cache_stalled(listener_id: u32, handing: Handing) -> bool {
 }
 
 /// `recvmsg`: when the reading socket is a counted cache socket, notes the read for each of its
-/// listeners. Any other socket returns after its bound port is checked against `CACHE_PORTS`.
+/// listeners (once a clock tick). Any other socket returns after its bound port is checked
+/// against `CACHE_PORTS`.
 #[inline(always)]
 pub fn note_cache_read(ctx: &SockAddrContext) {
     // SAFETY: `sk` is always set in sock_addr programs (a full socket, readable as `bpf_sock`);
@@ -100,24 +106,23 @@ pub fn note_cache_read(ctx: &SockAddrContext) {
         return;
     };
     // SAFETY: entries are written whole.
-    let listeners = unsafe { (*entry).listeners };
+    let mut listeners = unsafe { (*entry).listeners };
     // SAFETY: plain helper call.
     let now = unsafe { bpf_ktime_get_coarse_ns() };
-    let mut id = 0;
-    while id < MAX_LISTENERS as u32 {
-        if listeners & listener_bit(id) != 0
-            && let Some(activity) = CACHE_ACTIVITY.get_ptr_mut(id)
-        {
-            // SAFETY: as in `cache_stalled`. A query stamped between these two stores waits for
-            // the next read: a stall is judged at most one read late.
+    // One turn per listener of the socket (usually one), at most 64.
+    let mut turns = 0;
+    while listeners != 0 && turns < MAX_LISTENERS {
+        let id = lowest_listener(listeners);
+        listeners &= listeners - 1;
+        turns += 1;
+        if let Some(activity) = CACHE_ACTIVITY.get_ptr_mut(id) {
+            // SAFETY: as in `cache_stalled`.
             unsafe {
-                write_volatile(addr_of_mut!((*activity).last_read_ns), now);
-                if read_volatile(addr_of!((*activity).first_unread_ns)) != 0 {
-                    write_volatile(addr_of_mut!((*activity).first_unread_ns), 0);
+                if read_volatile(addr_of!((*activity).last_read_ns)) != now {
+                    write_volatile(addr_of_mut!((*activity).last_read_ns), now);
                 }
             }
         }
-        id += 1;
     }
 }
 

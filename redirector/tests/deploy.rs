@@ -1420,9 +1420,7 @@ fn the_cache_drain_examples_run_the_drain_the_cli_has() {
     );
     assert_eq!(
         Some(mounts[0].mount_path.as_str()),
-        std::path::Path::new(&socket)
-            .parent()
-            .and_then(|dir| dir.to_str())
+        Path::new(&socket).parent().and_then(|dir| dir.to_str())
     );
     let waits_ms: u64 = value("--timeout-ms").parse::<u64>().expect("ms")
         + redirector::liveness::drain::DEFAULT_SETTLE_MS;

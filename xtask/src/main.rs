@@ -55,6 +55,10 @@ enum Task {
         /// failovers) runs, seconds.
         #[arg(long, default_value_t = 600)]
         soak_seconds: u64,
+        /// How long each load at and past the cache's capacity (100 % and 150 %, looking for
+        /// false failovers and false stalls) runs, seconds.
+        #[arg(long, default_value_t = 300)]
+        load_seconds: u64,
     },
     /// Remove sandboxes left by test runs that died (only those whose owner process is gone).
     Sweep,
@@ -110,9 +114,13 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             setup::ensure()?;
             tasks::demo(&cache)
         }
-        Task::Bench { out, soak_seconds } => {
+        Task::Bench {
+            out,
+            soak_seconds,
+            load_seconds,
+        } => {
             setup::ensure()?;
-            tasks::bench(&out, soak_seconds)
+            tasks::bench(&out, soak_seconds, load_seconds)
         }
         Task::Sweep => sweep::run(),
         Task::VmTest(args) => {

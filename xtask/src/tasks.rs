@@ -112,7 +112,7 @@ pub fn demo(cache: &str) -> anyhow::Result<()> {
 /// Builds the agent and the bench with optimizations and runs the bench; the results (JSON,
 /// Markdown, SVG charts) go to `out`. Run it on an otherwise idle machine: its comparisons are
 /// ratios taken in the same run, but a busy neighbour still widens every spread.
-pub fn bench(out: &std::path::Path, soak_seconds: u64) -> anyhow::Result<()> {
+pub fn bench(out: &std::path::Path, soak_seconds: u64, load_seconds: u64) -> anyhow::Result<()> {
     require_root("bench")?;
     sweep::run()?;
     cargo(
@@ -137,6 +137,7 @@ pub fn bench(out: &std::path::Path, soak_seconds: u64) -> anyhow::Result<()> {
         .arg("--out")
         .arg(&out)
         .args(["--soak-seconds", &soak_seconds.to_string()])
+        .args(["--load-seconds", &load_seconds.to_string()])
         .env("REDIRECTOR_BIN", dir.join("redirector"));
     lint::check(&mut bench, "the bench failed").context("running the bench")
 }

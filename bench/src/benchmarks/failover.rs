@@ -36,6 +36,10 @@ pub enum Event {
     Term,
     /// SIGSTOP (a hang, sockets open), then SIGCONT.
     Stop,
+    /// SIGSTOP with no agent running (the kernel alone sees the stall), then SIGCONT.
+    StopAlone,
+    /// `redirector drain --wait`, SIGTERM, then a restart: a planned restart.
+    DrainThenTerm,
 }
 
 impl Event {
@@ -46,6 +50,8 @@ impl Event {
             Self::Kill => "kill -9",
             Self::Term => "SIGTERM",
             Self::Stop => "SIGSTOP",
+            Self::StopAlone => "SIGSTOP, no agent",
+            Self::DrainThenTerm => "drain --wait, SIGTERM",
         }
     }
 }
@@ -66,6 +72,8 @@ pub struct Failover {
     /// Of those, queries begun after the first upstream answer: every other lost query went to
     /// the cache before the listener flipped (taken into a socket that then died or hung).
     pub lost_after_flip: usize,
+    /// Of those, queries begun after the event (the signal, the drain).
+    pub lost_after_event: usize,
     /// Queries sent.
     pub total: usize,
     /// From the cache's return until every query is answered by the cache again, ms: the send
@@ -93,6 +101,8 @@ pub struct FailoverTrials {
     pub lost_long: Spread,
     /// Of those, begun after the flip, per trial.
     pub lost_after_flip: Spread,
+    /// Of those, begun after the event, per trial.
+    pub lost_after_event: Spread,
     /// Queries sent, per trial.
     pub total: Spread,
     /// From the cache's return until every socket is answered by the cache again, ms, over the
@@ -132,6 +142,9 @@ impl FailoverTrials {
             lost_long: Spread::of(runs.iter().map(|run| run.lost_long as f64).collect()),
             lost_after_flip: Spread::of(
                 runs.iter().map(|run| run.lost_after_flip as f64).collect(),
+            ),
+            lost_after_event: Spread::of(
+                runs.iter().map(|run| run.lost_after_event as f64).collect(),
             ),
             total: Spread::of(runs.iter().map(|run| run.total as f64).collect()),
             runs,
@@ -208,6 +221,7 @@ fn summarize(
             .filter(|record| record.kind != "fresh" && record.error.is_some())
             .count(),
         lost_after_flip: first_upstream.map_or(0, |flip| report.failures_between(flip, u64::MAX)),
+        lost_after_event: report.failures_between(struck, u64::MAX),
         total: report.records.len(),
         failback_ms: failback.map(|answer| answer.saturating_sub(back)),
         timeline,
@@ -233,7 +247,21 @@ fn strike(rig: &mut Rig, event: Event) -> anyhow::Result<()> {
             cache.signal(Signal::SIGTERM)?;
             cache.wait_exit(Duration::from_secs(5))?;
         }
-        Event::Stop => cache.signal(Signal::SIGSTOP)?,
+        Event::Stop | Event::StopAlone => cache.signal(Signal::SIGSTOP)?,
+        Event::DrainThenTerm => {
+            let drained = bpf_tests::cli::redirector(&[
+                "drain",
+                "--listener",
+                "node",
+                "--wait",
+                "--config",
+                &rig.config.display().to_string(),
+            ])?;
+            anyhow::ensure!(drained.code == 0, "the drain failed: {}", drained.stderr);
+            let cache = rig.sandbox.process("cache")?;
+            cache.signal(Signal::SIGTERM)?;
+            cache.wait_exit(Duration::from_secs(5))?;
+        }
     }
     Ok(())
 }
@@ -241,8 +269,8 @@ fn strike(rig: &mut Rig, event: Event) -> anyhow::Result<()> {
 /// Brings the cache back from `event`.
 fn revive(rig: &mut Rig, event: Event) -> anyhow::Result<()> {
     match event {
-        Event::Stop => rig.sandbox.process("cache")?.signal(Signal::SIGCONT),
-        Event::Kill | Event::Term => restart_cache(rig),
+        Event::Stop | Event::StopAlone => rig.sandbox.process("cache")?.signal(Signal::SIGCONT),
+        Event::Kill | Event::Term | Event::DrainThenTerm => restart_cache(rig),
     }
 }
 

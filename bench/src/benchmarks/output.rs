@@ -211,6 +211,7 @@ pub fn markdown(report: &Report) -> String {
             "queries lost",
             "of them from long-lived sockets",
             "of them begun after the flip",
+            "of them begun after the event",
             "every socket back on the cache after its return, ms",
         ],
         report.failover.iter().map(|row| {
@@ -222,6 +223,7 @@ pub fn markdown(report: &Report) -> String {
                 format!("{} of {}", row.lost.show(0), row.total.median),
                 row.lost_long.show(0),
                 row.lost_after_flip.show(0),
+                row.lost_after_event.show(0),
                 with_misses(&row.failback_ms, row.never_failed_back, "never failed back"),
             ]
         }),
@@ -235,19 +237,39 @@ pub fn markdown(report: &Report) -> String {
             .iter()
             .map(|row| vec![row.what.to_owned(), row.ms.show(1)]),
     );
-    let soak = &report.soak;
-    let _ = writeln!(
-        text,
-        "**Soak**: dnsperf through the listener at {:.0} % of the cache's capacity ({} of {:.0} queries/s asked, {:.0} achieved, {} lost) for {} s with the agent's default probes, nothing done to the cache: {} probes answered, {} failed, {} verdicts turned down (false failovers).\n",
-        soak.rate_qps as f64 / soak.capacity_qps.max(1.0) * 100.0,
-        soak.rate_qps,
-        soak.capacity_qps,
-        soak.achieved_qps,
-        soak.lost,
-        soak.seconds,
-        soak.probes_answered,
-        soak.probes_failed,
-        soak.verdicts_down
+    table(
+        &mut text,
+        "No false alarms under load: dnsperf through the listener at a share of the cache's capacity, the agent at its defaults (probes, stall limit), nothing done to the cache (a verdict turned down or a stall is a false alarm)",
+        &[
+            "share of capacity",
+            "queries/s asked",
+            "achieved",
+            "lost",
+            "seconds",
+            "probes answered",
+            "probes failed",
+            "verdicts down",
+            "stalls (kernel)",
+        ],
+        std::iter::once(&report.soak)
+            .chain(&report.overload)
+            .map(|soak| {
+                vec![
+                    format!(
+                        "{:.0} % (of {:.0})",
+                        soak.rate_qps as f64 / soak.capacity_qps.max(1.0) * 100.0,
+                        soak.capacity_qps
+                    ),
+                    soak.rate_qps.to_string(),
+                    format!("{:.0}", soak.achieved_qps),
+                    soak.lost.to_string(),
+                    soak.seconds.to_string(),
+                    soak.probes_answered.to_string(),
+                    soak.probes_failed.to_string(),
+                    soak.verdicts_down.to_string(),
+                    soak.stalls.to_string(),
+                ]
+            }),
     );
     table(
         &mut text,

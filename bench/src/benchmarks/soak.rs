@@ -1,6 +1,7 @@
 //! No false failovers under load: dnsperf through the listener at a fixed share of the cache's
-//! capacity for minutes, with the agent probing at its default settings, while nothing happens to
-//! the cache. Every probe that failed and every verdict the agent turned down is a false alarm.
+//! capacity for minutes (80 %, and at and past its capacity, where its queue stays full), with
+//! the agent at its default settings, while nothing happens to the cache. Every verdict the agent
+//! turned down, and every move the kernel made itself (a stall), is a false alarm.
 
 use std::time::Duration;
 
@@ -34,18 +35,25 @@ pub struct Soak {
     pub probes_failed: u64,
     /// Times the probes failed the listener over: false failovers, as the cache never failed.
     pub verdicts_down: u64,
+    /// Times the kernel found the cache stalled and moved its listener: false flips, as the
+    /// cache kept reading.
+    pub stalls: u64,
 }
 
 /// The share of the capacity the soak asks for.
 pub const LOAD_SHARE: f64 = 0.8;
 
-/// dnsperf along the redirector path at `LOAD_SHARE` of `capacity_qps` for `seconds`, the agent
-/// running with its default probes.
-pub fn measure(rig: &Rig, capacity_qps: f64, seconds: u64) -> anyhow::Result<Soak> {
+/// The shares of the capacity the load runs ask for, past the soak's: at the capacity, and half
+/// again more than the cache can answer.
+pub const OVERLOAD_SHARES: [f64; 2] = [1.0, 1.5];
+
+/// dnsperf along the redirector path at `share` of `capacity_qps` for `seconds`, the agent
+/// running with its default probes and stall limit.
+pub fn measure(rig: &Rig, capacity_qps: f64, share: f64, seconds: u64) -> anyhow::Result<Soak> {
     let mut agent = rig.start_agent()?;
     std::thread::sleep(SETTLE);
     let metrics = logged_metrics_address(&mut agent)?;
-    let rate_qps = (capacity_qps * LOAD_SHARE).round() as u64;
+    let rate_qps = (capacity_qps * share).round() as u64;
     let (duration, rate) = (seconds.to_string(), rate_qps.to_string());
     let output = run_dnsperf_to(
         rig,
@@ -66,6 +74,8 @@ pub fn measure(rig: &Rig, capacity_qps: f64, seconds: u64) -> anyhow::Result<Soa
     let verdicts_down =
         sample("redirector_route_transitions_total{listener=\"node\",cause=\"probes_failing\"}")
             .unwrap_or(0);
+    let stalls = sample("redirector_kernel_flips_total{listener=\"node\",reason=\"stalled\"}")
+        .with_context(|| format!("no kernel flip count in /metrics:\n{body}"))?;
     rig.stop_and_uninstall(agent)?;
     Ok(Soak {
         seconds,
@@ -76,5 +86,6 @@ pub fn measure(rig: &Rig, capacity_qps: f64, seconds: u64) -> anyhow::Result<Soa
         probes_answered,
         probes_failed,
         verdicts_down,
+        stalls,
     })
 }

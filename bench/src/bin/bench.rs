@@ -30,6 +30,9 @@ struct Args {
     /// How long the soak runs dnsperf at 80 % of the cache's capacity, seconds.
     #[arg(long, default_value_t = 600)]
     soak_seconds: u64,
+    /// How long each load at and past the cache's capacity runs, seconds.
+    #[arg(long, default_value_t = 300)]
+    load_seconds: u64,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -119,24 +122,46 @@ fn main() -> anyhow::Result<()> {
     let setups = vec![setup::iptables_restore(&rig, 5)?, agent_start];
 
     eprintln!("bench: redirector with its agent: conntrack, memory, failover");
-    let agent = rig.start_agent()?;
+    let mut agent = rig.start_agent()?;
     std::thread::sleep(setup::SETTLE);
     let agent_cpu_since = setup::cpu_sample(&agent)?;
     entries.push(conntrack::measure(&rig, Path::Redirector)?);
     let mut failovers = Vec::new();
-    for event in [Event::Kill, Event::Term, Event::Stop] {
+    // The agent's memory and CPU are read before the trials that stop it.
+    let mut memory = None;
+    for event in [
+        Event::Kill,
+        Event::Term,
+        Event::Stop,
+        Event::DrainThenTerm,
+        Event::StopAlone,
+    ] {
+        if event == Event::StopAlone && memory.is_none() {
+            memory = Some(setup::memory(&rig, &agent, agent_cpu_since)?);
+        }
         let mut trials = Vec::new();
         for trial in 1..=FAILOVER_TRIALS {
             eprintln!(
                 "bench: redirector failover, {}, trial {trial} of {FAILOVER_TRIALS}",
                 event.name()
             );
-            trials.push(failover::redirector(&mut rig, event)?);
+            if event == Event::StopAlone {
+                // The kernel alone: the agent stopped for the trial, and back to confirm the
+                // resumed cache after it.
+                let _stopped = rig.stop_agent(agent)?;
+                trials.push(failover::redirector(&mut rig, event)?);
+                agent = rig.start_agent()?;
+            } else {
+                trials.push(failover::redirector(&mut rig, event)?);
+            }
             std::thread::sleep(Duration::from_secs(2));
         }
         failovers.push(FailoverTrials::of(trials));
     }
-    let memory = setup::memory(&rig, &agent, agent_cpu_since)?;
+    let memory = match memory {
+        Some(memory) => memory,
+        None => setup::memory(&rig, &agent, agent_cpu_since)?,
+    };
     rig.stop_and_uninstall(agent)?;
 
     eprintln!(
@@ -144,7 +169,16 @@ fn main() -> anyhow::Result<()> {
         args.soak_seconds,
         soak::LOAD_SHARE * 100.0
     );
-    let soak = soak::measure(&rig, capacity_qps, args.soak_seconds)?;
+    let soak = soak::measure(&rig, capacity_qps, soak::LOAD_SHARE, args.soak_seconds)?;
+    let mut overload = Vec::new();
+    for share in soak::OVERLOAD_SHARES {
+        eprintln!(
+            "bench: load, {} s at {:.0} % of the cache's capacity",
+            args.load_seconds,
+            share * 100.0
+        );
+        overload.push(soak::measure(&rig, capacity_qps, share, args.load_seconds)?);
+    }
 
     let mut trials = Vec::new();
     for trial in 1..=NAT_FALLBACK_TRIALS {
@@ -197,6 +231,7 @@ fn main() -> anyhow::Result<()> {
         failover: failovers,
         setup: setups,
         soak,
+        overload,
         start_phases,
         sync,
         memory,

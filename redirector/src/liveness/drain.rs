@@ -14,7 +14,11 @@ use std::{
 
 use serde::{Deserialize, Serialize};
 
-use redirector_common::{activity::FLIP_DRAINED, counters::PROTOCOL_UDP, datapath::listener_bit};
+use redirector_common::{
+    activity::{FLIP_DRAINED, unread_since},
+    counters::PROTOCOL_UDP,
+    datapath::listener_bit,
+};
 
 use super::{
     health::monotonic_ns,
@@ -214,8 +218,7 @@ pub fn wait_quiet(
     loop {
         let unread_bytes = unread_bytes(maps, table, id)?;
         let activity = maps.cache_activity(id)?;
-        // A first unread stamp counts only where the cache's reads are seen at all.
-        let handed_unread = activity.last_read_ns != 0 && activity.first_unread_ns != 0;
+        let handed_unread = unread_since(activity.first_unread_ns, activity.last_read_ns).is_some();
         if unread_bytes == 0 && !handed_unread {
             let read_all_after = started.elapsed();
             std::thread::sleep(settle);

@@ -10,7 +10,7 @@ use bpf_tests::{
     cli::{CliOutput, redirector, start_agent, uninstall},
     dns::now_ms,
     harness::{NODE_ID, write_standard_config},
-    pace::{pause, wait_until},
+    pace::{paced_ms, pause, wait_until},
     sandbox::{CacheSpec, Ns, Query, Sandbox, Transport},
     stream::{Stream, StreamReport},
     tools,
@@ -68,6 +68,9 @@ fn drain_and_wait_then_a_restart_loses_nothing() -> anyhow::Result<()> {
         Duration::from_millis(50),
         || Ok(answered_by(&sandbox)? == "cache"),
     )?;
+    // A query every ms from each socket kind (every few ms in a slower VM, whose test cache
+    // cannot answer three a ms), none waiting for the last one's answer.
+    let interval = paced_ms(1).to_string();
     let stream = Stream::start_with(
         &sandbox,
         Ns::Pod,
@@ -78,7 +81,7 @@ fn drain_and_wait_then_a_restart_loses_nothing() -> anyhow::Result<()> {
             "fresh,connected,long",
             "--open-loop",
             "--interval-ms",
-            "1",
+            &interval,
         ],
     )?;
     pause(500);

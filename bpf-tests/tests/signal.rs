@@ -209,3 +209,97 @@ fn a_signal_to_a_reused_pid_moves_nothing_and_a_false_alarm_fails_back() -> anyh
     uninstall(&config)?;
     Ok(())
 }
+
+/// A cache of two threads that bound its socket while the programs ran (so it is recorded) and
+/// that, on SIGUSR1, execs a new image of itself serving the same socket: the exec kills its other
+/// thread with SIGKILL (a false alarm of the signal program), and its socket never closes.
+const EXECING_CACHE: &str = r#"
+import os, signal, socket, struct, sys, threading, time
+
+def serve(sock):
+    while True:
+        try:
+            data, peer = sock.recvfrom(512)
+        except InterruptedError:
+            continue
+        if len(data) < 17:
+            continue
+        end = data.index(b"\x00", 12) + 5
+        qtype = struct.unpack(">H", data[end - 4:end - 2])[0]
+        answer = b""
+        if qtype == 1:
+            answer = b"\xc0\x0c" + struct.pack(">HHIH", 1, 1, 30, 4) + bytes([192, 0, 2, 53])
+        header = data[:2] + struct.pack(">HHHHH", 0x8180, 1, len(answer) and 1, 0, 0)
+        sock.sendto(header + data[12:end] + answer, peer)
+
+if sys.argv[1] == "bind":
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.bind((sys.argv[2], 53))
+    os.set_inheritable(sock.fileno(), True)
+    threading.Thread(target=lambda: time.sleep(3600), daemon=True).start()
+    def exec_self(*_):
+        os.execv(sys.executable, [sys.executable, sys.argv[0], "fd", str(sock.fileno())])
+    signal.signal(signal.SIGUSR1, exec_self)
+    print("ready", flush=True)
+    serve(sock)
+else:
+    print("execed", flush=True)
+    serve(socket.socket(fileno=int(sys.argv[2])))
+"#;
+
+/// An `execve` in a multi-threaded cache shows SIGKILL on its other threads: the listener moves
+/// upstream at it (a false alarm: the cache lives on, its socket never closed), says so, and is
+/// back on the cache once the probes confirm it after the signal hold.
+#[test]
+fn an_exec_in_a_multithreaded_cache_moves_dns_until_the_probes_confirm_it() -> anyhow::Result<()> {
+    use redirector_common::activity::FLIP_SIGNALLED;
+    let mut sandbox = Sandbox::new(tools!())?;
+    sandbox.start_upstreams()?;
+    let config = write_standard_config(&sandbox)?;
+    let agent = start_agent(&config)?;
+    let script = sandbox.write_file("execing-cache.py", EXECING_CACHE)?;
+    let cgroup = sandbox.skipped_cgroup().path().to_owned();
+    sandbox.start_process(
+        "cache",
+        Some(Ns::Node),
+        Some(&cgroup),
+        "python3",
+        &[
+            script.display().to_string(),
+            "bind".to_owned(),
+            NODE_LISTENER.to_string(),
+        ],
+        "ready",
+    )?;
+    wait_until(
+        "the agent confirms the cache",
+        Duration::from_secs(10),
+        Duration::from_millis(50),
+        || Ok(answered_by(&sandbox)? == "cache"),
+    )?;
+    let epoch = node_epoch(&sandbox)?;
+    sandbox.process("cache")?.signal(Signal::SIGUSR1)?;
+    sandbox
+        .process("cache")?
+        .wait_for_line("execed", Duration::from_secs(10))?;
+    let maps = Maps::open_pinned(&sandbox.pin_dir())?;
+    let activity = maps.cache_activity(NODE_ID)?;
+    let counts = maps.socket_counts(NODE_ID)?;
+    assert!(counts.down_epoch > epoch, "the exec moved nothing");
+    assert_eq!(activity.flip_reason, FLIP_SIGNALLED, "{activity:?}");
+    assert!(counts.udp > 0, "the cache's socket closed: {counts:?}");
+    assert!(
+        answered_by(&sandbox)?.starts_with("upstream"),
+        "DNS stayed on the cache at the exec"
+    );
+    // The probes answer throughout; after the hold (1.5 s in the tests) they confirm it.
+    wait_until(
+        "the probes give the cache that survived its exec its DNS back",
+        Duration::from_secs(15),
+        Duration::from_millis(50),
+        || Ok(answered_by(&sandbox)? == "cache"),
+    )?;
+    drop(agent);
+    uninstall(&config)?;
+    Ok(())
+}

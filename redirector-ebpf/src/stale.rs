@@ -178,8 +178,19 @@ fn steered(sk: *mut bpf_sock, peer: &NetAddr) -> Option<SteeredSocket> {
 /// Whether `peer` (port 53) is a target of the listener's pool, and the pool's size.
 #[inline(always)]
 fn in_pool(listener_id: u32, peer: &NetAddr) -> (bool, u32) {
+    let membership = pool_membership(listener_id, peer);
+    (membership >> 32 != 0, membership as u32)
+}
+
+/// `in_pool`'s scan, as a function of its own (a BPF-to-BPF call, 4.16): inlined into the egress
+/// program, the compiler laid the loop out with a fall-through back edge, which the floor's
+/// verifier refuses (`kernel_support`'s test of the object checks every loop), and an unrolled
+/// scan was too many states for 6.1's. Returns the pool's size, and bit 32 set when `peer` is in
+/// it. It runs only while the route is the upstreams.
+#[inline(never)]
+fn pool_membership(listener_id: u32, peer: &NetAddr) -> u64 {
     let Some(pool) = POOLS.get_ptr(listener_id) else {
-        return (false, 0);
+        return 0;
     };
     // SAFETY: POOLS is BPF_F_NO_PREALLOC: the element stays whole for this RCU read section.
     let pool = unsafe { &*pool };
@@ -194,9 +205,9 @@ fn in_pool(listener_id: u32, peer: &NetAddr) -> (bool, u32) {
             && target.addr == *peer
             && target.udp_port_be == port_be(DNS_PORT)
         {
-            return (true, len);
+            return 1 << 32 | u64::from(len);
         }
         index += 1;
     }
-    (false, len)
+    u64::from(len)
 }

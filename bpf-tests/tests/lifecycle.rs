@@ -291,6 +291,7 @@ fn uninstall_leaves_no_program_map_pin_address_or_lock_behind() -> anyhow::Resul
         "{addresses}"
     );
     assert!(!sandbox.lock_file().exists(), "the lock file is gone");
+    assert!(!sandbox.drain_socket().exists(), "the drain socket is gone");
     Ok(())
 }
 

@@ -10,7 +10,7 @@ use bpf_tests::{
     cli::{start_agent, stop_agent, uninstall},
     dns::now_ms,
     harness::{NODE_ID, write_standard_config},
-    pace::{pause, wait_until},
+    pace::{paced_ms, pause, wait_until},
     sandbox::{CacheSpec, Ns, Query, Sandbox, Transport},
     stream::{Stream, StreamReport},
     tools,
@@ -62,8 +62,9 @@ fn a_hung_cache_is_moved_upstream_by_the_kernel_with_no_agent() -> anyhow::Resul
     let config = serving_without_agent(&mut sandbox)?;
     let (_, epoch, _) = node_state(&sandbox)?;
 
-    // A query every ms from each socket kind, none waiting for the last one's answer: the flip
-    // shows within a ms of the query that made it.
+    // A query every 2 ms from each socket kind (stretched in a slower VM), none waiting for the
+    // last one's answer: the flip shows within a few ms of the query that made it.
+    let interval = paced_ms(2).to_string();
     let stream = Stream::start_with(
         &sandbox,
         Ns::Pod,
@@ -74,7 +75,7 @@ fn a_hung_cache_is_moved_upstream_by_the_kernel_with_no_agent() -> anyhow::Resul
             "fresh,connected,long",
             "--open-loop",
             "--interval-ms",
-            "1",
+            &interval,
         ],
     )?;
     pause(500);

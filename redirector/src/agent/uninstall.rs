@@ -49,6 +49,10 @@ pub async fn uninstall(config: &Config) -> Result<UninstallReport, AgentError> {
         let removed = interface::remove(&config.interface, &worker, &record).await?;
         report.interface = removed.then(|| config.interface.name.clone());
     }
+    // The drain socket (its directory may be a cache pod's mount: it stays).
+    if let Some(socket) = &config.drain_socket {
+        let _ = std::fs::remove_file(socket);
+    }
     let path = lock.path().to_owned();
     drop(lock);
     let _ = std::fs::remove_file(&path);

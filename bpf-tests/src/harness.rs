@@ -19,7 +19,10 @@ use redirector_common::{
     settings::Mode,
 };
 
-use crate::sandbox::{CacheSpec, Sandbox, Tools};
+use crate::{
+    sandbox::{CacheSpec, Ns, Query, Sandbox, Tools, Transport},
+    topology::{NODE_LISTENER, dns, who},
+};
 
 /// What a test does to the standard cache (`cache`), and how it undoes it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -90,6 +93,38 @@ pub fn write_standard_config(sandbox: &Sandbox) -> anyhow::Result<std::path::Pat
         "config.toml",
         &sandbox.config_toml(&standard_listeners(sandbox)),
     )
+}
+
+/// Who answered a UDP query from the pod to the node listener: `cache`, `upstream A`, ...
+pub fn answered_by(sandbox: &Sandbox) -> anyhow::Result<&'static str> {
+    let query = Query::new(dns(NODE_LISTENER), Transport::Udp);
+    Ok(who(sandbox.query(Ns::Pod, query)?.answer()))
+}
+
+/// The node listener's reason, as `status` and the metrics give it (`healthy`, `stalled`, ...).
+pub fn node_reason(sandbox: &Sandbox) -> anyhow::Result<&'static str> {
+    let maps = Maps::open_pinned(&sandbox.pin_dir())?;
+    redirector::telemetry::snapshot::listeners(&maps)?
+        .into_iter()
+        .find(|listener| listener.id == NODE_ID)
+        .map(|listener| listener.reason_code)
+        .context("no node listener in the pinned maps")
+}
+
+/// Starts `redirector run` with [`write_standard_config`]'s configuration and waits until the
+/// node listener's DNS is answered by the cache; returns the configuration's path and the agent.
+pub fn agent_serving_from_cache(
+    sandbox: &Sandbox,
+) -> anyhow::Result<(std::path::PathBuf, crate::command::TestProcess)> {
+    let config = write_standard_config(sandbox)?;
+    let agent = crate::cli::start_agent(&config)?;
+    crate::pace::wait_until(
+        "the agent confirms the cache",
+        Duration::from_secs(10),
+        Duration::from_millis(50),
+        || Ok(answered_by(sandbox)? == "cache"),
+    )?;
+    Ok((config, agent))
 }
 
 /// Listener ids in `standard_listeners`.

@@ -7,31 +7,17 @@
 use std::time::Duration;
 
 use bpf_tests::{
-    cli::{CliOutput, redirector, start_agent, uninstall},
+    cli::{CliOutput, redirector, uninstall},
     dns::now_ms,
-    harness::{NODE_ID, write_standard_config},
+    harness::{NODE_ID, agent_serving_from_cache, answered_by, node_reason},
     pace::{paced_ms, pause, wait_until},
-    sandbox::{CacheSpec, Ns, Query, Sandbox, Transport},
+    sandbox::{CacheSpec, Ns, Sandbox},
     stream::{Stream, StreamReport},
     tools,
-    topology::{NODE_LISTENER, dns, who},
+    topology::{NODE_LISTENER, dns},
 };
-use redirector::{datapath::Maps, telemetry::snapshot};
+use redirector::datapath::Maps;
 use redirector_common::activity::FLIP_DRAINED;
-
-fn answered_by(sandbox: &Sandbox) -> anyhow::Result<&'static str> {
-    let outcome = sandbox.query(Ns::Pod, Query::new(dns(NODE_LISTENER), Transport::Udp))?;
-    Ok(who(outcome.answer()))
-}
-
-fn node_reason(sandbox: &Sandbox) -> anyhow::Result<&'static str> {
-    let maps = Maps::open_pinned(&sandbox.pin_dir())?;
-    snapshot::listeners(&maps)?
-        .into_iter()
-        .find(|listener| listener.name == "node")
-        .map(|listener| listener.reason_code)
-        .ok_or_else(|| anyhow::anyhow!("no node listener"))
-}
 
 /// How `redirector drain` reaches the state.
 enum Via<'a> {
@@ -60,14 +46,7 @@ fn drain(via: &Via<'_>, extra: &[&str]) -> anyhow::Result<CliOutput> {
 fn drain_and_wait_then_a_restart_loses_nothing() -> anyhow::Result<()> {
     let mut sandbox = Sandbox::new(tools!())?;
     sandbox.start_standard_servers()?;
-    let config = write_standard_config(&sandbox)?;
-    let agent = start_agent(&config)?;
-    wait_until(
-        "the agent confirms the cache",
-        Duration::from_secs(10),
-        Duration::from_millis(50),
-        || Ok(answered_by(&sandbox)? == "cache"),
-    )?;
+    let (config, agent) = agent_serving_from_cache(&sandbox)?;
     // A query every 2 ms from each socket kind (stretched in a slower VM, whose servers cannot
     // answer as many), none waiting for the last one's answer.
     let interval = paced_ms(2).to_string();
@@ -155,14 +134,7 @@ fn drain_and_wait_then_a_restart_loses_nothing() -> anyhow::Result<()> {
 fn drain_without_wait_moves_at_once_and_cancel_gives_the_dns_back() -> anyhow::Result<()> {
     let mut sandbox = Sandbox::new(tools!())?;
     sandbox.start_standard_servers()?;
-    let config = write_standard_config(&sandbox)?;
-    let agent = start_agent(&config)?;
-    wait_until(
-        "the agent confirms the cache",
-        Duration::from_secs(10),
-        Duration::from_millis(50),
-        || Ok(answered_by(&sandbox)? == "cache"),
-    )?;
+    let (config, agent) = agent_serving_from_cache(&sandbox)?;
     drain(&Via::Pins(&config), &[])?;
     assert!(
         answered_by(&sandbox)?.starts_with("upstream"),
@@ -202,14 +174,7 @@ fn a_sidecar_drains_at_its_sigterm_over_the_agents_socket() -> anyhow::Result<()
     use nix::{sys::signal, unistd::Pid};
     let mut sandbox = Sandbox::new(tools!())?;
     sandbox.start_standard_servers()?;
-    let config = write_standard_config(&sandbox)?;
-    let agent = start_agent(&config)?;
-    wait_until(
-        "the agent confirms the cache",
-        Duration::from_secs(10),
-        Duration::from_millis(50),
-        || Ok(answered_by(&sandbox)? == "cache"),
-    )?;
+    let (config, agent) = agent_serving_from_cache(&sandbox)?;
     let socket = sandbox.drain_socket().display().to_string();
     let mut sidecar = std::process::Command::new(bpf_tests::sandbox::redirector_bin())
         .args([

@@ -9,12 +9,14 @@ use bpf_tests::{
     caches::{CacheKind, start_cache},
     cli::{set_state, start_agent, stop_agent},
     dns::now_ms,
-    harness::{CLUSTER_ID, Harness, NODE_ID, V6_ID, standard_listeners, write_standard_config},
+    harness::{
+        CLUSTER_ID, Harness, NODE_ID, V6_ID, answered_by, standard_listeners, write_standard_config,
+    },
     pace::{paced, paced_ms, pause},
-    sandbox::{CacheSpec, Ns, Query, Sandbox, Transport},
+    sandbox::{CacheSpec, Ns, Sandbox},
     stream::{Stream, StreamReport},
     tools,
-    topology::{NODE_LISTENER, dns, who},
+    topology::{NODE_LISTENER, dns},
 };
 use nix::sys::signal::Signal;
 use redirector_common::{
@@ -35,11 +37,6 @@ fn harness_with(kind: CacheKind) -> anyhow::Result<Harness> {
 }
 
 /// Who answers the node listener right now, from the pod.
-fn answered_by(sandbox: &Sandbox) -> anyhow::Result<&'static str> {
-    let outcome = sandbox.query(Ns::Pod, Query::new(dns(NODE_LISTENER), Transport::Udp))?;
-    Ok(who(outcome.answer()))
-}
-
 /// A stream from the pod to the node listener for `seconds` (stretched by the machine's pace,
 /// like every event timing here).
 fn stream(harness: &Harness, seconds: u64) -> anyhow::Result<Stream> {

@@ -8,7 +8,7 @@ use bpf_tests::{
     cli::{redirector, set_state, start_agent, stop_agent, uninstall},
     command::run,
     dns::now_ms,
-    harness::{Harness, NODE_ID, standard_listeners, write_standard_config},
+    harness::{Harness, NODE_ID, answered_by, standard_listeners, write_standard_config},
     pace::{paced_ms, pause, wait_until},
     sandbox::{CacheSpec, Ns, Query, Sandbox, Transport},
     stream::Stream,
@@ -18,11 +18,6 @@ use bpf_tests::{
 use nix::sys::signal::Signal;
 use redirector::datapath::layout::MIN_ADOPTABLE_LAYOUT;
 use redirector_common::{LAYOUT_VERSION, addr::port_from_be};
-
-fn answered_by(sandbox: &Sandbox) -> anyhow::Result<&'static str> {
-    let outcome = sandbox.query(Ns::Pod, Query::new(dns(NODE_LISTENER), Transport::Udp))?;
-    Ok(who(outcome.answer()))
-}
 
 #[test]
 fn restarts_under_a_query_stream_lose_no_query_and_keep_state() -> anyhow::Result<()> {

@@ -10,21 +10,16 @@ use bpf_tests::{
     cli::{start_agent, stop_agent, uninstall},
     command::TestProcess,
     dns::now_ms,
-    harness::{NODE_ID, write_standard_config},
+    harness::{NODE_ID, answered_by, write_standard_config},
     pace::{paced_ms, pause, wait_until},
-    sandbox::{CacheSpec, Ns, Query, Sandbox, Transport},
+    sandbox::{CacheSpec, Ns, Sandbox},
     stream::{Stream, StreamReport},
     tools,
-    topology::{NODE_LISTENER, dns, who},
+    topology::{NODE_LISTENER, dns},
 };
 use nix::sys::signal::Signal;
 use redirector::datapath::Maps;
 use redirector_common::{binds::CacheTask, datapath::listener_bit, names};
-
-fn answered_by(sandbox: &Sandbox) -> anyhow::Result<&'static str> {
-    let outcome = sandbox.query(Ns::Pod, Query::new(dns(NODE_LISTENER), Transport::Udp))?;
-    Ok(who(outcome.answer()))
-}
 
 #[test]
 fn a_cache_told_to_stop_moves_dns_before_it_closes_its_sockets_with_no_agent() -> anyhow::Result<()>

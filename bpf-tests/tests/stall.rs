@@ -9,48 +9,31 @@ use std::time::Duration;
 use bpf_tests::{
     cli::{start_agent, stop_agent, uninstall},
     dns::now_ms,
-    harness::{NODE_ID, write_standard_config},
+    harness::{NODE_ID, agent_serving_from_cache, answered_by, node_reason},
     pace::{paced_ms, pause, wait_until},
-    sandbox::{CacheSpec, Ns, Query, Sandbox, Transport},
+    sandbox::{CacheSpec, Ns, Sandbox},
     stream::{Stream, StreamReport},
     tools,
-    topology::{NODE_LISTENER, dns, who},
+    topology::{NODE_LISTENER, dns},
 };
 use nix::sys::signal::Signal;
-use redirector::{datapath::Maps, telemetry::snapshot};
+use redirector::datapath::Maps;
 use redirector_common::activity::{CacheActivity, FLIP_STALLED};
-
-fn answered_by(sandbox: &Sandbox) -> anyhow::Result<&'static str> {
-    let outcome = sandbox.query(Ns::Pod, Query::new(dns(NODE_LISTENER), Transport::Udp))?;
-    Ok(who(outcome.answer()))
-}
 
 /// The node listener's activity and epoch, and its reason as `status` gives it.
 fn node_state(sandbox: &Sandbox) -> anyhow::Result<(CacheActivity, u64, &'static str)> {
     let maps = Maps::open_pinned(&sandbox.pin_dir())?;
-    let reason = snapshot::listeners(&maps)?
-        .into_iter()
-        .find(|listener| listener.name == "node")
-        .map(|listener| listener.reason_code)
-        .ok_or_else(|| anyhow::anyhow!("no node listener"))?;
     Ok((
         maps.cache_activity(NODE_ID)?,
         maps.socket_counts(NODE_ID)?.down_epoch,
-        reason,
+        node_reason(sandbox)?,
     ))
 }
 
 /// Starts the agent on the standard sandbox, waits for the cache to serve, and stops the agent:
 /// what follows is the kernel's alone.
 fn serving_without_agent(sandbox: &mut Sandbox) -> anyhow::Result<std::path::PathBuf> {
-    let config = write_standard_config(sandbox)?;
-    let mut agent = start_agent(&config)?;
-    wait_until(
-        "the agent confirms the cache",
-        Duration::from_secs(10),
-        Duration::from_millis(50),
-        || Ok(answered_by(sandbox)? == "cache"),
-    )?;
+    let (config, mut agent) = agent_serving_from_cache(sandbox)?;
     stop_agent(&mut agent)?;
     Ok(config)
 }

@@ -118,13 +118,19 @@ pub fn agent_serving_from_cache(
 ) -> anyhow::Result<(std::path::PathBuf, crate::command::TestProcess)> {
     let config = write_standard_config(sandbox)?;
     let agent = crate::cli::start_agent(&config)?;
+    wait_for_cache(sandbox, "the agent confirms the cache")?;
+    Ok((config, agent))
+}
+
+/// Waits until the node listener's DNS is answered by the cache (`what` says why it should be),
+/// for at most 10 s stretched to the machine's pace.
+pub fn wait_for_cache(sandbox: &Sandbox, what: &str) -> anyhow::Result<()> {
     crate::pace::wait_until(
-        "the agent confirms the cache",
+        what,
         Duration::from_secs(10),
         Duration::from_millis(50),
         || Ok(answered_by(sandbox)? == "cache"),
-    )?;
-    Ok((config, agent))
+    )
 }
 
 /// Listener ids in `standard_listeners`.

@@ -9,8 +9,8 @@ use std::time::Duration;
 use bpf_tests::{
     cli::{CliOutput, redirector, uninstall},
     dns::now_ms,
-    harness::{NODE_ID, agent_serving_from_cache, answered_by, node_reason},
-    pace::{paced_ms, pause, wait_until},
+    harness::{NODE_ID, agent_serving_from_cache, answered_by, node_reason, wait_for_cache},
+    pace::{paced_ms, pause},
     sandbox::{CacheSpec, Ns, Sandbox},
     stream::{Stream, StreamReport},
     tools,
@@ -85,12 +85,7 @@ fn drain_and_wait_then_a_restart_loses_nothing() -> anyhow::Result<()> {
     let stopped = now_ms();
     sandbox.stop_server("cache")?;
     sandbox.start_cache("cache", &CacheSpec::standard())?;
-    wait_until(
-        "the probes confirm the cache's next life",
-        Duration::from_secs(10),
-        Duration::from_millis(50),
-        || Ok(answered_by(&sandbox)? == "cache"),
-    )?;
+    wait_for_cache(&sandbox, "the probes confirm the cache's next life")?;
     let back = now_ms();
     let report = stream.stop_once(
         "queries after the failback",
@@ -145,22 +140,12 @@ fn drain_without_wait_moves_at_once_and_cancel_gives_the_dns_back() -> anyhow::R
     assert_eq!(node_reason(&sandbox)?, "drained");
     let output = drain(&Via::Pins(&config), &["--cancel"])?;
     assert!(output.stdout.contains("drain ended"), "{output:?}");
-    wait_until(
-        "the probes give the cache its DNS back",
-        Duration::from_secs(10),
-        Duration::from_millis(50),
-        || Ok(answered_by(&sandbox)? == "cache"),
-    )?;
+    wait_for_cache(&sandbox, "the probes give the cache its DNS back")?;
     // A drain ends with its cache's next life.
     drain(&Via::Pins(&config), &[])?;
     sandbox.stop_server("cache")?;
     sandbox.start_cache("cache", &CacheSpec::standard())?;
-    wait_until(
-        "the cache's next life ends the drain",
-        Duration::from_secs(10),
-        Duration::from_millis(50),
-        || Ok(answered_by(&sandbox)? == "cache"),
-    )?;
+    wait_for_cache(&sandbox, "the cache's next life ends the drain")?;
     drop(agent);
     uninstall(&config)?;
     Ok(())

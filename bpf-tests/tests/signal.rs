@@ -10,7 +10,7 @@ use bpf_tests::{
     cli::{start_agent, stop_agent, uninstall},
     command::TestProcess,
     dns::now_ms,
-    harness::{NODE_ID, answered_by, write_standard_config},
+    harness::{NODE_ID, answered_by, wait_for_cache, write_standard_config},
     pace::{paced_ms, pause, wait_until},
     sandbox::{CacheSpec, Ns, Sandbox},
     stream::{Stream, StreamReport},
@@ -37,12 +37,7 @@ fn a_cache_told_to_stop_moves_dns_before_it_closes_its_sockets_with_no_agent() -
         .extra_args
         .extend(["--term-linger-ms".to_owned(), linger_ms.to_string()]);
     sandbox.start_cache("cache", &cache)?;
-    wait_until(
-        "the agent confirms the new cache",
-        Duration::from_secs(10),
-        Duration::from_millis(50),
-        || Ok(answered_by(&sandbox)? == "cache"),
-    )?;
+    wait_for_cache(&sandbox, "the agent confirms the new cache")?;
     stop_agent(&mut agent)?;
 
     let stream = Stream::start_with(
@@ -193,12 +188,7 @@ fn a_signal_to_a_reused_pid_moves_nothing_and_a_false_alarm_fails_back() -> anyh
         "the signal recorded no death"
     );
     // The probes confirm the cache that survived, and it gets its DNS back.
-    wait_until(
-        "the agent fails back to the cache that survived",
-        Duration::from_secs(10),
-        Duration::from_millis(50),
-        || Ok(answered_by(&sandbox)? == "cache"),
-    )?;
+    wait_for_cache(&sandbox, "the agent fails back to the cache that survived")?;
     drop(survivor);
     drop(agent);
     uninstall(&config)?;
@@ -266,12 +256,7 @@ fn an_exec_in_a_multithreaded_cache_moves_dns_until_the_probes_confirm_it() -> a
         ],
         "ready",
     )?;
-    wait_until(
-        "the agent confirms the cache",
-        Duration::from_secs(10),
-        Duration::from_millis(50),
-        || Ok(answered_by(&sandbox)? == "cache"),
-    )?;
+    wait_for_cache(&sandbox, "the agent confirms the cache")?;
     let epoch = node_epoch(&sandbox)?;
     sandbox.process("cache")?.signal(Signal::SIGUSR1)?;
     sandbox

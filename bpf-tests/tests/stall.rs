@@ -9,8 +9,8 @@ use std::time::Duration;
 use bpf_tests::{
     cli::{start_agent, stop_agent, uninstall},
     dns::now_ms,
-    harness::{NODE_ID, agent_serving_from_cache, answered_by, node_reason},
-    pace::{paced_ms, pause, wait_until},
+    harness::{NODE_ID, agent_serving_from_cache, node_reason, wait_for_cache},
+    pace::{paced_ms, pause},
     sandbox::{CacheSpec, Ns, Sandbox},
     stream::{Stream, StreamReport},
     tools,
@@ -112,12 +112,7 @@ fn a_hung_cache_is_moved_upstream_by_the_kernel_with_no_agent() -> anyhow::Resul
 
     // The next agent's probes confirm the cache and give it its DNS back.
     let agent = start_agent(&config)?;
-    wait_until(
-        "the agent fails back to the resumed cache",
-        Duration::from_secs(10),
-        Duration::from_millis(50),
-        || Ok(answered_by(&sandbox)? == "cache"),
-    )?;
+    wait_for_cache(&sandbox, "the agent fails back to the resumed cache")?;
     drop(agent);
     uninstall(&config)?;
     Ok(())

@@ -8,10 +8,11 @@
 //! When the receiver is a process that bound a cache socket (`CACHE_TASKS`, recorded by
 //! `post_bind`, in the same cgroup: pids are reused), each of its listeners whose cache still has
 //! sockets gets a new `down_epoch`, exactly as the last close records one, and the flip is recorded
-//! as `signalled` (`CACHE_ACTIVITY`): from the next syscall
-//! on the listener routes upstream, and only the agent's probes, confirming the cache in the new
-//! epoch, bring it back. A false alarm (an `execve` in a multi-threaded cache shows SIGKILL on its
-//! other threads; a signal the cache survives) costs a stay on the upstreams until then.
+//! as `signalled` (`CACHE_ACTIVITY`): from the next syscall on the listener routes upstream, and
+//! only the agent's probes, confirming the cache in the new epoch after `probe.signal_hold_ms` (a
+//! cache shutting down answers them until its last close), bring it back. A false alarm (an
+//! `execve` in a multi-threaded cache shows SIGKILL on its other threads; a signal the cache
+//! survives) costs a stay on the upstreams until then.
 //!
 //! Raw tracepoints (`BPF_RAW_TRACEPOINT_OPEN`, 4.17) need no tracefs; the program runs for every
 //! signal on the node, so the number is tested first (Go's runtime sends SIGURG often), and a

@@ -495,3 +495,31 @@ fn refuses_a_tiny_reverse_map() {
         refusal("reverse_nat_entries = 10\n[[listener]]\nname = \"n\"\naddress = \"10.0.0.1\"\n");
     assert!(message.contains("reverse_nat_entries"), "{message}");
 }
+
+#[test]
+fn the_stall_limit_and_the_drain_socket_have_defaults_an_off_switch_and_a_floor() {
+    let config = Config::parse(AKS).unwrap();
+    assert_eq!(
+        config.probe.stall_after,
+        Some(Duration::from_millis(DEFAULT_STALL_AFTER_MS))
+    );
+    assert_eq!(config.probe.signal_hold, Duration::from_secs(6));
+    assert_eq!(
+        config.drain_socket,
+        Some(PathBuf::from(DEFAULT_DRAIN_SOCKET))
+    );
+    let with = |top: &str, probe: &str| {
+        let (head, listeners) = AKS.split_once("[[listener]]").unwrap();
+        format!("{top}\n{head}\n[probe]\n{probe}\n[[listener]]{listeners}")
+    };
+    let off = Config::parse(&with("drain_socket = \"\"", "stall_after_ms = 0")).unwrap();
+    assert_eq!((off.probe.stall_after, off.drain_socket), (None, None));
+    let set = Config::parse(&with("", "stall_after_ms = 120\nsignal_hold_ms = 500")).unwrap();
+    assert_eq!(set.probe.stall_after, Some(Duration::from_millis(120)));
+    assert_eq!(set.probe.signal_hold, Duration::from_millis(500));
+    let refused = refusal(&with("", "stall_after_ms = 10"));
+    assert!(
+        refused.contains("probe.stall_after_ms") && refused.contains("at least 20"),
+        "{refused}"
+    );
+}

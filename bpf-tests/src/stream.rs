@@ -31,6 +31,30 @@ impl Stream {
         Self::start_with(sandbox, ns, server, duration, &[])
     }
 
+    /// A stream from every socket kind (fresh, kept unconnected, kept connected), a query from
+    /// each every `interval_ms`, none waiting for the earlier answers (`--open-loop`).
+    pub fn open_loop(
+        sandbox: &Sandbox,
+        server: SocketAddr,
+        duration: Duration,
+        interval_ms: u64,
+    ) -> anyhow::Result<Self> {
+        let interval = interval_ms.to_string();
+        Self::start_with(
+            sandbox,
+            Ns::Pod,
+            server,
+            duration,
+            &[
+                "--kinds",
+                "fresh,connected,long",
+                "--open-loop",
+                "--interval-ms",
+                &interval,
+            ],
+        )
+    }
+
     /// The same, with extra `dns-stream` arguments (`--kinds`, `--mapped`).
     pub fn start_with(
         sandbox: &Sandbox,

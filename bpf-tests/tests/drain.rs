@@ -11,7 +11,7 @@ use bpf_tests::{
     dns::now_ms,
     harness::{NODE_ID, agent_serving_from_cache, answered_by, node_reason, wait_for_cache},
     pace::{paced_ms, pause},
-    sandbox::{CacheSpec, Ns, Sandbox},
+    sandbox::{CacheSpec, Sandbox},
     stream::{Stream, StreamReport},
     tools,
     topology::{NODE_LISTENER, dns},
@@ -49,19 +49,11 @@ fn drain_and_wait_then_a_restart_loses_nothing() -> anyhow::Result<()> {
     let (config, agent) = agent_serving_from_cache(&sandbox)?;
     // A query every 2 ms from each socket kind (stretched in a slower VM, whose servers cannot
     // answer as many), none waiting for the last one's answer.
-    let interval = paced_ms(2).to_string();
-    let stream = Stream::start_with(
+    let stream = Stream::open_loop(
         &sandbox,
-        Ns::Pod,
         dns(NODE_LISTENER),
         Duration::from_secs(120),
-        &[
-            "--kinds",
-            "fresh,connected,long",
-            "--open-loop",
-            "--interval-ms",
-            &interval,
-        ],
+        paced_ms(2),
     )?;
     pause(500);
     let drained = now_ms();

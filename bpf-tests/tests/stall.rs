@@ -47,19 +47,11 @@ fn a_hung_cache_is_moved_upstream_by_the_kernel_with_no_agent() -> anyhow::Resul
 
     // A query every 2 ms from each socket kind (stretched in a slower VM), none waiting for the
     // last one's answer: the flip shows within a few ms of the query that made it.
-    let interval = paced_ms(2).to_string();
-    let stream = Stream::start_with(
+    let stream = Stream::open_loop(
         &sandbox,
-        Ns::Pod,
         dns(NODE_LISTENER),
         Duration::from_secs(120),
-        &[
-            "--kinds",
-            "fresh,connected,long",
-            "--open-loop",
-            "--interval-ms",
-            &interval,
-        ],
+        paced_ms(2),
     )?;
     pause(500);
     let stopped = now_ms();
@@ -134,19 +126,7 @@ fn a_saturated_cache_that_keeps_reading_is_never_moved() -> anyhow::Result<()> {
     let config = serving_without_agent(&mut sandbox)?;
     let (_, epoch, _) = node_state(&sandbox)?;
 
-    let stream = Stream::start_with(
-        &sandbox,
-        Ns::Pod,
-        dns(NODE_LISTENER),
-        Duration::from_secs(3),
-        &[
-            "--kinds",
-            "fresh,connected,long",
-            "--open-loop",
-            "--interval-ms",
-            "1",
-        ],
-    )?;
+    let stream = Stream::open_loop(&sandbox, dns(NODE_LISTENER), Duration::from_secs(3), 1)?;
     let report = stream.finish()?;
     let (activity, after, reason) = node_state(&sandbox)?;
     println!("{}", report.summary());

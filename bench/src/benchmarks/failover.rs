@@ -277,19 +277,7 @@ fn revive(rig: &mut Rig, event: Event) -> anyhow::Result<()> {
 /// redirector (agent running): a 6 s stream to the listener, a query every 1 ms from each socket
 /// kind, the event at 1.5 s, the cache back at 3.5 s.
 pub fn redirector(rig: &mut Rig, event: Event) -> anyhow::Result<Failover> {
-    let stream = Stream::start_with(
-        &rig.sandbox,
-        Ns::Pod,
-        dns(LISTENER),
-        Duration::from_secs(6),
-        &[
-            "--interval-ms",
-            "1",
-            "--kinds",
-            "fresh,long,connected",
-            "--open-loop",
-        ],
-    )?;
+    let stream = Stream::open_loop(&rig.sandbox, dns(LISTENER), Duration::from_secs(6), 1)?;
     std::thread::sleep(Duration::from_millis(1500));
     let struck = now_ms();
     strike(rig, event)?;

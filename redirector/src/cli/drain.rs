@@ -12,12 +12,12 @@ use std::{
 };
 
 use anyhow::{Context as _, bail};
-
-use super::{runtime, stop_signal};
 use redirector::{
     config::{Config, DEFAULT_CONFIG_PATH, DEFAULT_PIN_DIR},
     liveness::drain::{self, DEFAULT_SETTLE_MS, DEFAULT_TIMEOUT_MS, DrainReply, DrainRequest},
 };
+
+use super::{runtime, stop_signal};
 
 #[derive(clap::Args, Debug)]
 pub(crate) struct DrainArgs {

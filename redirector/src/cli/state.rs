@@ -2,7 +2,6 @@
 
 use std::path::PathBuf;
 
-use anyhow::bail;
 use clap::builder::{PossibleValuesParser, TypedValueParser};
 use redirector::{config::DEFAULT_PIN_DIR, datapath::Maps, telemetry};
 use redirector_common::{
@@ -38,18 +37,7 @@ fn mode_parser() -> impl TypedValueParser<Value = Mode> {
 
 pub(crate) fn set_state(args: &StateArgs) -> anyhow::Result<()> {
     let mut maps = Maps::open_pinned(&args.pin_dir)?;
-    let Some((id, info)) = maps.listener_by_name(&args.listener)? else {
-        let known: Vec<String> = maps
-            .listeners()?
-            .iter()
-            .filter_map(|(_, info)| info.name().map(str::to_owned))
-            .collect();
-        bail!(
-            "there is no listener {:?}; the running agent has: {}",
-            args.listener,
-            known.join(", ")
-        );
-    };
+    let (id, info) = maps.listener_named(&args.listener)?;
     let address = std::net::IpAddr::from(info.addr);
     let previous = maps.mode(id)?;
     maps.set_mode(id, args.set)?;

@@ -3,7 +3,7 @@
 
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
-use redirector_common::activity::{CacheActivity, FLIP_DRAINED};
+use redirector_common::activity::{CacheActivity, FLIP_DRAINED, FLIP_NONE};
 
 use super::mmapped::MappedArray;
 
@@ -66,7 +66,7 @@ impl MappedArray<CacheActivity> {
             AtomicU32::from_ptr(&raw mut (*element).flip_reason)
                 .compare_exchange(
                     FLIP_DRAINED,
-                    redirector_common::activity::FLIP_NONE,
+                    FLIP_NONE,
                     Ordering::Relaxed,
                     Ordering::Relaxed,
                 )

@@ -209,6 +209,14 @@ pub enum DatapathError {
         "failing the start after the load, as REDIRECTOR_TEST_FAIL_AFTER_LOAD asks (tests only)"
     )]
     InjectedFailure,
+    /// No listener of that name in the maps.
+    #[error("there is no listener {name:?}; the running agent has: {known}")]
+    UnknownListener {
+        /// The name asked for.
+        name: String,
+        /// The names there are, comma-separated.
+        known: String,
+    },
     /// A listener id past the maps' size.
     #[error("listener id {id} is out of range (at most {max} listeners)", max = MAX_LISTENERS)]
     ListenerId { id: u32 },

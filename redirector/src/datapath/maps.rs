@@ -648,15 +648,20 @@ impl Maps {
         Ok(found)
     }
 
-    /// The listener called `name`.
-    pub fn listener_by_name(
-        &self,
-        name: &str,
-    ) -> Result<Option<(u32, ListenerInfo)>, DatapathError> {
-        Ok(self
-            .listeners()?
-            .into_iter()
-            .find(|(_, info)| info.name() == Some(name)))
+    /// The listener called `name`; an error naming the listeners there are when none is.
+    pub fn listener_named(&self, name: &str) -> Result<(u32, ListenerInfo), DatapathError> {
+        let listeners = self.listeners()?;
+        if let Some(found) = listeners.iter().find(|(_, info)| info.name() == Some(name)) {
+            return Ok(*found);
+        }
+        let known: Vec<&str> = listeners
+            .iter()
+            .filter_map(|(_, info)| info.name())
+            .collect();
+        Err(DatapathError::UnknownListener {
+            name: name.to_owned(),
+            known: known.join(", "),
+        })
     }
 
     /// Replaces the skipped cgroups (removing those no longer configured) and the datapath-wide

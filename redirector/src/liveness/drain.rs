@@ -14,11 +14,7 @@ use std::{
 
 use serde::{Deserialize, Serialize};
 
-use redirector_common::{
-    activity::{FLIP_DRAINED, unread_since},
-    counters::PROTOCOL_UDP,
-    datapath::listener_bit,
-};
+use redirector_common::{activity::unread_since, counters::PROTOCOL_UDP, datapath::listener_bit};
 
 use super::{
     health::monotonic_ns,
@@ -80,17 +76,7 @@ pub fn handle(
     request: &DrainRequest,
 ) -> Result<String, DrainError> {
     let maps = Maps::open_pinned(pin_dir)?;
-    let Some((id, _)) = maps.listener_by_name(&request.listener)? else {
-        let known: Vec<String> = maps
-            .listeners()?
-            .iter()
-            .filter_map(|(_, info)| info.name().map(str::to_owned))
-            .collect();
-        return Err(DrainError::UnknownListener {
-            listener: request.listener.clone(),
-            known: known.join(", "),
-        });
-    };
+    let (id, _) = maps.listener_named(&request.listener)?;
     let name = &request.listener;
     if request.cancel {
         return Ok(if end(&maps, id)? {
@@ -130,16 +116,8 @@ pub fn handle(
 /// Why a drain failed.
 #[derive(Debug, thiserror::Error)]
 pub enum DrainError {
-    /// No listener of that name.
-    #[error("no listener {listener:?}; the agent's listeners are: {known}")]
-    UnknownListener {
-        /// The name asked for.
-        listener: String,
-        /// The names there are.
-        known: String,
-    },
-    /// The maps could not be read or written.
-    #[error("the pinned maps could not be used")]
+    /// The maps could not be read or written, or hold no such listener.
+    #[error(transparent)]
     Maps(#[from] DatapathError),
     /// The caches' socket tables could not be read.
     #[error("the caches' sockets could not be read")]
@@ -175,21 +153,7 @@ pub fn begin(maps: &Maps, id: u32) -> Result<u64, DrainError> {
 /// [`DrainError::Maps`] when the maps cannot be read or written.
 pub fn end(maps: &Maps, id: u32) -> Result<bool, DrainError> {
     let activity = maps.cache_activity(id)?;
-    if activity.flip_reason != FLIP_DRAINED {
-        return Ok(false);
-    }
     Ok(maps.end_drain(id, activity.flip_epoch)?)
-}
-
-/// Whether a drain of listener `id` stands: its latest flip, in the epoch it began.
-///
-/// # Errors
-///
-/// [`DrainError::Maps`] when the maps cannot be read.
-pub fn stands(maps: &Maps, id: u32) -> Result<bool, DrainError> {
-    let activity = maps.cache_activity(id)?;
-    Ok(activity.flip_reason == FLIP_DRAINED
-        && activity.flip_epoch == maps.socket_counts(id)?.down_epoch)
 }
 
 /// What a finished wait saw.

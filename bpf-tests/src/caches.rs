@@ -25,6 +25,17 @@ pub enum CacheKind {
 }
 
 impl CacheKind {
+    /// The program's name, for tables and messages.
+    #[must_use]
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::TestServer => "dns-server",
+            Self::Dnsmasq => "dnsmasq",
+            Self::Unbound => "unbound",
+            Self::Embedded => "embedded",
+        }
+    }
+
     /// Every kind.
     pub const ALL: [Self; 4] = [
         Self::TestServer,

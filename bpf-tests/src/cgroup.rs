@@ -84,3 +84,80 @@ impl Drop for TestCgroup {
         }
     }
 }
+
+/// Where cgroup v1 mounts its `cpu` controller on hosts that keep v1 beside the unified
+/// hierarchy (this machine: the unified hierarchy has no controllers).
+const CPU_V1_ROOT: &str = "/sys/fs/cgroup/cpu";
+
+/// A CPU quota for processes the test started: a cgroup of its own under the `cpu` controller,
+/// with `quota_us` of CPU time in every `period_us` (the CFS bandwidth control that Kubernetes'
+/// CPU limits set, `cpu.max` in cgroup v2, `cpu.cfs_quota_us` and `cpu.cfs_period_us` in v1).
+/// The processes keep their unified cgroup (the programs' attach point). On drop they go back to
+/// the controller's root and the cgroup is removed: nothing is killed.
+#[derive(Debug)]
+pub struct CpuQuota {
+    path: PathBuf,
+    /// Which interface set the quota, for reports.
+    pub how: String,
+}
+
+impl CpuQuota {
+    /// Creates cgroup `name` under the v1 `cpu` controller with the quota. Fails with what to do
+    /// when this host has no v1 `cpu` controller.
+    pub fn create(name: &str, quota_us: u64, period_us: u64) -> anyhow::Result<Self> {
+        let root = Path::new(CPU_V1_ROOT);
+        if !root.join("cpu.cfs_quota_us").exists() {
+            bail!(
+                "no cgroup v1 cpu controller at {CPU_V1_ROOT}: a CPU quota needs it on this kind of \
+                 host (the unified hierarchy here offers no controllers); run where v1 `cpu` is mounted"
+            );
+        }
+        let path = root.join(name);
+        std::fs::create_dir(&path)
+            .with_context(|| format!("creating cgroup {}", path.display()))?;
+        let quota = Self {
+            path,
+            how: format!(
+                "cpu.cfs_quota_us {quota_us} / cpu.cfs_period_us {period_us} (cgroup v1, as cpu.max \"{quota_us} {period_us}\")"
+            ),
+        };
+        let write = |file: &str, value: u64| {
+            let file = quota.path.join(file);
+            std::fs::write(&file, value.to_string())
+                .with_context(|| format!("writing {value} to {}", file.display()))
+        };
+        write("cpu.cfs_period_us", period_us)?;
+        write("cpu.cfs_quota_us", quota_us)?;
+        Ok(quota)
+    }
+
+    /// Moves process `pid` (one the test started) and its threads under the quota.
+    pub fn add(&self, pid: u32) -> anyhow::Result<()> {
+        let procs = self.path.join("cgroup.procs");
+        std::fs::write(&procs, pid.to_string())
+            .with_context(|| format!("moving {pid} into {}", procs.display()))
+    }
+
+    /// How often the quota held its processes off the CPU so far (`nr_throttled` of
+    /// `cpu.stat`).
+    pub fn throttled(&self) -> anyhow::Result<u64> {
+        let stat = self.path.join("cpu.stat");
+        std::fs::read_to_string(&stat)
+            .with_context(|| format!("reading {}", stat.display()))?
+            .lines()
+            .find_map(|line| line.strip_prefix("nr_throttled ")?.trim().parse().ok())
+            .with_context(|| format!("no nr_throttled in {}", stat.display()))
+    }
+}
+
+impl Drop for CpuQuota {
+    fn drop(&mut self) {
+        let pids = std::fs::read_to_string(self.path.join("cgroup.procs")).unwrap_or_default();
+        for pid in pids.lines() {
+            let _ = std::fs::write(Path::new(CPU_V1_ROOT).join("cgroup.procs"), pid.trim());
+        }
+        if let Err(error) = std::fs::remove_dir(&self.path) {
+            eprintln!("cleanup: removing {}: {error}", self.path.display());
+        }
+    }
+}

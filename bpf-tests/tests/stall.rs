@@ -11,10 +11,10 @@ use bpf_tests::{
     dns::now_ms,
     harness::{NODE_ID, agent_serving_from_cache, node_reason, wait_for_cache},
     pace::{paced_ms, pause},
-    sandbox::{CacheSpec, Ns, Sandbox},
+    sandbox::{CacheSpec, Ns, Query, Sandbox, Transport},
     stream::{Stream, StreamReport},
     tools,
-    topology::{NODE_LISTENER, dns},
+    topology::{NODE_LISTENER, dns, who},
 };
 use nix::sys::signal::Signal;
 use redirector::datapath::Maps;
@@ -188,6 +188,95 @@ fn a_cache_whose_reads_are_unseen_is_never_called_stalled() -> anyhow::Result<()
         "the kernel moved a cache whose reads it cannot see"
     );
     assert_eq!(reason, "healthy");
+    uninstall(&config)?;
+    Ok(())
+}
+
+/// A listener in the test's own range whose cache is the node listener's address.
+const MOVED_LISTENER: std::net::Ipv4Addr = std::net::Ipv4Addr::new(198, 18, 3, 10);
+
+/// A new configuration gives the cache's socket to another listener (`moved`, with the cache at
+/// the node listener's address; `node` now expects its cache on a port nothing serves). The
+/// socket's reads were credited to `node` until then (its socket-local `CACHE_READERS` copy):
+/// after the agent's start and its reconcile move the socket, they must be credited to `moved`,
+/// or a hang of the cache would never be seen for it.
+#[test]
+fn a_cache_socket_given_to_another_listener_is_watched_for_it() -> anyhow::Result<()> {
+    let mut sandbox = Sandbox::new(tools!())?;
+    sandbox.start_standard_servers()?;
+    serving_without_agent(&mut sandbox)?;
+    let (before, _, _) = node_state(&sandbox)?;
+    assert!(
+        before.last_read_ns != 0,
+        "the cache's reads went unseen: {before:?}"
+    );
+
+    let listeners = format!(
+        r#"
+[[listener]]
+name = "node"
+address = "{NODE_LISTENER}"
+cache = "{NODE_LISTENER}:5353"
+upstreams = ["198.18.2.2", "198.18.2.3:53"]
+skip_cgroups = [{skipped:?}]
+
+[[listener]]
+name = "moved"
+address = "{MOVED_LISTENER}"
+cache = "{NODE_LISTENER}:53"
+upstreams = ["198.18.2.2", "198.18.2.3:53"]
+"#,
+        skipped = sandbox.skipped_cgroup().path().display().to_string()
+    );
+    let config = sandbox.write_file("moved.toml", &sandbox.config_toml(&listeners))?;
+    let mut agent = start_agent(&config)?;
+    bpf_tests::pace::wait_until(
+        "the agent confirms the cache for the moved listener",
+        Duration::from_secs(10),
+        Duration::from_millis(50),
+        || {
+            let query = Query::new(dns(MOVED_LISTENER), Transport::Udp);
+            Ok(who(sandbox.query(Ns::Pod, query)?.answer()) == "cache")
+        },
+    )?;
+    stop_agent(&mut agent)?;
+    let moved_id = Maps::open_pinned(&sandbox.pin_dir())?
+        .listener_named("moved")?
+        .0;
+    assert_ne!(moved_id, NODE_ID);
+
+    let stream = Stream::open_loop(
+        &sandbox,
+        dns(MOVED_LISTENER),
+        Duration::from_secs(120),
+        paced_ms(2),
+    )?;
+    pause(500);
+    let stopped = now_ms();
+    sandbox.process("cache")?.signal(Signal::SIGSTOP)?;
+    pause(1500);
+    let maps = Maps::open_pinned(&sandbox.pin_dir())?;
+    let activity = maps.cache_activity(moved_id)?;
+    let resumed = now_ms();
+    sandbox.process("cache")?.signal(Signal::SIGCONT)?;
+    let report = stream.stop_once("queries after SIGCONT", Duration::from_secs(20), |report| {
+        report.between(resumed + 100, u64::MAX).count() > 20
+    })?;
+    println!("{activity:?} {}", report.summary());
+    assert!(
+        activity.last_read_ns != 0,
+        "no read credited to the moved listener: {activity:?}"
+    );
+    assert_eq!(activity.flip_reason, FLIP_STALLED, "{activity:?}");
+    assert!(activity.stalled >= 1, "{activity:?}");
+    let flipped_by = report
+        .flipped_by(stopped)
+        .unwrap_or_else(|| panic!("no upstream answer after the hang: {}", report.summary()));
+    assert!(
+        flipped_by < resumed,
+        "the kernel did not move the hung cache's DNS: {}",
+        report.summary()
+    );
     uninstall(&config)?;
     Ok(())
 }

@@ -18,9 +18,10 @@ pub struct CacheActivity {
     /// its last read: the query is unread while this is later than `last_read_ns`
     /// ([`unread_since`]); 0 after a stall's flip.
     pub first_unread_ns: u64,
-    /// `bpf_ktime_get_coarse_ns` of the cache's last read (written once a tick at most); 0 while
-    /// no read was ever seen (the cache runs outside the attach cgroup, or serves only TCP): such
-    /// a cache is never called stalled.
+    /// `bpf_ktime_get_coarse_ns` of a read of the cache's that answered the stamp: its first read
+    /// ever, and its first after each query stamped unread (so once a tick at most; the reads in
+    /// between need no clock); 0 while no read was ever seen (the cache runs outside the attach
+    /// cgroup, or serves only TCP): such a cache is never called stalled.
     pub last_read_ns: u64,
     /// The `SocketCounts::down_epoch` the kernel's latest flip of this listener began (a signal,
     /// a stall or a drain); the flip explains the listener's route while the epoch is unchanged.
@@ -61,9 +62,10 @@ const _: () = assert!(size_of::<StallLimit>() == 8);
 
 /// When the oldest query the cache has not read was handed to it, from `CacheActivity`'s two
 /// stamps: `None` when it has read since (or its reads were never seen). Each side writes its
-/// stamp at most once a clock tick (a query only when the stamp is older than the last read, the
-/// cache only when the tick changed), so a cache under load and its clients do not bounce the
-/// stamps' cache line between CPUs at every query; a stall is seen a tick late at most.
+/// stamp at most once a clock tick (a query only when the stamp is not later than the last read
+/// and the tick changed, the cache only when a query is unread), so a cache under load and its
+/// clients do not bounce the stamps' cache line between CPUs at every query; a stall is seen a
+/// tick late at most.
 #[inline(always)]
 #[must_use]
 pub const fn unread_since(first_unread_ns: u64, last_read_ns: u64) -> Option<u64> {

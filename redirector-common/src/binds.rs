@@ -93,6 +93,22 @@ pub struct CacheMark {
 }
 const _: () = assert!(size_of::<CacheMark>() == 4);
 
+/// Value of `CACHE_READERS`, the socket-local storage of a socket bound to a cache port: the
+/// listeners it is a cache of (none: it is not a cache socket), as `CACHE_SOCKETS` held them in
+/// generation `generation` (`DatapathConfig::readers_generation`). `recvmsg` creates it at the
+/// socket's first read and reads `CACHE_SOCKETS` again only when the generation moved on.
+#[repr(C)]
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
+pub struct CacheReader {
+    /// The listeners whose cache the socket is (see `datapath::listener_bit`); zero for none.
+    pub listeners: u64,
+    /// The `DatapathConfig::readers_generation` it was read in.
+    pub generation: u32,
+    /// Zero.
+    pub _padding: u32,
+}
+const _: () = assert!(size_of::<CacheReader>() == 16);
+
 /// Entries of `CACHE_TASKS`: processes that bound a cache socket. An LRU: the entries of caches
 /// long gone age out (a process that exits is never told to the programs).
 pub const MAX_CACHE_TASKS: usize = 1024;

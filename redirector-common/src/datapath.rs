@@ -22,8 +22,13 @@ pub struct DatapathConfig {
     /// the caches' network namespace by cookie, as it must to uncount those. The agent sets it before it inserts such an entry and
     /// clears it once none is left.
     pub unmarked_cache_sockets: u32,
-    /// Zero.
-    pub _padding: u32,
+    /// The generation of the counted cache sockets' listeners: the agent gives it a new value
+    /// after each change it makes to `CACHE_SOCKETS` (counting sockets the programs did not see
+    /// bind, moving sockets to other listeners) and at every start, and a `binds::CacheReader`
+    /// of another generation is read again from `CACHE_SOCKETS`. Zero before #28's second
+    /// release (these bytes were padding, always written zero): a program then reads every
+    /// socket's listeners once, and older programs never look.
+    pub readers_generation: u32,
 }
 const _: () = assert!(size_of::<DatapathConfig>() == 24);
 

@@ -42,9 +42,12 @@ pub const MAP_STALL_LIMITS: &str = "STALL_LIMITS";
 pub const MAP_CACHE_PORTS: &str = "CACHE_PORTS";
 /// Index 0 → `DatapathConfig`.
 pub const MAP_DATAPATH_CONFIG: &str = "DATAPATH_CONFIG";
+/// Socket-local storage: the listeners a socket on a cache port reads for (`CacheReader`), so
+/// that `recvmsg` finds them without a cookie and a hash lookup at every datagram.
+pub const MAP_CACHE_READERS: &str = "CACHE_READERS";
 
 /// Every map in the object.
-pub const ALL_MAPS: [&str; 19] = [
+pub const ALL_MAPS: [&str; 20] = [
     MAP_LISTENERS,
     MAP_LISTENER_MODE,
     MAP_CACHE_HEALTH,
@@ -64,6 +67,7 @@ pub const ALL_MAPS: [&str; 19] = [
     MAP_CACHE_ACTIVITY,
     MAP_STALL_LIMITS,
     MAP_CACHE_PORTS,
+    MAP_CACHE_READERS,
 ];
 
 /// `cgroup/connect4`: TCP connect and UDP connect, IPv4.

@@ -6,19 +6,23 @@
 //! unconnected socket (the steering program) and the egress of a connected one. The cache's reads
 //! are noted by `recvmsg` on a counted cache socket, which fires for every datagram a cache reads
 //! with its source address (every DNS server does: it must answer the sender), when the cache
-//! runs in the attach cgroup. A cache whose reads were never seen is never called stalled. Both
-//! sides write their stamp at most once a clock tick, so the stamps' cache line is not bounced
-//! between the clients' CPUs and the cache's at every query.
+//! runs in the attach cgroup; the socket's listeners come from its socket-local storage
+//! (`CACHE_READERS`), filled from `CACHE_SOCKETS` at its first read. A cache whose reads were
+//! never seen is never called stalled. Both sides write their stamp at most once a clock tick, so
+//! the stamps' cache line is not bounced between the clients' CPUs and the cache's at every
+//! query, and a read reads the clock only when it answers a stamp.
 //!
 //! Kernel features: `bpf_ktime_get_coarse_ns` 5.11 in sock_addr and cgroup_skb programs (a clock
 //! read without the TSC; its tick is fine for a limit of tens of ms), `BPF_CMPXCHG` 5.12,
-//! mmapable arrays 5.5, `bpf_sock_addr.sk` 5.3 (the reading socket's bound port).
+//! mmapable arrays 5.5, `bpf_sock_addr.sk` 5.3 (the reading socket's bound port), socket-local
+//! storage from sock_addr programs 5.3.
 
 use core::ptr::{addr_of, addr_of_mut, read_volatile, write_volatile};
 
 use aya_ebpf::{helpers::bpf_ktime_get_coarse_ns, programs::SockAddrContext};
 use redirector_common::{
     activity::{CacheActivity, FLIP_SIGNALLED, FLIP_STALLED, is_stalled, unread_since},
+    binds::CacheReader,
     datapath::{listener_bit, lowest_listener},
     listener::MAX_LISTENERS,
     reverse::reply_port_bit,
@@ -27,7 +31,10 @@ use redirector_common::{
 use crate::{
     atomic::{add_u64, compare_exchange_u64, fetch_add_i64},
     context,
-    maps::{CACHE_ACTIVITY, CACHE_PORTS, CACHE_SOCKETS, SOCKET_COUNTS, STALL_LIMITS},
+    maps::{
+        CACHE_ACTIVITY, CACHE_PORTS, CACHE_READERS, CACHE_SOCKETS, DATAPATH_CONFIG, SOCKET_COUNTS,
+        STALL_LIMITS,
+    },
 };
 
 /// Whether the program is handing the cache a datagram, or only asking where DNS goes.
@@ -88,7 +95,7 @@ pub fn cache_stalled(listener_id: u32, handing: Handing) -> bool {
 }
 
 /// `recvmsg`: when the reading socket is a counted cache socket, notes the read for each of its
-/// listeners (once a clock tick). Any other socket returns after its bound port is checked
+/// listeners that has a query stamped unread. Any other socket returns after its bound port is checked
 /// against `CACHE_PORTS`.
 #[inline(always)]
 pub fn note_cache_read(ctx: &SockAddrContext) {
@@ -102,36 +109,78 @@ pub fn note_cache_read(ctx: &SockAddrContext) {
     if CACHE_PORTS.get(word).is_none_or(|ports| *ports & bit == 0) {
         return;
     }
-    let Some(entry) = CACHE_SOCKETS.get_ptr(context::socket_cookie(ctx)) else {
+    let listeners = reader_listeners(ctx);
+    if listeners == 0 {
         return;
-    };
-    // SAFETY: entries are written whole.
-    let listeners = unsafe { (*entry).listeners };
-    // SAFETY: plain helper call.
-    let now = unsafe { bpf_ktime_get_coarse_ns() };
+    }
     // A socket is nearly always one listener's: that one is found in six comparisons. The rare
     // others are walked bit by bit, which the verifier follows in one pass; walking them all by
     // their lowest bit made it try every order of them (ten times the start's verification).
-    note_read(lowest_listener(listeners), now);
+    note_read(lowest_listener(listeners));
     let others = listeners & listeners.wrapping_sub(1);
     if others != 0 {
         let mut id = 0;
         while id < MAX_LISTENERS as u32 {
             if others & listener_bit(id) != 0 {
-                note_read(id, now);
+                note_read(id);
             }
             id += 1;
         }
     }
 }
 
-/// Records a read of listener `id`'s cache at `now` (coarse ns), once a clock tick.
+/// The listeners whose cache the reading socket is (zero: none), from its `CACHE_READERS`
+/// storage while that is of the current generation; else from `CACHE_SOCKETS` by cookie, kept in
+/// the storage for the socket's next reads (created at its first, a non-cache socket's too, so
+/// that a DNS server of another namespace on the same port pays one storage lookup as well).
 #[inline(always)]
-fn note_read(id: u32, now: u64) {
+fn reader_listeners(ctx: &SockAddrContext) -> u64 {
+    let Some(config) = DATAPATH_CONFIG.get(0) else {
+        return 0;
+    };
+    let generation = config.readers_generation;
+    // SAFETY: the storage belongs to the context's socket, which this program holds.
+    let reader = unsafe { CACHE_READERS.get_ptr_mut(ctx) };
+    // SAFETY: non-null storage of this socket; only this socket's reads write it, whole fields.
+    if !reader.is_null() && unsafe { read_volatile(addr_of!((*reader).generation)) } == generation {
+        // SAFETY: as above.
+        return unsafe { read_volatile(addr_of!((*reader).listeners)) };
+    }
+    // SAFETY: entries are written whole.
+    let listeners = CACHE_SOCKETS
+        .get_ptr(context::socket_cookie(ctx))
+        .map_or(0, |entry| unsafe { (*entry).listeners });
+    let mut fresh = CacheReader {
+        listeners,
+        generation,
+        _padding: 0,
+    };
+    // SAFETY: as above; a storage that could not be allocated leaves the next read to look again.
+    unsafe {
+        if reader.is_null() {
+            CACHE_READERS.get_or_insert_ptr_mut(ctx, Some(&mut fresh));
+        } else {
+            write_volatile(addr_of_mut!((*reader).listeners), listeners);
+            write_volatile(addr_of_mut!((*reader).generation), generation);
+        }
+    }
+    listeners
+}
+
+/// Records a read of listener `id`'s cache when it answers a query stamped unread (or is the
+/// first read seen): only those need the clock, about once a tick under load.
+#[inline(always)]
+fn note_read(id: u32) {
     if let Some(activity) = CACHE_ACTIVITY.get_ptr_mut(id) {
         // SAFETY: as in `cache_stalled`.
         unsafe {
-            if read_volatile(addr_of!((*activity).last_read_ns)) != now {
+            let last_read = read_volatile(addr_of!((*activity).last_read_ns));
+            let first_unread = read_volatile(addr_of!((*activity).first_unread_ns));
+            if last_read != 0 && unread_since(first_unread, last_read).is_none() {
+                return;
+            }
+            let now = bpf_ktime_get_coarse_ns();
+            if now != last_read {
                 write_volatile(addr_of_mut!((*activity).last_read_ns), now);
             }
         }

@@ -10,7 +10,7 @@ use redirector_common::{
     activity::{CACHE_PORT_WORDS, CacheActivity, StallLimit},
     addr::NetAddr,
     binds::{
-        BindKey, BindListeners, CacheMark, CacheSocket, CacheTask, MAX_CACHE_BINDS,
+        BindKey, BindListeners, CacheMark, CacheReader, CacheSocket, CacheTask, MAX_CACHE_BINDS,
         MAX_CACHE_SOCKETS, MAX_CACHE_TASKS,
     },
     counters::{COUNTER_ENTRIES, ListenerCounters},
@@ -57,6 +57,13 @@ pub static CACHE_SOCKETS: HashMap<u64, CacheSocket, MAX_CACHE_SOCKETS> = HashMap
 /// lookup instead of a cookie and a hash lookup.
 #[btf_map]
 pub static CACHE_MARKS: SkStorage<CacheMark> = SkStorage::new();
+
+/// The listeners a socket bound to a cache port reads for (socket-local storage, from sock_addr
+/// programs since 5.3): `recvmsg` notes a cache's read after one storage lookup, and looks up
+/// the socket's cookie in `CACHE_SOCKETS` only at its first read and after the agent changed
+/// the counted sockets.
+#[btf_map]
+pub static CACHE_READERS: SkStorage<CacheReader> = SkStorage::new();
 
 /// Listener id → name and address, for the CLI. Never read here; defined here so that it is
 /// created and pinned with the others.

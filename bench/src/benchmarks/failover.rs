@@ -1,5 +1,6 @@
-//! Failover under load: a steady query stream from the pod while the cache is killed (-9),
-//! stopped (SIGTERM) or hung (SIGSTOP), then brought back. redirector: a query every 1 ms from
+//! Failover under load: a steady query stream from the pod while the cache (dnsmasq; unbound
+//! and the embedded cache for the restarts) is killed (-9), stopped (SIGTERM), drained or hung
+//! (SIGSTOP), then brought back. redirector: a query every 1 ms from
 //! fresh sockets, from a long-lived unconnected socket and from a long-lived connected one each,
 //! sent whether or not the earlier ones were answered (`dns-stream --open-loop`), so the gap is
 //! seen at 1 ms resolution and a lost query holds no later one back. The incumbent, a NAT fallback driven by a probe loop with
@@ -61,6 +62,8 @@ impl Event {
 pub struct Failover {
     /// `redirector` or the incumbent.
     pub who: &'static str,
+    /// The cache.
+    pub cache: &'static str,
     /// What happened to the cache.
     pub event: Event,
     /// Last cache answer to first upstream answer, ms (`None`: never failed over).
@@ -89,6 +92,8 @@ pub struct Failover {
 pub struct FailoverTrials {
     /// `redirector` or the incumbent.
     pub who: &'static str,
+    /// The cache.
+    pub cache: &'static str,
     /// What happened to the cache.
     pub event: Event,
     /// Last cache answer to first upstream answer, ms, over the trials that failed over.
@@ -118,9 +123,9 @@ impl FailoverTrials {
     /// The summary of `runs` (at least one, all of one `who` and `event`).
     #[must_use]
     pub fn of(runs: Vec<Failover>) -> Self {
-        let (who, event) = runs
-            .first()
-            .map_or(("none", Event::Kill), |run| (run.who, run.event));
+        let (who, cache, event) = runs.first().map_or(("none", "none", Event::Kill), |run| {
+            (run.who, run.cache, run.event)
+        });
         let gaps: Vec<f64> = runs
             .iter()
             .filter_map(|run| run.gap_ms)
@@ -133,6 +138,7 @@ impl FailoverTrials {
             .collect();
         Self {
             who,
+            cache,
             event,
             never_failed_over: runs.len() - gaps.len(),
             never_failed_back: runs.len() - failbacks.len(),
@@ -166,6 +172,7 @@ impl FailoverTrials {
 
 fn summarize(
     who: &'static str,
+    cache: CacheKind,
     event: Event,
     report: &StreamReport,
     struck: u64,
@@ -210,6 +217,7 @@ fn summarize(
     }
     Failover {
         who,
+        cache: cache.name(),
         event,
         gap_ms: first_upstream
             .zip(last_cache)
@@ -228,11 +236,12 @@ fn summarize(
     }
 }
 
-fn restart_cache(rig: &mut Rig) -> anyhow::Result<()> {
+/// Replaces the rig's cache (dead or alive) with a fresh `kind`.
+pub fn restart_cache(rig: &mut Rig, kind: CacheKind) -> anyhow::Result<()> {
     rig.sandbox.stop_server("cache")?;
     start_cache_at(
         &mut rig.sandbox,
-        CacheKind::Dnsmasq,
+        kind,
         "cache",
         SocketAddr::new(IpAddr::V4(CACHE_ADDRESS), 53),
     )
@@ -266,27 +275,29 @@ fn strike(rig: &mut Rig, event: Event) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Brings the cache back from `event`.
-fn revive(rig: &mut Rig, event: Event) -> anyhow::Result<()> {
+/// Brings the cache (a `kind`) back from `event`.
+fn revive(rig: &mut Rig, event: Event, kind: CacheKind) -> anyhow::Result<()> {
     match event {
         Event::Stop | Event::StopAlone => rig.sandbox.process("cache")?.signal(Signal::SIGCONT),
-        Event::Kill | Event::Term | Event::DrainThenTerm => restart_cache(rig),
+        Event::Kill | Event::Term | Event::DrainThenTerm => restart_cache(rig, kind),
     }
 }
 
-/// redirector (agent running): a 6 s stream to the listener, a query every 1 ms from each socket
-/// kind, the event at 1.5 s, the cache back at 3.5 s.
-pub fn redirector(rig: &mut Rig, event: Event) -> anyhow::Result<Failover> {
+/// redirector (agent running unless the event says not): a 6 s stream to the listener, a query
+/// every 1 ms from each socket kind, the event at 1.5 s, the cache (the rig's, a `kind`) back at
+/// 3.5 s.
+pub fn redirector(rig: &mut Rig, event: Event, kind: CacheKind) -> anyhow::Result<Failover> {
     let stream = Stream::open_loop(&rig.sandbox, dns(LISTENER), Duration::from_secs(6), 1)?;
     std::thread::sleep(Duration::from_millis(1500));
     let struck = now_ms();
     strike(rig, event)?;
     std::thread::sleep(Duration::from_millis(2000));
     let back = now_ms();
-    revive(rig, event)?;
+    revive(rig, event, kind)?;
     let report = stream.finish()?;
     Ok(summarize(
         "redirector",
+        kind,
         event,
         &report,
         struck,
@@ -323,7 +334,7 @@ pub fn nat_fallback(rig: &mut Rig, phase_ms: u64) -> anyhow::Result<Failover> {
             struck = Some(now_ms());
         }
         if back.is_none() && now >= started + 20_000 + phase_ms {
-            revive(rig, Event::Kill)?;
+            revive(rig, Event::Kill, CacheKind::Dnsmasq)?;
             back = Some(now_ms());
         }
         if now >= next_probe {
@@ -357,6 +368,7 @@ pub fn nat_fallback(rig: &mut Rig, phase_ms: u64) -> anyhow::Result<Failover> {
     let (struck, back) = (struck.unwrap_or(started), back.unwrap_or(started));
     Ok(summarize(
         "NAT fallback (probe every 5 s, 3 strikes)",
+        CacheKind::Dnsmasq,
         Event::Kill,
         &report,
         struck,

@@ -133,7 +133,7 @@ pub struct Report {
     pub setup: Vec<setup::SetupTime>,
     /// No false failovers under load.
     pub soak: soak::Soak,
-    /// The same load at and past the cache's capacity.
+    /// The same load at and past the cache's capacity, and under a CPU quota.
     pub overload: Vec<soak::Soak>,
     /// Where the agent's start went, phase by phase.
     pub start_phases: Vec<setup::StartPhase>,

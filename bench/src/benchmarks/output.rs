@@ -205,6 +205,7 @@ pub fn markdown(report: &Report) -> String {
         "Failover under load (redirector: a query every 1 ms from fresh sockets, a long-lived unconnected and a long-lived connected socket; the incumbent: every 20 ms, fresh and long-lived unconnected; per trial)",
         &[
             "who",
+            "cache",
             "event",
             "trials",
             "gap (last cache → first upstream answer), ms",
@@ -217,6 +218,7 @@ pub fn markdown(report: &Report) -> String {
         report.failover.iter().map(|row| {
             vec![
                 row.who.to_owned(),
+                row.cache.to_owned(),
                 row.event.name().to_owned(),
                 row.runs.len().to_string(),
                 with_misses(&row.gap_ms, row.never_failed_over, "never failed over"),
@@ -250,6 +252,7 @@ pub fn markdown(report: &Report) -> String {
             "probes failed",
             "verdicts down",
             "stalls (kernel)",
+            "cache's CPU quota (times it held the cache off)",
         ],
         std::iter::once(&report.soak)
             .chain(&report.overload)
@@ -268,6 +271,10 @@ pub fn markdown(report: &Report) -> String {
                     soak.probes_failed.to_string(),
                     soak.verdicts_down.to_string(),
                     soak.stalls.to_string(),
+                    soak.cpu_quota.as_ref().map_or_else(
+                        || "none".to_owned(),
+                        |quota| format!("{quota} ({})", soak.throttled.unwrap_or_default()),
+                    ),
                 ]
             }),
     );
@@ -304,12 +311,12 @@ pub fn markdown(report: &Report) -> String {
     text
 }
 
-/// Answers per 100 ms around the cache's death: redirector's kill -9 against the NAT fallback's,
+/// Answers per 100 ms around dnsmasq's death: redirector's kill -9 against the NAT fallback's,
 /// one panel per `who`, each the trial with the median gap.
 fn failover_chart(rows: &[FailoverTrials], path: &Path) -> anyhow::Result<()> {
     let picked: Vec<&Failover> = rows
         .iter()
-        .filter(|row| row.event == super::failover::Event::Kill)
+        .filter(|row| row.event == super::failover::Event::Kill && row.cache == "dnsmasq")
         .filter_map(FailoverTrials::typical)
         .collect();
     let root = SVGBackend::new(path, (900, 250 * picked.len().max(1) as u32)).into_drawing_area();

@@ -3,6 +3,7 @@
 
 use std::{collections::BTreeMap, path::PathBuf, time::Duration};
 
+use bpf_tests::caches::CacheKind;
 use clap::Parser;
 use redirector_bench::benchmarks::{
     Machine, Report, Spread, conntrack,
@@ -149,15 +150,35 @@ fn main() -> anyhow::Result<()> {
                 // The kernel alone: the agent stopped for the trial, and back to confirm the
                 // resumed cache after it.
                 let _stopped = rig.stop_agent(agent)?;
-                trials.push(failover::redirector(&mut rig, event)?);
+                trials.push(failover::redirector(&mut rig, event, CacheKind::Dnsmasq)?);
                 agent = rig.start_agent()?;
             } else {
-                trials.push(failover::redirector(&mut rig, event)?);
+                trials.push(failover::redirector(&mut rig, event, CacheKind::Dnsmasq)?);
             }
             std::thread::sleep(Duration::from_secs(2));
         }
         failovers.push(FailoverTrials::of(trials));
     }
+    // The restarts again with the other caches: each closes its sockets at its own pace after a
+    // SIGTERM (unbound takes milliseconds under load, dnsmasq well under one).
+    for cache in [CacheKind::Unbound, CacheKind::Embedded] {
+        failover::restart_cache(&mut rig, cache)?;
+        std::thread::sleep(setup::SETTLE);
+        for event in [Event::Kill, Event::Term, Event::DrainThenTerm] {
+            let mut trials = Vec::new();
+            for trial in 1..=FAILOVER_TRIALS {
+                eprintln!(
+                    "bench: redirector failover, {}, {}, trial {trial} of {FAILOVER_TRIALS}",
+                    cache.name(),
+                    event.name()
+                );
+                trials.push(failover::redirector(&mut rig, event, cache)?);
+                std::thread::sleep(Duration::from_secs(2));
+            }
+            failovers.push(FailoverTrials::of(trials));
+        }
+    }
+    failover::restart_cache(&mut rig, CacheKind::Dnsmasq)?;
     let memory = match memory {
         Some(memory) => memory,
         None => setup::memory(&rig, &agent, agent_cpu_since)?,
@@ -179,6 +200,16 @@ fn main() -> anyhow::Result<()> {
         );
         overload.push(soak::measure(&rig, capacity_qps, share, args.load_seconds)?);
     }
+    eprintln!(
+        "bench: load, {} s at {:.0} % of what the cache answers under a CPU quota of half a core",
+        args.soak_seconds,
+        soak::LOAD_SHARE * 100.0
+    );
+    overload.push(soak::measure_under_quota(
+        &mut rig,
+        soak::LOAD_SHARE,
+        args.soak_seconds,
+    )?);
 
     let mut trials = Vec::new();
     for trial in 1..=NAT_FALLBACK_TRIALS {

@@ -7,7 +7,11 @@
 //!   target/release/cost-compare --baseline OLD/redirector --current target/release/redirector \
 //!       --drop-key drain_socket --drop-key stall_after_ms --drop-key signal_hold_ms
 //!
-//! (`--drop-key` leaves a key the baseline does not know out of its configuration.)
+//! (`--drop-key` leaves a key the baseline does not know out of its configuration.) What a setting
+//! costs, one binary on both sides:
+//!
+//!   target/release/cost-compare --baseline target/release/redirector \
+//!       --current target/release/redirector --baseline-set stall_after_ms=0
 
 use std::{collections::BTreeMap, path::PathBuf};
 
@@ -30,6 +34,11 @@ struct Args {
     /// A configuration key the baseline does not know, left out of its configuration (repeat).
     #[arg(long)]
     drop_key: Vec<String>,
+    /// `KEY=VALUE`: the baseline's configuration sets KEY to VALUE instead (repeat). With the
+    /// same binary on both sides this measures a setting: `--baseline-set stall_after_ms=0` is
+    /// what the stall detection costs.
+    #[arg(long, value_parser = parse_setting)]
+    baseline_set: Vec<(String, String)>,
     /// Interleaved trials.
     #[arg(long, default_value_t = 5)]
     trials: usize,
@@ -39,13 +48,26 @@ fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let rig = Rig::new()?;
     let text = std::fs::read_to_string(&rig.config)?;
-    let kept: Vec<&str> = text
+    let key_of = |line: &str| line.split('=').next().unwrap_or_default().trim().to_owned();
+    let mut unset: Vec<&String> = args.baseline_set.iter().map(|(key, _)| key).collect();
+    let kept: Vec<String> = text
         .lines()
-        .filter(|line| {
-            let key = line.split('=').next().unwrap_or_default().trim();
-            !args.drop_key.iter().any(|dropped| dropped == key)
+        .filter(|line| !args.drop_key.contains(&key_of(line)))
+        .map(|line| {
+            let key = key_of(line);
+            match args.baseline_set.iter().find(|(set, _)| *set == key) {
+                Some((_, value)) => {
+                    unset.retain(|set| **set != key);
+                    format!("{key} = {value}")
+                }
+                None => line.to_owned(),
+            }
         })
         .collect();
+    anyhow::ensure!(
+        unset.is_empty(),
+        "--baseline-set names keys the configuration does not have: {unset:?}"
+    );
     let baseline_config = rig.config.with_file_name("config-baseline.toml");
     std::fs::write(&baseline_config, kept.join("\n") + "\n")?;
     let configs = [baseline_config, rig.config.clone()];
@@ -99,4 +121,12 @@ fn main() -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// `KEY=VALUE` of `--baseline-set`.
+fn parse_setting(text: &str) -> Result<(String, String), String> {
+    let (key, value) = text
+        .split_once('=')
+        .ok_or_else(|| format!("{text:?} is not KEY=VALUE"))?;
+    Ok((key.trim().to_owned(), value.trim().to_owned()))
 }

@@ -98,7 +98,7 @@ const fn released(
 
 /// Every map ever released, with the shape it was released with. Append only: a row is never
 /// edited or removed (a retired `Config` map keeps its row, so its name is never reused).
-pub const RELEASED: [Released; 19] = [
+pub const RELEASED: [Released; 20] = [
     released(names::MAP_LISTENERS, HASH, 16, 32, 0, Kind::Config),
     released(names::MAP_LISTENER_MODE, ARRAY, 4, 4, 0, Kind::Kept),
     released(names::MAP_CACHE_HEALTH, ARRAY, 4, 16, 0, Kind::Kept),
@@ -141,6 +141,18 @@ pub const RELEASED: [Released; 19] = [
     ),
     released(names::MAP_STALL_LIMITS, ARRAY, 4, 8, 0, Kind::Config),
     released(names::MAP_CACHE_PORTS, ARRAY, 4, 8, 0, Kind::Config),
+    // #28: a cache socket's listeners, where `recvmsg` finds them in one lookup. Kept: a
+    // storage of another generation is refreshed by the programs, never rebuilt by the agent
+    // (`DATAPATH_CONFIG`'s last four bytes, padding written zero before, now carry that
+    // generation; zero stays a valid one).
+    released(
+        names::MAP_CACHE_READERS,
+        SK_STORAGE,
+        4,
+        16,
+        NO_PREALLOC,
+        Kind::Kept,
+    ),
 ];
 
 /// The released row of `name`.

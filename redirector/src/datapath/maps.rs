@@ -490,7 +490,10 @@ impl Maps {
         }
         self.add_to_counts(&entry, 1, false);
         match self.cache_sockets.insert(cookie, entry, BPF_NOEXIST) {
-            Ok(()) => Ok(true),
+            Ok(()) => {
+                self.renew_readers()?;
+                Ok(true)
+            }
             Err(error) => {
                 // The programs counted it first. If the socket closed meanwhile and was the last,
                 // this decrement is the one that reaches zero: it records the death, which the
@@ -550,6 +553,7 @@ impl Maps {
             Ok(()) => {
                 self.add_to_counts(&new, 1, false);
                 self.add_to_counts(&old, -1, true);
+                self.renew_readers()?;
                 Ok(true)
             }
             Err(MapError::SyscallError(error))
@@ -580,6 +584,16 @@ impl Maps {
             return Ok(());
         }
         config.unmarked_cache_sockets = value;
+        self.datapath_config
+            .set(0, config, 0)
+            .map_err(write(names::MAP_DATAPATH_CONFIG))
+    }
+
+    /// Gives `DatapathConfig::readers_generation` a new value, after a change to the listeners
+    /// of a live socket in `CACHE_SOCKETS`: its next read in `recvmsg` looks them up again.
+    fn renew_readers(&mut self) -> Result<(), DatapathError> {
+        let mut config = self.datapath_config()?;
+        config.readers_generation = fresh_generation();
         self.datapath_config
             .set(0, config, 0)
             .map_err(write(names::MAP_DATAPATH_CONFIG))
@@ -702,7 +716,9 @@ impl Maps {
             cache_netns_cookie,
             // Owned by the reconciler (`settle_unmarked_cache_sockets`): kept as it is.
             unmarked_cache_sockets: self.datapath_config()?.unmarked_cache_sockets,
-            _padding: 0,
+            // A start may follow any change to the counted sockets (another release's, a
+            // rollback's): every socket's listeners are read again.
+            readers_generation: fresh_generation(),
         };
         self.datapath_config
             .set(0, config, 0)
@@ -743,6 +759,16 @@ where
     T: TryFrom<Map, Error = MapError>,
 {
     T::try_from(source(name)?).map_err(|source| DatapathError::MapLayout { name, source })
+}
+
+/// A `DatapathConfig::readers_generation` no storage is likely to hold: random, not the next of
+/// a count, since a rollback writes zero and the release after it would count again from there,
+/// meeting storages of its own earlier generations.
+fn fresh_generation() -> u32 {
+    use std::hash::BuildHasher as _;
+    let random = std::collections::hash_map::RandomState::new().hash_one(std::process::id());
+    // The low half: `hash_one` mixes every bit into it.
+    random as u32
 }
 
 fn checked_id(id: u32) -> Result<u32, DatapathError> {

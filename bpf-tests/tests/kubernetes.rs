@@ -4,6 +4,8 @@
 
 use std::{net::IpAddr, time::Duration};
 
+use anyhow::Context as _;
+
 use bpf_tests::{
     fake_kube::{FakeKube, endpoint_slice},
     harness::{CLUSTER_ID, Harness},
@@ -275,6 +277,22 @@ fn the_cluster_pool_follows_endpoint_slices_through_every_kind_of_change() -> an
     Ok(())
 }
 
+/// `redirector_pool_last_sync_age_seconds{source="kubernetes"}` and
+/// `redirector_errors_total{kind="kube_api"}` (0 before the first error) on the agent's
+/// `/metrics`.
+fn kube_sync_age_and_errors(harness: &Harness) -> anyhow::Result<(f64, f64)> {
+    let address = harness.agent.metrics.context("the agent serves /metrics")?;
+    let body = bpf_tests::http::get(address, "/metrics")?.body;
+    let age = bpf_tests::http::sample(
+        &body,
+        "redirector_pool_last_sync_age_seconds{source=\"kubernetes\"}",
+    )
+    .with_context(|| format!("no kubernetes sync age in /metrics:\n{body}"))?;
+    let errors =
+        bpf_tests::http::sample(&body, "redirector_errors_total{kind=\"kube_api\"}").unwrap_or(0.0);
+    Ok((age, errors))
+}
+
 #[test]
 fn an_api_outage_keeps_the_last_pool_and_history_loss_relists() -> anyhow::Result<()> {
     let (kube, harness) = started_with("10.244.0.5")?;
@@ -288,12 +306,17 @@ fn an_api_outage_keeps_the_last_pool_and_history_loss_relists() -> anyhow::Resul
         53,
         &[("10.244.5.5", true, false)],
     ));
-    std::thread::sleep(Duration::from_secs(3));
+    std::thread::sleep(Duration::from_millis(4500));
     assert_eq!(
         kernel_pool(&harness, CLUSTER_ID)?,
         expect(&["10.244.0.5"], 53),
         "an outage must not change the pool"
     );
+    // The pool's age counts from the API server's last answer, not from the agent's own
+    // rewrites of the kernel's pool (every 2 s here, which succeed with the API server gone).
+    let (age, errors) = kube_sync_age_and_errors(&harness)?;
+    assert!(age > 3.0, "the pool's age hides a 4.5 s outage: {age} s");
+    assert!(errors > 0.0, "no kube_api error counted during the outage");
     // Back: the watcher resumes from its last version and catches up with what changed.
     let (_, watches_before) = kube.requests();
     kube.set_down(false);
@@ -304,6 +327,11 @@ fn an_api_outage_keeps_the_last_pool_and_history_loss_relists() -> anyhow::Resul
         "after the outage",
     )?;
     assert!(kube.requests().1 > watches_before, "the watcher came back");
+    let (age, _) = kube_sync_age_and_errors(&harness)?;
+    assert!(
+        age < 2.0,
+        "the API server answers again, yet the age is {age} s"
+    );
 
     // History gone (410 Gone on the resumed watch): relist, then follow again.
     let (lists_before, _) = kube.requests();

@@ -24,7 +24,7 @@ use crate::{
         health::{self, Probe},
         probe::ProbeOutcome,
     },
-    sources::{SourceEvent, SourceKind, Upstream, subset},
+    sources::{STATIC_SOURCE, SourceEvent, SourceKind, Upstream, subset},
     sys::sd_notify,
     telemetry::{
         node_events::RouteChange,
@@ -158,6 +158,10 @@ impl Agent {
                 self.stats.record_rejection(source.name(), reason.name());
                 None
             }
+            SourceEvent::Contact { source } => {
+                self.stats.record_source_contact(source.name());
+                None
+            }
             SourceEvent::Failed { source } => {
                 if source == SourceKind::Kubernetes {
                     self.stats.record_error(ErrorKind::KubeApi);
@@ -187,6 +191,10 @@ impl Agent {
                 runtime.synced = true;
                 self.stats
                     .record_source_sync(runtime.source, started.elapsed());
+                // A static pool's only source is the configuration: written is current.
+                if runtime.source == STATIC_SOURCE {
+                    self.stats.record_source_contact(runtime.source);
+                }
             }
             match written {
                 Ok(true) => {

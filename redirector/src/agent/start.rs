@@ -478,7 +478,7 @@ fn health_window(config: &Config) -> std::time::Duration {
 /// The name of a pool source in logs and metrics.
 fn source_name(source: &UpstreamSource) -> &'static str {
     match source {
-        UpstreamSource::Static => "static",
+        UpstreamSource::Static => sources::STATIC_SOURCE,
         UpstreamSource::Kubernetes { .. } => sources::SourceKind::Kubernetes.name(),
         UpstreamSource::ResolvConf(_) => sources::SourceKind::ResolvConf.name(),
     }
@@ -543,21 +543,16 @@ async fn first_verdicts(
             health::monotonic_ns(),
             config.probe.signal_hold,
         );
-        // A verdict an earlier agent pinned stands, and this probe is one more in its streak; a
-        // first verdict is this probe's (nothing better is known, and until it is written the
-        // listener gets no DNS to its cache).
-        let tracker = match HealthTracker::resume(hysteresis, maps.health(*id)?, counts.down_epoch)
-        {
-            Some(mut tracker) => {
-                tracker.record(Probe::new(alive, held), counts.down_epoch);
-                tracker
-            }
-            None => {
-                let up =
-                    alive && !held && (listener.liveness == Liveness::Probes || counts.udp > 0);
-                HealthTracker::new(hysteresis, up, counts.down_epoch)
-            }
-        };
+        // A verdict an earlier agent pinned stands; a first one is up while the cache's sockets
+        // exist (until it is written the listener gets no DNS to its cache). Either way this
+        // probe is one more in the streak, never a verdict of its own.
+        let tracker = HealthTracker::first(
+            hysteresis,
+            maps.health(*id)?,
+            counts.down_epoch,
+            listener.liveness == Liveness::Probes || counts.udp > 0,
+            Probe::new(alive, held),
+        );
         maps.set_health(*id, tracker.health())?;
         listeners.push(ListenerRuntime {
             id: *id,
@@ -653,6 +648,7 @@ fn start_sources(
                 service,
                 fed,
                 listener_addresses.clone(),
+                config.kubernetes.resync_interval,
                 sender.clone(),
             )));
         }

@@ -109,6 +109,25 @@ impl HealthTracker {
         })
     }
 
+    /// The verdict of a start: the one an earlier agent pinned, if any, else up when `vouched`
+    /// (the cache's sockets exist, or only probes judge it) and the epoch is not held; then the
+    /// start's first `probe` counts as one more in its streak. So a slow first answer is the
+    /// first of the failures it takes to turn the verdict down, not the verdict: a start must not
+    /// fail the DNS of a serving cache over to pools its sources have not filled yet.
+    #[must_use]
+    pub fn first(
+        hysteresis: Hysteresis,
+        pinned: CacheHealth,
+        epoch: u64,
+        vouched: bool,
+        probe: Probe,
+    ) -> Self {
+        let mut tracker = Self::resume(hysteresis, pinned, epoch)
+            .unwrap_or_else(|| Self::new(hysteresis, vouched && probe != Probe::Held, epoch));
+        tracker.record(probe, epoch);
+        tracker
+    }
+
     /// What to write into `CACHE_HEALTH`.
     #[must_use]
     pub fn health(&self) -> CacheHealth {
@@ -169,6 +188,39 @@ mod tests {
         failures_to_fail_over: 2,
         successes_to_fail_back: 3,
     };
+
+    #[test]
+    fn a_first_start_s_failed_probe_is_the_first_of_two() {
+        let none = CacheHealth::default();
+        let mut tracker = HealthTracker::first(DEFAULTS, none, 3, true, Probe::Failed);
+        assert_eq!(
+            tracker.health().verdict,
+            HEALTH_UP,
+            "one slow answer decides nothing"
+        );
+        let changed = tracker
+            .record(Probe::Failed, 3)
+            .expect("the second failure decides");
+        assert_eq!(changed.verdict, HEALTH_DOWN);
+        // Nothing vouches for a cache without sockets: down, as the kernel has it.
+        let tracker = HealthTracker::first(DEFAULTS, none, 3, false, Probe::Failed);
+        assert_eq!(tracker.health().verdict, HEALTH_DOWN);
+        // A held epoch is not confirmed by the start either.
+        let tracker = HealthTracker::first(DEFAULTS, none, 3, true, Probe::Held);
+        assert_eq!(tracker.health().verdict, HEALTH_DOWN);
+        // A pinned verdict stands, and the probe is one more in its streak.
+        let pinned = CacheHealth {
+            verdict: HEALTH_UP,
+            _padding: 0,
+            confirmed_epoch: 3,
+        };
+        let mut tracker = HealthTracker::first(DEFAULTS, pinned, 3, true, Probe::Failed);
+        assert_eq!(tracker.health().verdict, HEALTH_UP);
+        assert!(
+            tracker.record(Probe::Failed, 3).is_some(),
+            "the second failure decides"
+        );
+    }
 
     #[test]
     fn two_failures_turn_it_down_not_one() {

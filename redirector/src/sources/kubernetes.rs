@@ -7,16 +7,17 @@
 use std::{
     collections::{BTreeMap, HashMap, HashSet},
     net::IpAddr,
+    time::Duration,
 };
 
 use futures::StreamExt as _;
 use k8s_openapi::api::discovery::v1::{EndpointPort, EndpointSlice};
 use kube::{
     Api, Client,
+    api::ListParams,
     runtime::{WatchStreamExt as _, watcher},
 };
-use redirector_common::DNS_PORT;
-use tokio::sync::mpsc;
+use tokio::{sync::mpsc, time::MissedTickBehavior};
 use tracing::{info, warn};
 
 use super::{
@@ -26,24 +27,56 @@ use super::{
 
 /// The label EndpointSlices carry with their Service's name.
 pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
-/// The port kube-dns names for UDP.
+/// The name kube-dns gives its UDP port; used only to choose among several UDP ports.
 pub const UDP_PORT_NAME: &str = "dns";
-/// The port kube-dns names for TCP.
+/// The name kube-dns gives its TCP port; used only when no TCP port shares the UDP port's number.
 pub const TCP_PORT_NAME: &str = "dns-tcp";
 
-/// The UDP and TCP ports of a slice: the ports named `dns` and `dns-tcp`, else 53.
-fn slice_ports(ports: Option<&Vec<EndpointPort>>) -> (u16, u16) {
-    let named = |name: &str| {
+/// The UDP and TCP ports of a slice's DNS servers, matched by protocol, not by name: kube-dns
+/// names them `dns` and `dns-tcp`, CoreDNS's Helm chart `udp-53` and `tcp-53`, and a non-root
+/// CoreDNS serves on 1053, so a name says little and 53 may be wrong. UDP: the slice's one UDP
+/// port (of several, the one named `dns`, else the one with a TCP port of the same number). TCP:
+/// the TCP port of the UDP port's number (a DNS server serves both on one; kube-dns's other TCP
+/// port is its metrics), else the one named `dns-tcp`, else the UDP port's number. `None` when
+/// no UDP port is usable, or several are and nothing tells them apart.
+fn slice_ports(ports: Option<&Vec<EndpointPort>>) -> Option<(u16, u16)> {
+    // An unset protocol is TCP (the API's default).
+    let of = |protocol: &str| -> Vec<(Option<&str>, u16)> {
         ports
             .into_iter()
             .flatten()
-            .find(|port| port.name.as_deref() == Some(name))
-            .and_then(|port| port.port)
-            .and_then(|port| u16::try_from(port).ok())
-            .filter(|port| *port != 0)
-            .unwrap_or(DNS_PORT)
+            .filter(|port| port.protocol.as_deref().unwrap_or("TCP") == protocol)
+            .filter_map(|port| {
+                let number = u16::try_from(port.port?)
+                    .ok()
+                    .filter(|number| *number != 0)?;
+                Some((port.name.as_deref(), number))
+            })
+            .collect()
     };
-    (named(UDP_PORT_NAME), named(TCP_PORT_NAME))
+    let (udp, tcp) = (of("UDP"), of("TCP"));
+    let udp_port = match udp.as_slice() {
+        [] => return None,
+        [(_, number)] => *number,
+        several => several
+            .iter()
+            .find(|(name, _)| *name == Some(UDP_PORT_NAME))
+            .map(|(_, number)| *number)
+            .or_else(|| {
+                let twinned: Vec<u16> = several
+                    .iter()
+                    .map(|(_, number)| *number)
+                    .filter(|number| tcp.iter().any(|(_, tcp)| tcp == number))
+                    .collect();
+                (twinned.len() == 1).then(|| twinned[0])
+            })?,
+    };
+    let tcp_port = tcp
+        .iter()
+        .find(|(_, number)| *number == udp_port)
+        .or_else(|| tcp.iter().find(|(name, _)| *name == Some(TCP_PORT_NAME)))
+        .map_or(udp_port, |(_, number)| *number);
+    Some((udp_port, tcp_port))
 }
 
 /// Each fed listener's pool from `slices` (ready, not terminating endpoints of its family, sorted,
@@ -66,7 +99,14 @@ pub fn pools<'a>(
             // FQDN slices carry names, not addresses.
             _ => continue,
         };
-        let (udp_port, tcp_port) = slice_ports(slice.ports.as_ref());
+        let Some((udp_port, tcp_port)) = slice_ports(slice.ports.as_ref()) else {
+            // Every endpoint of it would be a target of the wrong port: none is taken.
+            rejected.push((
+                format!("EndpointSlice {}", key(slice)),
+                Rejection::NoDnsPort,
+            ));
+            continue;
+        };
         for endpoint in &slice.endpoints {
             let conditions = endpoint.conditions.as_ref();
             // A nil `ready` means ready (API contract); terminating endpoints are going away.
@@ -110,22 +150,68 @@ pub fn pools<'a>(
     Offer { pools, rejected }
 }
 
+/// How long the periodic check waits for the API server's answer.
+const CHECK_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// Watches the EndpointSlices of `namespace/service` and sends the fed listeners' pools on every
-/// complete view (after each initial list, and on every change), until `events` closes.
+/// complete view (after each initial list, and on every change), until `events` closes. Each
+/// view is a contact with the API server; so is the answer to a list of one slice every
+/// `resync`, which tells a quiet watch from a lost API server (a watch with nothing to tell is
+/// silent either way).
 pub async fn watch(
     client: Client,
     namespace: String,
     service: String,
     fed: Vec<FedListener>,
     listeners: HashSet<IpAddr>,
+    resync: Duration,
     events: mpsc::Sender<SourceEvent>,
 ) {
     let api: Api<EndpointSlice> = Api::namespaced(client, &namespace);
-    let config = watcher::Config::default().labels(&format!("{SERVICE_NAME_LABEL}={service}"));
-    let mut stream = watcher(api, config).default_backoff().boxed();
+    let selector = format!("{SERVICE_NAME_LABEL}={service}");
+    let config = watcher::Config::default().labels(&selector);
+    let mut stream = watcher(api.clone(), config).default_backoff().boxed();
+    let mut check = tokio::time::interval(resync);
+    check.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    // The first contact is the watcher's initial list.
+    check.tick().await;
     let mut slices: BTreeMap<String, EndpointSlice> = BTreeMap::new();
     let mut relisting: Option<BTreeMap<String, EndpointSlice>> = None;
-    while let Some(event) = stream.next().await {
+    loop {
+        let event = tokio::select! {
+            event = stream.next() => match event {
+                Some(event) => event,
+                None => return,
+            },
+            _ = check.tick() => {
+                let listed = tokio::time::timeout(
+                    CHECK_TIMEOUT,
+                    api.list(&ListParams::default().labels(&selector).limit(1)),
+                )
+                .await;
+                let contact = match listed {
+                    Ok(Ok(_)) => SourceEvent::Contact {
+                        source: SourceKind::Kubernetes,
+                    },
+                    Ok(Err(error)) => {
+                        warn!(service = %format!("{namespace}/{service}"), error = %error, "the API server did not answer the periodic check; keeping the last known pool");
+                        SourceEvent::Failed {
+                            source: SourceKind::Kubernetes,
+                        }
+                    }
+                    Err(_) => {
+                        warn!(service = %format!("{namespace}/{service}"), timeout = ?CHECK_TIMEOUT, "the API server did not answer the periodic check in time; keeping the last known pool");
+                        SourceEvent::Failed {
+                            source: SourceKind::Kubernetes,
+                        }
+                    }
+                };
+                if events.send(contact).await.is_err() {
+                    return;
+                }
+                continue;
+            }
+        };
         let complete = match event {
             Ok(watcher::Event::Init) => {
                 relisting = Some(BTreeMap::new());
@@ -174,6 +260,12 @@ pub async fn watch(
             .send(SourceKind::Kubernetes, &events)
             .await
             .is_err()
+            || events
+                .send(SourceEvent::Contact {
+                    source: SourceKind::Kubernetes,
+                })
+                .await
+                .is_err()
         {
             return;
         }
@@ -202,21 +294,36 @@ mod tests {
         }
     }
 
-    fn slice(address_type: &str, ports: &[(&str, i32)], endpoints: Vec<Endpoint>) -> EndpointSlice {
+    /// kube-dns's ports: `dns` and `dns-tcp` on 53, `metrics` on 9153.
+    const KUBE_DNS: &[(&str, Option<&str>, i32)] = &[
+        ("dns", Some("UDP"), 53),
+        ("dns-tcp", Some("TCP"), 53),
+        ("metrics", Some("TCP"), 9153),
+    ];
+
+    fn slice(
+        address_type: &str,
+        ports: &[(&str, Option<&str>, i32)],
+        endpoints: Vec<Endpoint>,
+    ) -> EndpointSlice {
         EndpointSlice {
             address_type: address_type.to_owned(),
             endpoints,
+            metadata: kube::api::ObjectMeta {
+                name: Some("kube-dns-abcde".to_owned()),
+                ..kube::api::ObjectMeta::default()
+            },
             ports: Some(
                 ports
                     .iter()
-                    .map(|(name, port)| EndpointPort {
+                    .map(|(name, protocol, port)| EndpointPort {
                         name: Some((*name).to_owned()),
+                        protocol: protocol.map(ToOwned::to_owned),
                         port: Some(*port),
                         ..EndpointPort::default()
                     })
                     .collect(),
             ),
-            ..EndpointSlice::default()
         }
     }
 
@@ -242,7 +349,11 @@ mod tests {
         let slices = [
             slice(
                 "IPv4",
-                &[("dns", 1053), ("dns-tcp", 1054), ("metrics", 9153)],
+                &[
+                    ("dns", Some("UDP"), 1053),
+                    ("dns-tcp", Some("TCP"), 1054),
+                    ("metrics", Some("TCP"), 9153),
+                ],
                 vec![
                     endpoint("10.244.1.7", Some(true), Some(false)),
                     endpoint("10.244.0.5", None, None),
@@ -252,7 +363,7 @@ mod tests {
             ),
             slice(
                 "IPv6",
-                &[],
+                KUBE_DNS,
                 vec![endpoint("fd00:10:244::5", Some(true), None)],
             ),
         ];
@@ -273,7 +384,7 @@ mod tests {
     fn implausible_addresses_are_refused_and_never_pooled() {
         let slices = [slice(
             "IPv4",
-            &[],
+            KUBE_DNS,
             vec![
                 endpoint("127.0.0.1", Some(true), None),
                 endpoint("169.254.10.11", Some(true), None),
@@ -299,16 +410,81 @@ mod tests {
     #[test]
     fn duplicates_across_slices_count_once_and_fqdn_slices_are_skipped() {
         let slices = [
-            slice("IPv4", &[], vec![endpoint("10.0.0.1", Some(true), None)]),
-            slice("IPv4", &[], vec![endpoint("10.0.0.1", Some(true), None)]),
+            slice(
+                "IPv4",
+                KUBE_DNS,
+                vec![endpoint("10.0.0.1", Some(true), None)],
+            ),
+            slice(
+                "IPv4",
+                KUBE_DNS,
+                vec![endpoint("10.0.0.1", Some(true), None)],
+            ),
             slice(
                 "FQDN",
-                &[],
+                KUBE_DNS,
                 vec![endpoint("dns.example.com", Some(true), None)],
             ),
         ];
         let Offer { pools, rejected } = pools(&slices, &fed(), &listeners());
         assert_eq!(pools[&1].len(), 1);
         assert!(rejected.is_empty());
+    }
+
+    #[test]
+    fn ports_are_matched_by_protocol_whatever_their_names() {
+        let ports = |ports: &[(&str, Option<&str>, i32)]| {
+            let slice = slice("IPv4", ports, Vec::new());
+            slice_ports(slice.ports.as_ref())
+        };
+        // CoreDNS's Helm chart, non-root on 1053, with its metrics port.
+        assert_eq!(
+            ports(&[
+                ("udp-53", Some("UDP"), 1053),
+                ("tcp-53", Some("TCP"), 1053),
+                ("metrics", Some("TCP"), 9153),
+            ]),
+            Some((1053, 1053))
+        );
+        assert_eq!(ports(KUBE_DNS), Some((53, 53)));
+        // No TCP port listed but the metrics': TCP goes to the UDP port's number.
+        assert_eq!(
+            ports(&[("udp", Some("UDP"), 1053), ("metrics", Some("TCP"), 9153)]),
+            Some((1053, 1053))
+        );
+        // Several UDP ports: the one with a TCP twin.
+        assert_eq!(
+            ports(&[
+                ("a", Some("UDP"), 5353),
+                ("b", Some("UDP"), 1053),
+                ("c", Some("TCP"), 1053),
+            ]),
+            Some((1053, 1053))
+        );
+        // Nothing to choose between, no UDP port, none at all; an unset protocol is TCP.
+        assert_eq!(
+            ports(&[("a", Some("UDP"), 5353), ("b", Some("UDP"), 1053)]),
+            None
+        );
+        assert_eq!(ports(&[("dns", None, 53)]), None);
+        assert_eq!(ports(&[]), None);
+    }
+
+    #[test]
+    fn a_slice_without_a_dns_port_is_refused_not_pooled_on_53() {
+        let slices = [slice(
+            "IPv4",
+            &[("metrics", Some("TCP"), 9153)],
+            vec![endpoint("10.0.0.1", Some(true), None)],
+        )];
+        let Offer { pools, rejected } = pools(&slices, &fed(), &listeners());
+        assert!(pools[&1].is_empty(), "{:?}", pools[&1]);
+        assert_eq!(
+            rejected,
+            [(
+                "EndpointSlice kube-dns-abcde".to_owned(),
+                Rejection::NoDnsPort
+            )]
+        );
     }
 }

@@ -93,6 +93,9 @@ impl std::fmt::Display for Upstream {
     }
 }
 
+/// The name of a static pool's source, the configuration, in logs and metrics.
+pub const STATIC_SOURCE: &str = "static";
+
 /// Which source an update comes from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum SourceKind {
@@ -123,6 +126,12 @@ pub enum SourceEvent {
         /// Its upstreams, sorted.
         upstreams: Vec<Upstream>,
         /// Where they come from.
+        source: SourceKind,
+    },
+    /// The source reached what it follows: the API server answered a list or sent a change,
+    /// the file was read. What the pools' age is measured from.
+    Contact {
+        /// Which source.
         source: SourceKind,
     },
     /// The source failed to reach what it follows (the pools stay as they are).
@@ -171,7 +180,7 @@ impl Offer {
         events: &mpsc::Sender<SourceEvent>,
     ) -> Result<(), ControlLoopGone> {
         for (address, reason) in self.rejected {
-            warn!(source = source.name(), address = %address, reason = reason.name(), "refused an upstream address");
+            warn!(source = source.name(), offered = %address, reason = reason.name(), "refused what the source offered as upstreams");
             events
                 .send(SourceEvent::Rejected {
                     source,

@@ -20,6 +20,9 @@ pub enum Rejection {
     Listener,
     /// Of the other family than the listener.
     WrongFamily,
+    /// An EndpointSlice with no port that tells where its endpoints serve DNS (none over UDP,
+    /// or several and nothing to choose): its endpoints are not taken.
+    NoDnsPort,
 }
 
 impl Rejection {
@@ -34,6 +37,7 @@ impl Rejection {
             Self::LinkLocal => "link-local",
             Self::Listener => "listener address",
             Self::WrongFamily => "wrong family",
+            Self::NoDnsPort => "no DNS port",
         }
     }
 }

@@ -25,6 +25,9 @@ use super::{
 const SETTLE: Duration = Duration::from_millis(20);
 /// How often a missing directory is looked for again.
 const RETRY: Duration = Duration::from_secs(2);
+/// How often the file is read again with no change seen: an unreadable file (permissions, I/O)
+/// shows as a growing `redirector_pool_last_sync_age_seconds{source="resolv.conf"}`.
+const RECHECK: Duration = Duration::from_secs(60);
 
 /// The addresses of the `nameserver` lines, as written.
 #[must_use]
@@ -114,7 +117,13 @@ async fn publish(
         }
     }
     // A closed channel means shutdown; `watch` notices and returns.
-    let _ = offer.send(SourceKind::ResolvConf, events).await;
+    if offer.send(SourceKind::ResolvConf, events).await.is_ok() {
+        let _ = events
+            .send(SourceEvent::Contact {
+                source: SourceKind::ResolvConf,
+            })
+            .await;
+    }
 }
 
 /// Publishes the pools from `path` now and after every change, until `events` closes.
@@ -150,10 +159,20 @@ pub async fn watch(
                 continue;
             }
         };
-        // Publish again once events for the file stop arriving; restart when the directory goes.
+        // Publish again once events for the file stop arriving, and every `RECHECK` (the file
+        // read again is the source's contact, which the pools' age is measured from); restart
+        // when the directory goes.
         loop {
-            let Some(Ok(event)) = stream.next().await else {
-                break;
+            let event = match tokio::time::timeout(RECHECK, stream.next()).await {
+                Ok(Some(Ok(event))) => event,
+                Ok(_) => break,
+                Err(_) => {
+                    publish(&path, &fed, &listeners, &events).await;
+                    if events.is_closed() {
+                        return;
+                    }
+                    continue;
+                }
             };
             if event.mask.contains(inotify::EventMask::DELETE_SELF) {
                 break;

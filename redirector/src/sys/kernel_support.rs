@@ -265,7 +265,7 @@ pub const FEATURES: &[KernelFeature] = &[
     KernelFeature {
         id: "sock_addr_sk_storage",
         name: "`bpf_sk_storage_get` in sock_addr programs",
-        used_for: "marking steered sockets",
+        used_for: "marking steered sockets; a cache socket's listeners at its reads",
         since: KernelVersion::new(5, 3, 0),
         need: Need::Required,
         probe: Probe::Helpers,

@@ -4,6 +4,7 @@
 use std::{
     fs::{File, OpenOptions},
     io::{Read as _, Seek as _, Write as _},
+    os::unix::fs::PermissionsExt as _,
     path::{Path, PathBuf},
 };
 
@@ -12,7 +13,7 @@ use nix::fcntl::{Flock, FlockArg};
 /// Why the lock could not be taken. `path` is the configured `lock_file`.
 #[derive(Debug, thiserror::Error)]
 pub enum LockError {
-    /// Another process holds it.
+    /// Another agent holds it.
     #[error(
         "another redirector agent (pid {pid}) holds {path}: one agent runs per node; stop it first \
          (systemctl stop redirector, or kill {pid}), or give this one another lock_file and pin_dir"
@@ -21,6 +22,43 @@ pub enum LockError {
         path: PathBuf,
         /// The holder's pid, as it recorded it.
         pid: String,
+    },
+    /// A process that is no agent holds it (an agent records its pid in the file).
+    #[error(
+        "{path} is locked by pid {pid} ({command}), which is not a redirector agent: while it \
+         holds the lock no agent, uninstall or status can run. End that process; the agent keeps \
+         the file 0600 in a directory only root can enter, so no other user can take it again"
+    )]
+    HeldByOther {
+        path: PathBuf,
+        /// The holder's pid, from /proc/locks.
+        pid: String,
+        /// Its command name (`/proc/PID/comm`), or `unknown`.
+        command: String,
+    },
+    /// The file belongs to another user, who could open and lock it at will.
+    #[error(
+        "{path} belongs to uid {owner}, not to the agent's uid {agent}: another user could lock \
+         the agent out with it. Remove it (no agent is running: none holds it) and start again"
+    )]
+    ForeignOwner {
+        path: PathBuf,
+        /// The file's owner.
+        owner: u32,
+        /// The agent's effective uid.
+        agent: u32,
+    },
+    /// The directory of the file can be written by other users, who could replace the file.
+    #[error(
+        "{dir}, the directory of lock_file {path}, is writable by other users (mode {mode:04o}): \
+         anyone could replace the lock. Put lock_file in a directory only root can write (the \
+         default /run/redirector is created 0700)"
+    )]
+    OpenDirectory {
+        path: PathBuf,
+        dir: PathBuf,
+        /// Its permission bits.
+        mode: u32,
     },
     /// The file could not be created or locked.
     #[error("cannot lock {path}")]
@@ -40,31 +78,61 @@ pub struct InstanceLock {
 }
 
 impl InstanceLock {
-    /// Takes the lock at `path` (creating the file and its directory) and writes this pid into it.
+    /// Takes the lock at `path` (creating the file 0600, and its directory 0700 when missing) and
+    /// writes this pid into it. A file of a wider mode (an older release's, made under the
+    /// process's umask) is narrowed to 0600; a file of another user, or one in a directory other
+    /// users can write, is refused: either would let a local user lock every agent out.
     pub fn acquire(path: &Path) -> Result<Self, LockError> {
+        use std::os::unix::fs::{DirBuilderExt as _, MetadataExt as _, OpenOptionsExt as _};
+
         let io = |source| LockError::Io {
             path: path.to_owned(),
             source,
         };
-        if let Some(dir) = path.parent() {
-            std::fs::create_dir_all(dir).map_err(io)?;
+        if let Some(dir) = path.parent().filter(|dir| !dir.as_os_str().is_empty()) {
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(dir)
+                .map_err(io)?;
+            let mode = std::fs::metadata(dir).map_err(io)?.mode();
+            // Writable by group or others, and not sticky (a sticky /tmp keeps others' hands off
+            // root's file).
+            if mode & 0o022 != 0 && mode & 0o1000 == 0 {
+                return Err(LockError::OpenDirectory {
+                    path: path.to_owned(),
+                    dir: dir.to_owned(),
+                    mode: mode & 0o7777,
+                });
+            }
         }
         let file = OpenOptions::new()
             .read(true)
             .write(true)
             .create(true)
             .truncate(false)
+            .mode(0o600)
             .open(path)
             .map_err(io)?;
+        let metadata = file.metadata().map_err(io)?;
+        let agent = nix::unistd::geteuid().as_raw();
+        if metadata.uid() != agent {
+            return Err(LockError::ForeignOwner {
+                path: path.to_owned(),
+                owner: metadata.uid(),
+                agent,
+            });
+        }
+        if metadata.mode() & 0o077 != 0 {
+            file.set_permissions(std::fs::Permissions::from_mode(0o600))
+                .map_err(io)?;
+        }
         let mut lock = match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
             Ok(lock) => lock,
             Err((mut file, errno)) if errno == nix::errno::Errno::EWOULDBLOCK => {
-                let mut pid = String::new();
-                let _ = file.read_to_string(&mut pid);
-                return Err(LockError::Held {
-                    path: path.to_owned(),
-                    pid: pid.trim().to_owned(),
-                });
+                let mut recorded = String::new();
+                let _ = file.read_to_string(&mut recorded);
+                return Err(held(path, recorded.trim()));
             }
             Err((_, errno)) => return Err(io(errno.into())),
         };
@@ -81,6 +149,31 @@ impl InstanceLock {
     #[must_use]
     pub fn path(&self) -> &Path {
         &self.path
+    }
+}
+
+/// Why the lock at `path` could not be taken: an agent holds it (the pid it recorded holds the
+/// `flock`), or another process does (/proc/locks names it).
+fn held(path: &Path, recorded: &str) -> LockError {
+    use std::os::unix::fs::MetadataExt as _;
+    let holder = std::fs::metadata(path).ok().and_then(|metadata| {
+        let locks = std::fs::read_to_string("/proc/locks").ok()?;
+        holder_in(&locks, metadata.dev(), metadata.ino(), None)
+    });
+    match holder {
+        Some(pid) if pid != recorded => {
+            let command = std::fs::read_to_string(format!("/proc/{pid}/comm"))
+                .map_or_else(|_| "unknown".to_owned(), |comm| comm.trim().to_owned());
+            LockError::HeldByOther {
+                path: path.to_owned(),
+                pid,
+                command,
+            }
+        }
+        _ => LockError::Held {
+            path: path.to_owned(),
+            pid: recorded.to_owned(),
+        },
     }
 }
 
@@ -153,6 +246,46 @@ mod tests {
         assert_eq!(holder(&path), None, "released");
         let again = InstanceLock::acquire(&path).expect("free again once released");
         drop(again);
+        let _ = std::fs::remove_file(&path);
+    }
+
+    #[test]
+    fn the_file_is_private_and_a_wider_one_is_narrowed() {
+        use std::os::unix::fs::MetadataExt as _;
+        let dir = std::env::temp_dir().join(format!("redirector-lock-mode-{}", std::process::id()));
+        let path = dir.join("agent.lock");
+        let lock = InstanceLock::acquire(&path).unwrap();
+        assert_eq!(std::fs::metadata(&dir).unwrap().mode() & 0o777, 0o700);
+        assert_eq!(std::fs::metadata(&path).unwrap().mode() & 0o777, 0o600);
+        drop(lock);
+        // As an older release left it: readable by everyone, so anyone could flock it.
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let lock = InstanceLock::acquire(&path).unwrap();
+        assert_eq!(std::fs::metadata(&path).unwrap().mode() & 0o777, 0o600);
+        drop(lock);
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).unwrap();
+        let error = InstanceLock::acquire(&path).unwrap_err();
+        assert!(matches!(error, LockError::OpenDirectory { .. }), "{error}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_lock_held_by_another_process_names_it() {
+        let path =
+            std::env::temp_dir().join(format!("redirector-lock-other-{}", std::process::id()));
+        let lock = InstanceLock::acquire(&path).unwrap();
+        // What another process finds when the pid recorded is not the holder's.
+        std::fs::write(&path, "1\n").unwrap();
+        let error = held(&path, "1");
+        assert!(
+            matches!(&error, LockError::HeldByOther { pid, .. } if *pid == std::process::id().to_string()),
+            "{error}"
+        );
+        assert!(
+            error.to_string().contains("not a redirector agent"),
+            "{error}"
+        );
+        drop(lock);
         let _ = std::fs::remove_file(&path);
     }
 

@@ -72,7 +72,9 @@ pub type ListenerLabel = [(&'static str, String); 1];
 pub struct SourceSyncs {
     /// Successful syncs (a pool written, or found already right).
     pub count: u64,
-    /// When the last one succeeded.
+    /// When the source last answered (`record_source_contact`): the API server listed or sent a
+    /// change, resolv.conf was read; a static pool, when it was last written. Not the agent's
+    /// own periodic rewrite of the kernel's pools, which succeeds with the source gone.
     pub last_success: Option<SystemTime>,
 }
 
@@ -228,16 +230,25 @@ impl AgentStats {
             .or_default() += 1;
     }
 
-    /// Records a successful sync of a pool from `source` (written, or found right) that took
-    /// `duration`.
+    /// Records a successful sync of a pool from `source` into the kernel (written, or found
+    /// right) that took `duration`.
     pub fn record_source_sync(&self, source: &'static str, duration: Duration) {
         self.sync_duration
             .get_or_create(&[("source", source)])
             .observe(duration.as_secs_f64());
         let mut observations = self.observations();
-        let syncs = observations.source_syncs.entry(source).or_default();
-        syncs.count += 1;
-        syncs.last_success = Some(SystemTime::now());
+        observations.source_syncs.entry(source).or_default().count += 1;
+    }
+
+    /// Records that `source` answered now: what `redirector_pool_last_sync_age_seconds`
+    /// measures from.
+    pub fn record_source_contact(&self, source: &'static str) {
+        let mut observations = self.observations();
+        observations
+            .source_syncs
+            .entry(source)
+            .or_default()
+            .last_success = Some(SystemTime::now());
     }
 
     /// Records an address a source offered and redirector refused.

@@ -877,3 +877,71 @@ fn an_answer_from_a_cache_that_died_meanwhile_does_not_vouch_for_its_successor()
     );
     Ok(())
 }
+
+/// The kernel's pool of the node listener, as its targets' addresses.
+fn node_pool(harness: &Harness) -> anyhow::Result<Vec<std::net::IpAddr>> {
+    let pool = harness.maps.pool(NODE_ID)?;
+    Ok(pool.targets[..pool.len as usize]
+        .iter()
+        .map(|target| std::net::IpAddr::from(target.addr))
+        .map(|address| address.to_canonical())
+        .collect())
+}
+
+/// Upstream B dies while the node listener routes upstream (an operator's override here): its
+/// checks take it out of the kernel's pool and every fresh socket goes to A; back, it returns at
+/// its first answer; with both dead, the pool keeps both (an empty pool would fail DNS at once).
+#[test]
+fn a_dead_upstream_leaves_the_pool_and_returns_when_it_answers() -> anyhow::Result<()> {
+    use bpf_tests::topology::{
+        UPSTREAM_A, UPSTREAM_A_V4, UPSTREAM_A_V6, UPSTREAM_B, UPSTREAM_B_V4, UPSTREAM_B_V6,
+    };
+    let mut harness = Harness::standard(tools!())?;
+    let (a, b) = (
+        std::net::IpAddr::V4(UPSTREAM_A_V4),
+        std::net::IpAddr::V4(UPSTREAM_B_V4),
+    );
+    harness.set_mode(NODE_ID, redirector_common::settings::Mode::Upstream)?;
+    harness.wait_for_route(NODE_ID, "upstream")?;
+    assert_eq!(node_pool(&harness)?, [a, b]);
+
+    harness.sandbox.stop_server("upstream B")?;
+    let killed = now_ms();
+    harness.wait_until("B leaves the pool", Duration::from_secs(5), |harness| {
+        Ok(node_pool(harness)? == [a])
+    })?;
+    println!("B out of the pool {} ms after its death", now_ms() - killed);
+    for _ in 0..20 {
+        assert_eq!(answered_by(&harness.sandbox)?, "upstream A");
+    }
+
+    harness.sandbox.start_server(
+        "upstream B",
+        Ns::Upstream,
+        &[dns(UPSTREAM_B_V4), dns(UPSTREAM_B_V6)],
+        UPSTREAM_B,
+    )?;
+    harness.wait_until("B returns to the pool", Duration::from_secs(5), |harness| {
+        Ok(node_pool(harness)? == [a, b])
+    })?;
+
+    harness.sandbox.stop_server("upstream A")?;
+    harness.sandbox.stop_server("upstream B")?;
+    // Long enough for both to fail their checks several times over.
+    pause(2000);
+    assert_eq!(
+        node_pool(&harness)?,
+        [a, b],
+        "a pool is never emptied for its checks"
+    );
+    harness.sandbox.start_server(
+        "upstream A",
+        Ns::Upstream,
+        &[dns(UPSTREAM_A_V4), dns(UPSTREAM_A_V6)],
+        UPSTREAM_A,
+    )?;
+    harness.wait_until("the answering A alone", Duration::from_secs(5), |harness| {
+        Ok(node_pool(harness)? == [a])
+    })?;
+    Ok(())
+}

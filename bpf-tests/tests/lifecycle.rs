@@ -624,6 +624,26 @@ fn uninstall_removes_only_what_the_agent_added_to_a_link_it_adopted() -> anyhow:
     assert_eq!(owned.created, None, "the link was there before");
     assert_eq!(owned.added, ["169.254.20.11".parse::<IpAddr>()?]);
 
+    // A listener removed from the configuration: its address goes at the next start, not at
+    // uninstall; what was there before stays.
+    let kept_only = "[[listener]]\nname = \"kept\"\naddress = \"169.254.20.10\"\nupstreams = [\"198.18.2.2\"]\n";
+    let config =
+        sandbox.write_file("config.toml", &sandbox.config_toml_with(kept_only, &tables))?;
+    let mut agent = start_agent(&config)?;
+    let addresses = run("ip", ["-n", &node, "addr", "show", "dev", &link])?;
+    stop_agent(&mut agent)?;
+    assert!(
+        !addresses.contains("169.254.20.11"),
+        "the removed listener's address stayed: {addresses}"
+    );
+    assert!(
+        addresses.contains("169.254.20.10/32") && addresses.contains("192.0.2.200/32"),
+        "{addresses}"
+    );
+    let owned: redirector::sys::interface::Ownership =
+        serde_json::from_str(&std::fs::read_to_string(&record)?)?;
+    assert!(owned.added.is_empty(), "{owned:?}");
+
     uninstall(&config)?;
     let addresses = run("ip", ["-n", &node, "addr", "show", "dev", &link])
         .map_err(|error| error.context("uninstall deleted a link it did not create"))?;
@@ -636,6 +656,90 @@ fn uninstall_removes_only_what_the_agent_added_to_a_link_it_adopted() -> anyhow:
         "the address the agent added is gone: {addresses}"
     );
     assert!(!record.exists(), "the record is gone with what it recorded");
+    Ok(())
+}
+
+/// The pin directory changed between two runs: the first run's programs stay attached from the
+/// old directory. The new agent and `status` name that set and how to detach it; removing its
+/// pins does.
+#[test]
+fn a_set_left_attached_by_a_changed_pin_dir_is_named() -> anyhow::Result<()> {
+    let mut sandbox = Sandbox::new(tools!())?;
+    sandbox.start_standard_servers()?;
+    let old = write_standard_config(&sandbox)?;
+    let mut agent = start_agent(&old)?;
+    stop_agent(&mut agent)?;
+    let old_dir = sandbox.pin_dir().display().to_string();
+    let new_dir = format!("{old_dir}-moved");
+    let text = std::fs::read_to_string(&old)?.replace(
+        &format!("pin_dir = {old_dir:?}"),
+        &format!("pin_dir = {new_dir:?}"),
+    );
+    assert!(text.contains(&new_dir), "{text}");
+    let moved = sandbox.write_file("moved.toml", &text)?;
+    let mut agent = start_agent(&moved)?;
+    let status = redirector(&["status", "--config", &moved.display().to_string()])?;
+    assert!(
+        status
+            .stdout
+            .contains(&format!("ANOTHER SET attached from {old_dir}")),
+        "{status:?}"
+    );
+    stop_agent(&mut agent)?;
+    assert!(
+        agent
+            .printed()
+            .iter()
+            .any(|line| line.contains("ANOTHER redirector set") && line.contains(&old_dir)),
+        "{:?}",
+        agent.printed()
+    );
+    std::fs::remove_dir_all(&old_dir)?;
+    let status = redirector(&["status", "--config", &moved.display().to_string()])?;
+    assert!(!status.stdout.contains("ANOTHER SET"), "{status:?}");
+    uninstall(&moved)?;
+    Ok(())
+}
+
+/// A first start that fails after it set up the listener addresses and the conntrack bypass
+/// table (here: its metrics port is taken) takes both back: nothing steers through them, and a
+/// node whose agent never starts must not keep them.
+#[test]
+fn a_failed_first_start_takes_back_its_table_and_addresses() -> anyhow::Result<()> {
+    let sandbox = Sandbox::new(tools!())?;
+    let link = sandbox.add_listener_link()?;
+    let node = sandbox.netns(Ns::Node).name().to_owned();
+    let taken = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let port = taken.local_addr()?.port();
+    let listeners = "[[listener]]\nname = \"owned\"\naddress = \"169.254.20.10\"\nupstreams = [\"198.18.2.2\"]\n";
+    let tables = format!("[interface]\nname = {link:?}\nkind = \"dummy\"\n");
+    let text = sandbox.config_toml_with(listeners, &tables).replace(
+        "address = \"127.0.0.1:0\"",
+        &format!("address = \"127.0.0.1:{port}\""),
+    );
+    assert!(text.contains(&format!("127.0.0.1:{port}")), "{text}");
+    let config = sandbox.write_file("config.toml", &text)?;
+    let refused = redirector(&["run", "--config", &config.display().to_string()])?;
+    assert_eq!(refused.code, 1, "{refused:?}");
+    assert!(
+        refused
+            .stderr
+            .contains("removed the conntrack bypass table of this failed start")
+            && refused.stderr.contains("of this failed start"),
+        "{refused:?}"
+    );
+    let addresses = run("ip", ["-n", &node, "addr", "show", "dev", &link])?;
+    assert!(
+        !addresses.contains("169.254.20.10"),
+        "the failed start left its listener address: {addresses}"
+    );
+    assert_eq!(
+        bpf_tests::conntrack::bypass_table(sandbox.netns(Ns::Node))?,
+        None,
+        "the failed start left its nftables table"
+    );
+    assert_eq!(sandbox.attached_programs()?, "");
+    drop(taken);
     Ok(())
 }
 

@@ -1254,7 +1254,7 @@ fn promtool(args: &[&str]) -> String {
 #[test]
 fn the_alert_rules_are_valid_and_fire_as_their_tests_say() {
     let checked = promtool(&["check", "rules", "redirector.rules.yml"]);
-    assert!(checked.contains("SUCCESS: 11 rules found"), "{checked}");
+    assert!(checked.contains("SUCCESS: 12 rules found"), "{checked}");
     promtool(&["test", "rules", "redirector.rules.test.yml"]);
     // Every alert has a unit test, and every metric an alert reads is one the agent serves.
     let rules = read("deploy/prometheus/redirector.rules.yml");
@@ -1317,6 +1317,8 @@ fn served_metrics() -> String {
     stats.record_pool_left_out("node", 0);
     stats.record_source_sync("kubernetes", std::time::Duration::from_millis(1));
     stats.record_source_contact("kubernetes");
+    stats.record_upstream_check("cluster", true);
+    stats.record_upstream_state("cluster", "10.244.0.5:53", true);
     stats.record_transition(redirector::telemetry::stats::Transition {
         listener: "node".to_owned(),
         from: redirector_common::listener::Route::Cache,

@@ -7,6 +7,7 @@
 use std::{
     collections::HashSet,
     future::Future,
+    net::SocketAddr,
     time::{Duration, SystemTime},
 };
 
@@ -17,17 +18,21 @@ use tokio::{
 use tracing::{debug, info, warn};
 
 use super::{Agent, AgentError, current_route};
-use redirector_common::pool::{MAX_POOL_TARGETS, Target};
+use redirector_common::{
+    listener::Route,
+    pool::{MAX_POOL_TARGETS, Target},
+};
 
 use crate::{
     liveness::{
         health::{self, Probe},
         probe::ProbeOutcome,
+        upstreams::checked_address,
     },
-    sources::{STATIC_SOURCE, SourceEvent, SourceKind, Upstream, subset},
+    sources::{STATIC_SOURCE, SourceEvent, SourceKind, Upstream, plausible::Rejection, subset},
     sys::sd_notify,
     telemetry::{
-        node_events::RouteChange,
+        node_events::{Refusal, RouteChange},
         stats::{ErrorKind, Transition},
     },
 };
@@ -39,6 +44,16 @@ const COALESCE: Duration = Duration::from_millis(10);
 const FIRST_RETRY: Duration = Duration::from_millis(100);
 /// The longest retry delay.
 const MAX_RETRY: Duration = Duration::from_secs(10);
+
+/// A check of an upstream target, with what it was sent for.
+struct UpstreamCheck {
+    /// The listener's index in `Agent::listeners`.
+    index: usize,
+    /// The target's UDP address.
+    target: SocketAddr,
+    /// Whether it answered.
+    answered: bool,
+}
 
 /// A probe's outcome, with what it was sent for.
 struct SentProbe {
@@ -69,6 +84,13 @@ impl Agent {
         // decided `failures_to_fail_over - 1` intervals later), not after whole rounds of
         // timeouts. Outcomes are folded in as they complete.
         let mut probes: JoinSet<SentProbe> = JoinSet::new();
+        // Checks of the upstream targets of listeners that route upstream (none while every
+        // listener is on its cache).
+        let upstream_interval = self.config.probe.upstream_interval;
+        let mut upstream_tick =
+            tokio::time::interval(upstream_interval.unwrap_or(Duration::from_secs(3600)));
+        upstream_tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        let mut upstream_checks: JoinSet<UpstreamCheck> = JoinSet::new();
         let mut dirty: HashSet<u32> = HashSet::new();
         let mut write_at: Option<Instant> = None;
         let mut retry = FIRST_RETRY;
@@ -106,6 +128,17 @@ impl Agent {
                     write_at.get_or_insert_with(Instant::now);
                 }
                 _ = probe_tick.tick() => self.send_probes(&mut probes),
+                _ = upstream_tick.tick(), if upstream_interval.is_some() => {
+                    self.send_upstream_checks(&mut upstream_checks);
+                }
+                Some(done) = upstream_checks.join_next(), if !upstream_checks.is_empty() => {
+                    if let Ok(check) = done
+                        && let Some(listener) = self.record_upstream_check(&check)
+                    {
+                        dirty.insert(listener);
+                        write_at.get_or_insert_with(Instant::now);
+                    }
+                }
                 Some(done) = probes.join_next(), if !probes.is_empty() => {
                     if let Ok(probe) = done {
                         self.record_probe(&probe);
@@ -154,8 +187,23 @@ impl Agent {
                 self.stats.record_pool_sync(&runtime.name);
                 Some(listener)
             }
-            SourceEvent::Rejected { source, reason, .. } => {
+            SourceEvent::Rejected {
+                source,
+                address,
+                reason,
+            } => {
                 self.stats.record_rejection(source.name(), reason.name());
+                // A whole EndpointSlice refused is told on the Node too: its pods are missing
+                // from every pool, which no address-level warning makes plain.
+                if reason == Rejection::NoDnsPort
+                    && let Some(node_events) = &self.node_events
+                {
+                    node_events.refused(Refusal {
+                        source: source.name(),
+                        offered: address,
+                        reason: reason.name(),
+                    });
+                }
                 None
             }
             SourceEvent::Contact { source } => {
@@ -183,8 +231,21 @@ impl Agent {
                 continue;
             };
             let started = Instant::now();
-            let (pool, left_out) = subset::for_node(desired, &self.node, MAX_POOL_TARGETS);
+            let (subset, left_out) = subset::for_node(desired, &self.node, MAX_POOL_TARGETS);
             self.stats.record_pool_left_out(&runtime.name, left_out);
+            self.upstream_checks.retain(id, &subset);
+            self.stats.retain_upstreams(
+                &runtime.name,
+                &subset
+                    .iter()
+                    .map(|upstream| checked_address(upstream).to_string())
+                    .collect::<Vec<_>>(),
+            );
+            // Without the targets that fail their checks; never emptied for them.
+            let (pool, all_failing) = self.upstream_checks.usable(id, &subset);
+            if all_failing {
+                warn!(listener = %runtime.name, upstreams = pool.len(), "EVERY upstream target fails its checks: keeping them all in the pool (an empty pool would fail DNS at once)");
+            }
             let targets: Vec<Target> = pool.iter().map(Upstream::target).collect();
             let written = self.maps.set_pool(id, &targets);
             if written.is_ok() {
@@ -295,6 +356,59 @@ impl Agent {
                 warn!(listener = %listener.name, error = %error, "cannot write the cache verdict");
             }
         }
+    }
+
+    /// Sends one check to every upstream target of every listener that routes upstream: the
+    /// targets of the kernel's subset of its desired pool, those out for failing too (their
+    /// first answer brings them back).
+    fn send_upstream_checks(&self, checks: &mut JoinSet<UpstreamCheck>) {
+        for (index, listener) in self.listeners.iter().enumerate() {
+            if listener.observed.0 != Route::Upstream {
+                continue;
+            }
+            let Some(desired) = &listener.desired else {
+                continue;
+            };
+            let (subset, _) = subset::for_node(desired, &self.node, MAX_POOL_TARGETS);
+            for upstream in &subset {
+                let target = checked_address(upstream);
+                let prober = listener.prober.of(target);
+                checks.spawn(async move {
+                    UpstreamCheck {
+                        index,
+                        target,
+                        answered: prober.probe().await.is_alive(),
+                    }
+                });
+            }
+        }
+    }
+
+    /// Folds one check into its target's verdict; returns the listener whose pool must be
+    /// written again when the target left it or came back.
+    fn record_upstream_check(&mut self, check: &UpstreamCheck) -> Option<u32> {
+        let listener = self.listeners.get(check.index)?;
+        self.stats
+            .record_upstream_check(&listener.name, check.answered);
+        let target = check.target.to_string();
+        let Some(down) = self
+            .upstream_checks
+            .record(listener.id, check.target, check.answered)
+        else {
+            if !self.upstream_checks.is_down(listener.id, check.target) {
+                self.stats
+                    .record_upstream_state(&listener.name, &target, true);
+            }
+            return None;
+        };
+        if down {
+            warn!(listener = %listener.name, target = %target, failures = self.config.probe.failures_to_fail_over, "an upstream target fails its checks: out of the kernel's pool until it answers");
+        } else {
+            info!(listener = %listener.name, target = %target, "an upstream target answers again: back in the kernel's pool");
+        }
+        self.stats
+            .record_upstream_state(&listener.name, &target, !down);
+        Some(listener.id)
     }
 
     /// Fails when the caches' namespace file now names another namespace. A missing file is no

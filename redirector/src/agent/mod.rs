@@ -277,6 +277,8 @@ pub struct Agent {
     cache_netns: Option<(PathBuf, (u64, u64))>,
     /// Events on this node's Node when a route changes (with a Kubernetes client only).
     node_events: Option<telemetry::node_events::NodeEvents>,
+    /// The verdicts of the checks of every listener's upstream targets.
+    upstream_checks: crate::liveness::upstreams::UpstreamChecks,
 }
 
 impl Agent {

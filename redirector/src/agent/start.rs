@@ -35,6 +35,7 @@ use crate::{
         probe::Prober,
         reconcile::Reconciler,
         sockdiag::SocketTable,
+        upstreams::UpstreamChecks,
     },
     sources::{self, FedListener, SourceEvent, Upstream},
     sys::{
@@ -96,6 +97,21 @@ impl Agent {
     /// every cache once, attaches, and starts the upstream sources. Nothing is attached unless
     /// every check passed.
     pub async fn start(config: &Config, options: StartOptions) -> Result<Self, AgentError> {
+        let mut first = FirstStart::default();
+        let started = Self::start_steps(config, options, &mut first).await;
+        if started.is_err() {
+            first.revert(config).await;
+        }
+        started
+    }
+
+    /// The start's steps; `first` learns whether nothing steered when it took the lock (what a
+    /// failure then leaves serves nobody, and `FirstStart::revert` removes it).
+    async fn start_steps(
+        config: &Config,
+        options: StartOptions,
+        first: &mut FirstStart,
+    ) -> Result<Self, AgentError> {
         let mut phases = StartPhases::new();
         let unmet = crate::sys::capabilities::unmet(&crate::sys::capabilities::needs(
             config.cache_netns.is_some(),
@@ -116,6 +132,7 @@ impl Agent {
         let skip_cgroups = environment::resolve_skip_cgroups(config)?;
         environment::prepare_pin_dir(&config.pin_dir)?;
         let lock = InstanceLock::acquire(&config.lock_file)?;
+        first.nothing_steered = !datapath::has_pinned_attachments(&config.pin_dir);
         let plan = plan_pins(config, &options)?;
         phases.end("checks");
         let netns = config.cache_netns.as_deref();
@@ -156,7 +173,8 @@ impl Agent {
         let bypass = start_conntrack_bypass(config, netns, &stats).await;
         phases.end("conntrack_bypass");
         let (mut datapath, mut maps) = load.await.map_err(AgentError::LoadTask)??;
-        let bypass = bypass?;
+        // Ends with a failed start: a table it keeps would outlive the revert.
+        let bypass = TaskGuard(bypass?);
         let load_times = datapath.load_times();
         phases.end_parts(
             "load",
@@ -258,6 +276,9 @@ impl Agent {
 
         phases.end("telemetry");
         datapath.attach(&attach.path)?;
+        for other in datapath::other_attached_sets(&config.pin_dir) {
+            warn!(pin_dir = %other.display(), "ANOTHER redirector set is attached from this directory: it steers DNS on state no agent updates (was pin_dir changed?); remove its pins to detach it: rm -r {}", other.display());
+        }
         phases.end("attach");
         let telemetry = match metrics_socket {
             Some(listener) => Some(serve_telemetry(listener, config, &stats)?),
@@ -291,13 +312,14 @@ impl Agent {
             stats,
             events,
             sources,
-            bypass,
+            bypass: bypass.keep(),
             drains,
             telemetry,
             lock,
             node,
             cache_netns,
             node_events,
+            upstream_checks: UpstreamChecks::new(config.probe.failures_to_fail_over),
         };
         agent.log_listeners()?;
         info!(
@@ -422,6 +444,75 @@ fn forward_kernel_log(
 /// Installs the conntrack bypass table when configured (its failure is reported, never fatal)
 /// and keeps it on a task of its own, so that a slow or hung nft never delays the control loop;
 /// when not configured, removes one an earlier configuration left.
+/// What a start that failed must take back: when nothing steered as it took the lock (a first
+/// install, or after an uninstall), the nftables table and the listener addresses (or link) it
+/// set up serve nobody, and a node whose agent never starts must not keep them.
+#[derive(Debug, Default)]
+struct FirstStart {
+    nothing_steered: bool,
+}
+
+impl FirstStart {
+    /// Removes the conntrack bypass table and what the agent owns of the listener link, if this
+    /// start took the lock with nothing steering and nothing steers now. Under the lock again:
+    /// another agent may have started meanwhile, and what it set up is left alone.
+    async fn revert(&self, config: &Config) {
+        if !self.nothing_steered || datapath::has_pinned_attachments(&config.pin_dir) {
+            return;
+        }
+        let Ok(lock) = InstanceLock::acquire(&config.lock_file) else {
+            return;
+        };
+        let worker = match NetnsWorker::start(config.cache_netns.as_deref()) {
+            Ok(worker) => worker,
+            Err(error) => {
+                warn!(error = %crate::error_chain(&error), "cannot enter the caches' namespace to remove what this failed start set up; `redirector uninstall` removes it");
+                return;
+            }
+        };
+        if config.conntrack.bypass {
+            match conntrack_bypass::remove(&Nft::new(&config.conntrack.nft, worker.clone())).await {
+                Ok(()) => warn!("removed the conntrack bypass table of this failed start"),
+                Err(error) if error.is_unavailable() => {}
+                Err(error) => {
+                    warn!(error = %crate::error_chain(&error), "cannot remove the conntrack bypass table of this failed start; `redirector uninstall` removes it");
+                }
+            }
+        }
+        let record = interface::record_path(&config.lock_file);
+        if config.interface.manage || record.exists() {
+            match interface::remove(&config.interface, &worker, &record).await {
+                Ok(true) => {
+                    warn!(link = %config.interface.name, "removed the listener addresses (or link) of this failed start")
+                }
+                Ok(false) => {}
+                Err(error) => {
+                    warn!(error = %crate::error_chain(&error), "cannot remove the listener addresses of this failed start; `redirector uninstall` removes them");
+                }
+            }
+        }
+        drop(lock);
+    }
+}
+
+/// A task that ends with the start that spawned it, unless the start completes and keeps it.
+#[derive(Debug)]
+struct TaskGuard(Option<JoinHandle<()>>);
+
+impl TaskGuard {
+    fn keep(mut self) -> Option<JoinHandle<()>> {
+        self.0.take()
+    }
+}
+
+impl Drop for TaskGuard {
+    fn drop(&mut self) {
+        if let Some(task) = self.0.take() {
+            task.abort();
+        }
+    }
+}
+
 async fn start_conntrack_bypass(
     config: &Config,
     netns: Option<&Path>,

@@ -28,6 +28,8 @@ pub struct UninstallReport {
 pub async fn uninstall(config: &Config) -> Result<UninstallReport, AgentError> {
     let lock = InstanceLock::acquire(&config.lock_file)?;
     let detached = datapath::has_pinned_attachments(&config.pin_dir);
+    // Looked for while this set's directory is there: the search starts from it.
+    let others = datapath::other_attached_sets(&config.pin_dir);
     datapath::remove_pins(&config.pin_dir)?;
     let mut report = UninstallReport {
         detached,
@@ -52,6 +54,9 @@ pub async fn uninstall(config: &Config) -> Result<UninstallReport, AgentError> {
     // The drain socket (its directory may be a cache pod's mount: it stays).
     if let Some(socket) = &config.drain_socket {
         let _ = std::fs::remove_file(socket);
+    }
+    for other in others {
+        warn!(pin_dir = %other.display(), "ANOTHER redirector set is still attached from this directory (an earlier pin_dir?); remove its pins to detach it: rm -r {}", other.display());
     }
     let path = lock.path().to_owned();
     drop(lock);

@@ -61,6 +61,15 @@ pub enum ConfigError {
         /// The key of the listener that has it first.
         first: String,
     },
+    /// A static upstream no query should be sent to: what the sources' addresses are refused
+    /// for (`sources::plausible`).
+    #[error("{key}: {address} cannot be an upstream: {why}")]
+    ImplausibleUpstream {
+        key: String,
+        address: SocketAddr,
+        /// Why, and what to give instead.
+        why: &'static str,
+    },
     /// Not an IP address (or `ip:port`).
     #[error("{key}: {value:?} is not {expected}")]
     BadAddress {

@@ -4,7 +4,7 @@
 //! (`listener[1].upstreams[0]`) and says what to change.
 
 use std::{
-    collections::HashMap,
+    collections::{HashMap, HashSet},
     net::{IpAddr, SocketAddr},
     path::{Path, PathBuf},
     time::Duration,
@@ -22,6 +22,7 @@ use serde::Deserialize;
 
 pub use self::error::ConfigError;
 use self::raw::{RawConfig, RawConntrack, RawInterface, RawListener, RawMetrics, RawProbe};
+use crate::sources::plausible::{self, Expect, Rejection};
 
 mod error;
 mod raw;
@@ -86,6 +87,12 @@ pub struct Config {
 pub const DEFAULT_STALL_AFTER_MS: u64 = 80;
 /// The shortest `probe.stall_after_ms` accepted.
 const MIN_STALL_AFTER_MS: u64 = 20;
+/// `probe.upstream_interval_ms` unless configured: CoreDNS's `forward` checks its upstreams
+/// every 0.5 s too.
+pub const DEFAULT_UPSTREAM_INTERVAL_MS: u64 = 500;
+/// The shortest `probe.upstream_interval_ms` accepted: every node that routes upstream checks
+/// every target of its pool at this pace.
+const MIN_UPSTREAM_INTERVAL_MS: u64 = 100;
 
 /// How the agent probes caches with real DNS queries, and how the kernel's own judgements of a
 /// cache (a stall, a signal) are weighed.
@@ -107,6 +114,9 @@ pub struct ProbeSettings {
     /// How long after a terminating signal to the cache its probes' answers are not trusted to
     /// bring DNS back (a cache shutting down answers until it closes its sockets).
     pub signal_hold: Duration,
+    /// Time between checks of each upstream target of a listener while it routes upstream
+    /// (`None`: never checked).
+    pub upstream_interval: Option<Duration>,
 }
 
 impl Default for ProbeSettings {
@@ -125,6 +135,9 @@ impl Default for ProbeSettings {
             stall_after: Some(Duration::from_millis(DEFAULT_STALL_AFTER_MS)),
             // Above CoreDNS's `lameduck 5s`, the longest shutdown a shipped cache is told to take.
             signal_hold: Duration::from_secs(6),
+            // With `failures_to_fail_over` failures in a row, a dead target leaves the kernel's
+            // pool within about a second of the first check that finds it.
+            upstream_interval: Some(Duration::from_millis(DEFAULT_UPSTREAM_INTERVAL_MS)),
         }
     }
 }
@@ -376,6 +389,7 @@ impl Config {
             addresses.insert(listener.address, key);
             listeners.push(listener);
         }
+        check_static_upstreams(&listeners, &addresses.keys().copied().collect())?;
 
         Ok(Self {
             cgroup: raw.cgroup,
@@ -540,12 +554,29 @@ fn validate_probe(raw: RawProbe) -> Result<ProbeSettings, ConfigError> {
     let signal_hold = raw
         .signal_hold_ms
         .map_or(defaults.signal_hold, Duration::from_millis);
+    let upstream_interval = match raw.upstream_interval_ms {
+        None => defaults.upstream_interval,
+        Some(0) => None,
+        Some(ms) if ms < MIN_UPSTREAM_INTERVAL_MS => {
+            return Err(ConfigError::BadTiming {
+                key: "probe.upstream_interval_ms",
+                problem: format!(
+                    "{ms} ms: every node routing upstream would check every target {} times a \
+                     second; give at least {MIN_UPSTREAM_INTERVAL_MS} (the default is \
+                     {DEFAULT_UPSTREAM_INTERVAL_MS}), or 0 to never check upstreams",
+                    1000 / ms.max(1)
+                ),
+            });
+        }
+        Some(ms) => Some(Duration::from_millis(ms)),
+    };
     Ok(ProbeSettings {
         name,
         interval,
         timeout,
         stall_after,
         signal_hold,
+        upstream_interval,
         failures_to_fail_over,
         successes_to_fail_back,
     })
@@ -571,6 +602,55 @@ fn checked_dns_name(key: &str, name: String) -> Result<String, ConfigError> {
     } else {
         format!("{name}.")
     })
+}
+
+/// Gives static upstreams the checks the sources' addresses get (`sources::plausible`, as for a
+/// node's nameservers: link-local allowed): a loopback address is, for a pod, the pod itself, and
+/// a listener address would steer failed-over DNS back to the listener.
+fn check_static_upstreams(
+    listeners: &[Listener],
+    addresses: &HashSet<IpAddr>,
+) -> Result<(), ConfigError> {
+    for (index, listener) in listeners.iter().enumerate() {
+        for (position, upstream) in listener.upstreams.iter().enumerate() {
+            let Err(reason) = plausible::check(
+                upstream.ip(),
+                listener.address,
+                addresses,
+                Expect::Nameserver,
+            ) else {
+                continue;
+            };
+            let why = match reason {
+                Rejection::Loopback => {
+                    "a loopback address is, for a pod, the pod itself. Give the resolver's \
+                     address on the network (for systemd-resolved's stub 127.0.0.53, use \
+                     resolv_conf = \"/run/systemd/resolve/resolv.conf\" instead)"
+                }
+                Rejection::Listener => {
+                    "it is a listener address, so failed-over DNS would be steered back to a \
+                     listener. Give the servers behind it"
+                }
+                Rejection::Unspecified => "0.0.0.0 and :: are no server. Give a server's address",
+                Rejection::Multicast => {
+                    "a multicast or broadcast address is no server. Give a server's address"
+                }
+                Rejection::Unparseable
+                | Rejection::LinkLocal
+                | Rejection::WrongFamily
+                | Rejection::NoDnsPort => "it is no usable server address",
+            };
+            return Err(ConfigError::ImplausibleUpstream {
+                key: format!(
+                    "listener[{index}] ({:?}).upstreams[{position}]",
+                    listener.name
+                ),
+                address: *upstream,
+                why,
+            });
+        }
+    }
+    Ok(())
 }
 
 fn validate_listener(

@@ -74,6 +74,7 @@ pub(super) struct RawProbe {
     pub(super) successes_to_fail_back: Option<u32>,
     pub(super) stall_after_ms: Option<u64>,
     pub(super) signal_hold_ms: Option<u64>,
+    pub(super) upstream_interval_ms: Option<u64>,
 }
 
 #[derive(Deserialize)]

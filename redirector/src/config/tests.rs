@@ -75,6 +75,49 @@ fn refuses_an_unparseable_address_naming_the_key() {
 }
 
 #[test]
+fn refuses_a_loopback_or_listener_upstream_as_the_sources_do() {
+    let message = refusal(
+        r#"
+        [[listener]]
+        name = "node"
+        address = "169.254.10.10"
+        upstreams = ["10.0.0.1", "127.0.0.53"]
+        "#,
+    );
+    assert!(
+        message.starts_with("listener[0] (\"node\").upstreams[1]: 127.0.0.53:53 cannot be an upstream: a loopback address"),
+        "{message}"
+    );
+    assert!(message.contains("resolv_conf"), "{message}");
+    let message = refusal(
+        r#"
+        [[listener]]
+        name = "node"
+        address = "169.254.10.10"
+        upstreams = ["169.254.10.11"]
+        [[listener]]
+        name = "cluster"
+        address = "169.254.10.11"
+        upstreams = ["10.0.0.10"]
+        "#,
+    );
+    assert!(
+        message.starts_with("listener[0] (\"node\").upstreams[0]: 169.254.10.11:53 cannot be an upstream: it is a listener address"),
+        "{message}"
+    );
+    // A cloud's link-local resolver is a node's nameserver like any other.
+    Config::parse(
+        r#"
+        [[listener]]
+        name = "node"
+        address = "169.254.10.10"
+        upstreams = ["169.254.169.253"]
+        "#,
+    )
+    .expect("a link-local nameserver is allowed");
+}
+
+#[test]
 fn refuses_an_unparseable_upstream_naming_the_key() {
     let message = refusal(
         r#"
@@ -520,6 +563,28 @@ fn the_stall_limit_and_the_drain_socket_have_defaults_an_off_switch_and_a_floor(
     let refused = refusal(&with("", "stall_after_ms = 10"));
     assert!(
         refused.contains("probe.stall_after_ms") && refused.contains("at least 20"),
+        "{refused}"
+    );
+}
+
+#[test]
+fn upstream_checks_have_a_default_an_off_switch_and_a_floor() {
+    let config = Config::parse(AKS).unwrap();
+    assert_eq!(
+        config.probe.upstream_interval,
+        Some(Duration::from_millis(DEFAULT_UPSTREAM_INTERVAL_MS))
+    );
+    let with = |probe: &str| {
+        let (head, listeners) = AKS.split_once("[[listener]]").unwrap();
+        format!("{head}\n[probe]\n{probe}\n[[listener]]{listeners}")
+    };
+    let off = Config::parse(&with("upstream_interval_ms = 0")).unwrap();
+    assert_eq!(off.probe.upstream_interval, None);
+    let set = Config::parse(&with("upstream_interval_ms = 2000")).unwrap();
+    assert_eq!(set.probe.upstream_interval, Some(Duration::from_secs(2)));
+    let refused = refusal(&with("upstream_interval_ms = 20"));
+    assert!(
+        refused.contains("probe.upstream_interval_ms") && refused.contains("at least 100"),
         "{refused}"
     );
 }

@@ -40,7 +40,9 @@ use pins::{
     LINKS_DIR, MAPS_DIR, STAGED_MAPS_DIR, link_slots, pinned_names, remove_dir_if_empty,
     remove_file_if_present, rename,
 };
-pub use pins::{MapAction, Plan, Verdict, has_pinned_attachments, remove_pins};
+pub use pins::{
+    MapAction, Plan, Verdict, has_pinned_attachments, other_attached_sets, remove_pins,
+};
 use redirector_common::names;
 use tracing::{info, warn};
 

@@ -296,6 +296,56 @@ pub fn has_pinned_attachments(pin_dir: &Path) -> bool {
     !pinned_names(&pin_dir.join(LINKS_DIR)).is_empty()
 }
 
+/// How deep below its bpf filesystem's root another set of pins is looked for.
+const OTHER_SETS_DEPTH: usize = 3;
+
+/// Other redirector pin sets on the bpf filesystem of `pin_dir` whose programs are still
+/// attached: what a changed `pin_dir` leaves steering DNS on state no agent updates (its
+/// attachments are pinned there, not here, so neither the new agent nor `uninstall` of this
+/// configuration touches them). A set is a directory with pinned attachments and a pinned
+/// `LISTENERS` map.
+#[must_use]
+pub fn other_attached_sets(pin_dir: &Path) -> Vec<PathBuf> {
+    let on_bpffs = |path: &Path| {
+        nix::sys::statfs::statfs(path)
+            .is_ok_and(|stat| stat.filesystem_type() == nix::sys::statfs::BPF_FS_MAGIC)
+    };
+    let Ok(ours) = pin_dir.canonicalize() else {
+        return Vec::new();
+    };
+    // The root of the mount: the highest directory still on a bpf filesystem.
+    let mut root = ours.clone();
+    while let Some(parent) = root.parent() {
+        if !on_bpffs(parent) {
+            break;
+        }
+        root = parent.to_owned();
+    }
+    let mut found = Vec::new();
+    let mut pending = vec![(root, 0)];
+    while let Some((dir, depth)) = pending.pop() {
+        if dir != ours
+            && has_pinned_attachments(&dir)
+            && dir.join(MAPS_DIR).join(names::MAP_LISTENERS).exists()
+        {
+            found.push(dir.clone());
+        }
+        if depth == OTHER_SETS_DEPTH || dir == ours {
+            continue;
+        }
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            continue;
+        };
+        for entry in entries.flatten() {
+            if entry.file_type().is_ok_and(|kind| kind.is_dir()) {
+                pending.push((entry.path(), depth + 1));
+            }
+        }
+    }
+    found.sort();
+    found
+}
+
 /// Removes every pin under `pin_dir` (maps in use and staged, and attachments, this release's
 /// and any other's), then the directories when empty. Unpinning an attachment detaches its
 /// program; the maps go with the last program or process holding them.

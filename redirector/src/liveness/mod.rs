@@ -1,5 +1,6 @@
 //! Is a listener's cache alive? Its sockets (counted in the kernel, seeded and reconciled from
-//! the socket tables here) and real DNS probes decide.
+//! the socket tables here) and real DNS probes decide. And are the upstream targets it fails over
+//! to alive (`upstreams`)?
 
 pub mod binds;
 pub mod drain;
@@ -7,3 +8,4 @@ pub mod health;
 pub mod probe;
 pub mod reconcile;
 pub mod sockdiag;
+pub mod upstreams;

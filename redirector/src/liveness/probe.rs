@@ -78,6 +78,16 @@ impl Prober {
         self.target
     }
 
+    /// A prober of another server (an upstream target) asking the same name, with the same
+    /// timeout, from the same namespace.
+    #[must_use]
+    pub fn of(&self, target: SocketAddr) -> Self {
+        Self {
+            target,
+            ..self.clone()
+        }
+    }
+
     /// Sends one query and judges the answer.
     pub async fn probe(&self) -> ProbeOutcome {
         let started = Instant::now();

@@ -4,7 +4,8 @@
 use std::path::Path;
 
 use netlink_packet_core::{
-    NLM_F_DUMP, NLM_F_REQUEST, NetlinkHeader, NetlinkMessage, NetlinkPayload,
+    NLM_F_DUMP, NLM_F_REQUEST, NLMSG_ALIGNTO, NLMSG_DONE, NLMSG_ERROR, NetlinkBuffer,
+    NetlinkHeader, NetlinkMessage, NetlinkPayload,
 };
 use netlink_packet_sock_diag::{
     SockDiagMessage,
@@ -43,18 +44,19 @@ pub enum SockDiagError {
     /// A request or its answer failed.
     #[error("the sock_diag dump failed")]
     Dump(#[source] std::io::Error),
-    /// The kernel answered something unexpected.
-    #[error("the sock_diag answer could not be decoded: {what}")]
-    Decode {
-        /// What was wrong.
-        what: String,
-    },
+    /// The kernel answered something this agent cannot decode.
+    #[error("the sock_diag answer could not be decoded")]
+    Decode(#[source] netlink_packet_core::DecodeError),
 }
 
-/// A netlink socket in the caches' network namespace, reused for every dump.
+/// A netlink socket in the caches' network namespace, reused for every dump. Each dump has a
+/// sequence number of its own, and an answer of another is skipped: a dump that failed halfway
+/// (a decode error, an error message) leaves the rest of its answer in the socket, which the next
+/// dump must not take for its own.
 #[derive(Debug)]
 pub struct SocketTable {
     socket: Socket,
+    sequence: u32,
 }
 
 impl SocketTable {
@@ -67,7 +69,10 @@ impl SocketTable {
             Ok(socket)
         })
         .map_err(SockDiagError::Open)?;
-        Ok(Self { socket })
+        Ok(Self {
+            socket,
+            sequence: 0,
+        })
     }
 
     /// Every UDP socket bound to a port, and every listening TCP socket, IPv4 and IPv6.
@@ -87,8 +92,67 @@ impl SocketTable {
         states: StateFlags,
         into: &mut Vec<BoundSocket>,
     ) -> Result<(), SockDiagError> {
+        let mut sequence = self.request(family, protocol, states.clone())?;
+        let mut received = self.receive(sequence, protocol, into);
+        if let Err(SockDiagError::Dump(error)) = &received
+            && error.raw_os_error() == Some(libc::EBUSY)
+        {
+            // An earlier dump was left unread (it failed halfway): the kernel runs one dump per
+            // socket at a time and refused this one. That one is read to its end, and this one
+            // asked again.
+            self.drain(|other| other != sequence)?;
+            sequence = self.request(family, protocol, states)?;
+            received = self.receive(sequence, protocol, into);
+        }
+        if matches!(received, Err(SockDiagError::Decode(_))) {
+            // The rest of this dump would block the next; what failed is reported all the same.
+            let _ = self.drain(|other| other == sequence);
+        }
+        received
+    }
+
+    /// Reads and drops messages up to the end (`NLMSG_DONE` or `NLMSG_ERROR`) of a dump whose
+    /// sequence number is `ours`, by the headers alone: what could not be decoded once is not
+    /// decoded again.
+    fn drain(&mut self, ours: impl Fn(u32) -> bool) -> Result<(), SockDiagError> {
+        let mut receive = vec![0u8; 65_536];
+        loop {
+            let size = self
+                .socket
+                .recv(&mut &mut receive[..], 0)
+                .map_err(SockDiagError::Dump)?;
+            let mut offset = 0;
+            while offset < size {
+                let Ok(header) = NetlinkBuffer::new_checked(&receive[offset..size]) else {
+                    // Nothing to walk further in this datagram.
+                    break;
+                };
+                let length = header.length() as usize;
+                if ours(header.sequence_number())
+                    && matches!(header.message_type(), NLMSG_DONE | NLMSG_ERROR)
+                {
+                    return Ok(());
+                }
+                if length == 0 {
+                    break;
+                }
+                offset += length.next_multiple_of(usize::from(NLMSG_ALIGNTO));
+            }
+        }
+    }
+
+    /// Asks for a dump; returns its sequence number.
+    fn request(
+        &mut self,
+        family: u8,
+        protocol: u8,
+        states: StateFlags,
+    ) -> Result<u32, SockDiagError> {
+        self.sequence = self.sequence.wrapping_add(1);
+        let sequence = self.sequence;
         let mut header = NetlinkHeader::default();
         header.flags = NLM_F_REQUEST | NLM_F_DUMP;
+        header.sequence_number = sequence;
         let socket_id = if family == AF_INET {
             SocketId::new_v4()
         } else {
@@ -109,7 +173,16 @@ impl SocketTable {
         let mut buffer = vec![0u8; request.buffer_len()];
         request.serialize(&mut buffer);
         self.socket.send(&buffer, 0).map_err(SockDiagError::Dump)?;
+        Ok(sequence)
+    }
 
+    /// Reads the answer to dump `sequence` of `protocol` sockets into `into`, up to its end.
+    fn receive(
+        &mut self,
+        sequence: u32,
+        protocol: u8,
+        into: &mut Vec<BoundSocket>,
+    ) -> Result<(), SockDiagError> {
         let protocol = if protocol == IPPROTO_UDP {
             PROTOCOL_UDP
         } else {
@@ -125,10 +198,16 @@ impl SocketTable {
             while offset < size {
                 let message =
                     NetlinkMessage::<SockDiagMessage>::deserialize(&receive[offset..size])
-                        .map_err(|error| SockDiagError::Decode {
-                            what: error.to_string(),
-                        })?;
+                        .map_err(SockDiagError::Decode)?;
                 let length = message.header.length as usize;
+                if length == 0 {
+                    break;
+                }
+                offset += length;
+                if message.header.sequence_number != sequence {
+                    // The rest of an earlier dump's answer.
+                    continue;
+                }
                 match message.payload {
                     NetlinkPayload::InnerMessage(SockDiagMessage::InetResponse(response)) => {
                         let id = &response.header.socket_id;
@@ -148,10 +227,6 @@ impl SocketTable {
                     }
                     _ => {}
                 }
-                if length == 0 {
-                    break;
-                }
-                offset += length;
             }
         }
     }
@@ -177,6 +252,26 @@ mod tests {
             .collect();
         assert_eq!(found.len(), 1, "{port} among {} sockets", sockets.len());
         assert_ne!(found[0].cookie, 0, "sock_diag reports the socket cookie");
+    }
+
+    #[test]
+    fn an_answer_an_earlier_dump_left_unread_is_not_taken_for_the_next() {
+        let socket = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        let port = socket.local_addr().unwrap().port();
+        let mut table = SocketTable::open(None).unwrap();
+        // What a dump that failed halfway leaves: an answer in the socket that nobody reads.
+        table
+            .request(AF_INET, IPPROTO_UDP, StateFlags::all())
+            .unwrap();
+        let sockets = table.bound_sockets().unwrap();
+        let found: Vec<&BoundSocket> = sockets
+            .iter()
+            .filter(|socket| {
+                socket.addr == NetAddr::from(std::net::Ipv4Addr::LOCALHOST) && socket.port == port
+            })
+            .collect();
+        assert_eq!(found.len(), 1, "{found:?}");
+        assert_eq!(found[0].protocol, PROTOCOL_UDP);
     }
 
     #[test]

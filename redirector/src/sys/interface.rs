@@ -100,7 +100,8 @@ pub struct Ownership {
     /// The link's index when the agent created it (`None`: the link was there before). A link
     /// of that name with another index is someone else's.
     pub created: Option<u32>,
-    /// Addresses the agent added to a link it did not create.
+    /// Addresses the agent added (to a link it created too, since this release: an address of a
+    /// listener no longer configured is removed at the next start).
     pub added: Vec<IpAddr>,
 }
 
@@ -323,10 +324,24 @@ pub async fn ensure(
             .await
             .map_err(netlink(name, "adding a listener address"))?;
         added.push(address);
-        if owned.created.is_none() && !owned.added.contains(&address) {
+        if !owned.added.contains(&address) {
             owned.added.push(address);
             owned.write(record)?;
         }
+    }
+    // The addresses it added for listeners no longer configured go, as uninstall would take them
+    // (an address someone else put there stays).
+    let stale: Vec<IpAddr> = owned
+        .added
+        .iter()
+        .copied()
+        .filter(|address| !addresses.contains(address))
+        .collect();
+    if !stale.is_empty() {
+        remove_addresses(&connection, index, name, &stale).await?;
+        owned.added.retain(|address| addresses.contains(address));
+        owned.write(record)?;
+        info!(link = name, addresses = ?stale, "removed the addresses of listeners no longer configured");
     }
     if owned.created.is_none() && owned.added.is_empty() {
         // Nothing here is ours; a record says so (and replaces one of another link).

@@ -158,7 +158,7 @@ fn held(path: &Path, recorded: &str) -> LockError {
     use std::os::unix::fs::MetadataExt as _;
     let holder = std::fs::metadata(path).ok().and_then(|metadata| {
         let locks = std::fs::read_to_string("/proc/locks").ok()?;
-        holder_in(&locks, metadata.dev(), metadata.ino(), None)
+        holder_in(&locks, metadata.dev(), metadata.ino(), Some(recorded))
     });
     match holder {
         Some(pid) if pid != recorded => {

@@ -260,6 +260,29 @@ fn register_agent(registry: &mut Registry, stats: &AgentStats) {
         "Probes of a listener's cache, by result",
         probes.clone(),
     );
+    let upstream_up = GaugeFamily::default();
+    registry.register(
+        "upstream_up",
+        "1 while an upstream target of a listener answers its checks (or was never checked), 0 while it is out of the kernel's pool for failing them; checked only while the listener routes upstream",
+        upstream_up.clone(),
+    );
+    for (listener, target, up) in stats.upstream_states() {
+        upstream_up
+            .get_or_create(&labels(&[("listener", &listener), ("target", &target)]))
+            .set(i64::from(up));
+    }
+    let upstream_checks = CounterFamily::default();
+    registry.register(
+        "upstream_checks",
+        "Checks of a listener's upstream targets while it routes upstream, by result",
+        upstream_checks.clone(),
+    );
+    for (listener, answered, count) in stats.upstream_checks() {
+        let result = if answered { "success" } else { "failure" };
+        upstream_checks
+            .get_or_create(&labels(&[("listener", &listener), ("result", result)]))
+            .inc_by(count);
+    }
     let left_out = GaugeFamily::default();
     registry.register(
         "pool_upstreams_left_out",

@@ -1,6 +1,8 @@
 //! Kubernetes Events on this node's Node object when a listener's route changes: `DNSFailover`
-//! (Warning) when its DNS leaves the cache, `DNSFailback` (Normal) when it returns, so that
-//! `kubectl describe node` and event-based alerting see what the metrics see.
+//! (Warning) when its DNS leaves the cache, `DNSFailback` (Normal) when it returns; and
+//! `DNSUpstreamsRefused` (Warning) when a source offers upstreams that cannot be used at all (an
+//! EndpointSlice without a DNS port), so that `kubectl describe node` and event-based alerting
+//! see what the metrics see.
 //!
 //! Published off the control loop, by one task fed through a bounded queue: an API server that
 //! is slow or down never delays a probe or a pool write, and a change that finds the queue full
@@ -38,8 +40,31 @@ pub const REPORTING_CONTROLLER: &str = "redirector";
 pub const FAILOVER: &str = "DNSFailover";
 /// Reason of an Event for DNS back at its cache.
 pub const FAILBACK: &str = "DNSFailback";
+/// Reason of an Event for upstreams a source offered and redirector refused wholesale (an
+/// EndpointSlice without a usable DNS port).
+pub const UPSTREAMS_REFUSED: &str = "DNSUpstreamsRefused";
 /// Changes waiting for the API server before new ones are dropped.
 const QUEUE: usize = 64;
+/// The recorder key (and reporting instance suffix) of Events about pools, not listeners.
+const POOLS: &str = "pools";
+
+/// What a source offered that redirector refused as a whole.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Refusal {
+    /// The source (`kubernetes`).
+    pub source: &'static str,
+    /// What it offered (`EndpointSlice kube-dns-abcde`).
+    pub offered: String,
+    /// Why it was refused (`no DNS port`).
+    pub reason: &'static str,
+}
+
+/// What one Event on the Node reports.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum NodeEvent {
+    Route(RouteChange),
+    Refused(Refusal),
+}
 
 /// One listener's change of route, as the control loop saw it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -61,7 +86,7 @@ pub struct RouteChange {
 /// The task publishing Events, and its queue.
 #[derive(Debug)]
 pub struct NodeEvents {
-    queue: mpsc::Sender<RouteChange>,
+    queue: mpsc::Sender<NodeEvent>,
     task: JoinHandle<()>,
 }
 
@@ -76,8 +101,15 @@ impl NodeEvents {
 
     /// Queues an Event for `change`; drops it when the queue is full.
     pub fn route_changed(&self, change: RouteChange) {
-        if let Err(error) = self.queue.try_send(change) {
+        if let Err(error) = self.queue.try_send(NodeEvent::Route(change)) {
             warn!(error = %error, "the API server is behind: an Event about a route change is dropped");
+        }
+    }
+
+    /// Queues an Event for `refusal`; drops it when the queue is full.
+    pub fn refused(&self, refusal: Refusal) {
+        if let Err(error) = self.queue.try_send(NodeEvent::Refused(refusal)) {
+            warn!(error = %error, "the API server is behind: an Event about refused upstreams is dropped");
         }
     }
 
@@ -139,6 +171,21 @@ pub fn event_for(change: &RouteChange) -> Event {
     }
 }
 
+/// The Event for `refusal`.
+#[must_use]
+pub fn refusal_event(refusal: &Refusal) -> Event {
+    Event {
+        type_: EventType::Warning,
+        reason: UPSTREAMS_REFUSED.to_owned(),
+        note: Some(format!(
+            "{} offered {}, refused ({}): none of its endpoints is in an upstream pool",
+            refusal.source, refusal.offered, refusal.reason
+        )),
+        action: "SyncPool".to_owned(),
+        secondary: None,
+    }
+}
+
 /// Who reports the Events of `listener` on `node`.
 fn reporter(node: &str, listener: &str) -> Reporter {
     Reporter {
@@ -150,23 +197,26 @@ fn reporter(node: &str, listener: &str) -> Reporter {
 async fn publish(
     client: kube::Client,
     node: String,
-    mut changes: mpsc::Receiver<RouteChange>,
+    mut changes: mpsc::Receiver<NodeEvent>,
     stats: Arc<AgentStats>,
 ) {
     let reference = node_reference(&node);
     let mut recorders: HashMap<String, Recorder> = HashMap::new();
     while let Some(change) = changes.recv().await {
-        let event = event_for(&change);
+        let (about, event) = match &change {
+            NodeEvent::Route(change) => (change.listener.as_str(), event_for(change)),
+            NodeEvent::Refused(refusal) => (POOLS, refusal_event(refusal)),
+        };
         let recorder = recorders
-            .entry(change.listener.clone())
-            .or_insert_with(|| Recorder::new(client.clone(), reporter(&node, &change.listener)));
+            .entry(about.to_owned())
+            .or_insert_with(|| Recorder::new(client.clone(), reporter(&node, about)));
         match recorder.publish(&event, &reference).await {
             Ok(()) => {
-                debug!(listener = %change.listener, reason = %event.reason, "published an Event on the Node")
+                debug!(about, reason = %event.reason, "published an Event on the Node");
             }
             Err(error) => {
                 // Forbidden: the RBAC of deploy/kubernetes/node-events is not applied.
-                warn!(listener = %change.listener, reason = %event.reason, error = %error, "cannot publish an Event on the Node (the agent needs create and patch on events.k8s.io events in the default namespace: deploy/kubernetes/node-events)");
+                warn!(about, reason = %event.reason, error = %error, "cannot publish an Event on the Node (the agent needs create and patch on events.k8s.io events in the default namespace: deploy/kubernetes/node-events)");
                 stats.record_error(ErrorKind::KubeApi);
             }
         }
@@ -176,6 +226,23 @@ async fn publish(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_refused_slice_is_a_warning_naming_it_and_why() {
+        let event = refusal_event(&Refusal {
+            source: "kubernetes",
+            offered: "EndpointSlice kube-dns-abcde".to_owned(),
+            reason: "no DNS port",
+        });
+        assert_eq!(event.type_, EventType::Warning);
+        assert_eq!(event.reason, UPSTREAMS_REFUSED);
+        assert_eq!(
+            event.note.as_deref(),
+            Some(
+                "kubernetes offered EndpointSlice kube-dns-abcde, refused (no DNS port): none of its endpoints is in an upstream pool"
+            )
+        );
+    }
 
     #[test]
     fn failover_is_a_warning_and_failback_normal_each_saying_why() {

@@ -86,6 +86,10 @@ struct Observations {
     probes: HashMap<(String, bool), (u64, Duration)>,
     probe_servfails: HashMap<String, u64>,
     pool_left_out: HashMap<String, usize>,
+    /// (listener, target) → whether its last checks left it in the pool.
+    upstream_up: HashMap<(String, String), bool>,
+    /// (listener, answered) → checks of its upstream targets.
+    upstream_checks: HashMap<(String, bool), u64>,
     pool_syncs: HashMap<String, u64>,
     pool_writes: HashMap<String, u64>,
     source_syncs: HashMap<&'static str, SourceSyncs>,
@@ -218,6 +222,53 @@ impl AgentStats {
             .pool_left_out
             .iter()
             .map(|(listener, count)| (listener.clone(), *count))
+            .collect()
+    }
+
+    /// Records one check of an upstream target of `listener`.
+    pub fn record_upstream_check(&self, listener: &str, answered: bool) {
+        *self
+            .observations()
+            .upstream_checks
+            .entry((listener.to_owned(), answered))
+            .or_default() += 1;
+    }
+
+    /// Records whether `target` of `listener` is in its pool (`up`) or out for failing its
+    /// checks.
+    pub fn record_upstream_state(&self, listener: &str, target: &str, up: bool) {
+        self.observations()
+            .upstream_up
+            .insert((listener.to_owned(), target.to_owned()), up);
+    }
+
+    /// Forgets the targets of `listener` other than `kept` (they left its pool).
+    pub fn retain_upstreams(&self, listener: &str, kept: &[String]) {
+        self.observations()
+            .upstream_up
+            .retain(|(name, target), _| name != listener || kept.contains(target));
+    }
+
+    /// Every checked target: (listener, target, up).
+    #[must_use]
+    pub fn upstream_states(&self) -> Vec<(String, String, bool)> {
+        let mut states: Vec<(String, String, bool)> = self
+            .observations()
+            .upstream_up
+            .iter()
+            .map(|((listener, target), up)| (listener.clone(), target.clone(), *up))
+            .collect();
+        states.sort();
+        states
+    }
+
+    /// Checks of upstream targets: (listener, answered, count).
+    #[must_use]
+    pub fn upstream_checks(&self) -> Vec<(String, bool, u64)> {
+        self.observations()
+            .upstream_checks
+            .iter()
+            .map(|((listener, answered), count)| (listener.clone(), *answered, *count))
             .collect()
     }
 

@@ -49,6 +49,9 @@ pub struct ProgramState {
     pub attached: Vec<(String, u32)>,
     /// How many there are in all.
     pub expected: usize,
+    /// Other redirector pin sets on the same bpf filesystem whose programs are attached (a
+    /// changed `pin_dir` leaves the old set steering on state no agent updates).
+    pub other_sets: Vec<String>,
 }
 
 /// The running kernel, as the agent's probes see it.
@@ -152,6 +155,10 @@ pub async fn gather(
                 .map(|(name, id)| (name.to_owned(), id))
                 .collect(),
             expected: datapath::ALL_PROGRAMS.len(),
+            other_sets: datapath::other_attached_sets(pin_dir)
+                .iter()
+                .map(|dir| dir.display().to_string())
+                .collect(),
         },
         conntrack_bypass,
         kernel: KernelState::of(kernel),
@@ -210,6 +217,13 @@ pub fn render_table(report: &StatusReport) -> String {
         report.programs.expected,
         report.programs.pin_dir
     );
+    for other in &report.programs.other_sets {
+        let _ = writeln!(
+            text,
+            "           ANOTHER SET attached from {other}: it steers DNS on state no agent updates \
+             (pin_dir changed?); remove its pins to detach it: rm -r {other}"
+        );
+    }
     let _ = writeln!(
         text,
         "conntrack: bypass table {} {}",
@@ -357,6 +371,7 @@ mod tests {
                 pin_dir: "/sys/fs/bpf/redirector".to_owned(),
                 attached: vec![("dns_connect4".to_owned(), 17)],
                 expected: 13,
+                other_sets: Vec::new(),
             },
             conntrack_bypass: BypassState {
                 table: "present",

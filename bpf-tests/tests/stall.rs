@@ -38,18 +38,17 @@ fn serving_without_agent(sandbox: &mut Sandbox) -> anyhow::Result<std::path::Pat
     Ok(config)
 }
 
-#[test]
-fn a_hung_cache_is_moved_upstream_by_the_kernel_with_no_agent() -> anyhow::Result<()> {
-    let mut sandbox = Sandbox::new(tools!())?;
-    sandbox.start_standard_servers()?;
-    let config = serving_without_agent(&mut sandbox)?;
-    let (_, epoch, _) = node_state(&sandbox)?;
-
-    // A query every 2 ms from each socket kind (stretched in a slower VM), none waiting for the
-    // last one's answer: the flip shows within a few ms of the query that made it.
+/// Starts a query every 2 ms from each socket kind to `listener` (stretched in a slower VM), none
+/// waiting for the last one's answer, so a flip shows within a few ms of the query that made it;
+/// hangs the cache (SIGSTOP) half a second in, and leaves it hung for 1.5 s. Returns the stream
+/// and when the hang began.
+fn stream_then_hang(
+    sandbox: &mut Sandbox,
+    listener: std::net::Ipv4Addr,
+) -> anyhow::Result<(Stream, u64)> {
     let stream = Stream::open_loop(
-        &sandbox,
-        dns(NODE_LISTENER),
+        sandbox,
+        dns(listener),
         Duration::from_secs(120),
         paced_ms(2),
     )?;
@@ -57,6 +56,17 @@ fn a_hung_cache_is_moved_upstream_by_the_kernel_with_no_agent() -> anyhow::Resul
     let stopped = now_ms();
     sandbox.process("cache")?.signal(Signal::SIGSTOP)?;
     pause(1500);
+    Ok((stream, stopped))
+}
+
+#[test]
+fn a_hung_cache_is_moved_upstream_by_the_kernel_with_no_agent() -> anyhow::Result<()> {
+    let mut sandbox = Sandbox::new(tools!())?;
+    sandbox.start_standard_servers()?;
+    let config = serving_without_agent(&mut sandbox)?;
+    let (_, epoch, _) = node_state(&sandbox)?;
+
+    let (stream, stopped) = stream_then_hang(&mut sandbox, NODE_LISTENER)?;
     let (activity, hung_epoch, hung_reason) = node_state(&sandbox)?;
     let resumed = now_ms();
     sandbox.process("cache")?.signal(Signal::SIGCONT)?;
@@ -245,16 +255,7 @@ upstreams = ["198.18.2.2", "198.18.2.3:53"]
         .0;
     assert_ne!(moved_id, NODE_ID);
 
-    let stream = Stream::open_loop(
-        &sandbox,
-        dns(MOVED_LISTENER),
-        Duration::from_secs(120),
-        paced_ms(2),
-    )?;
-    pause(500);
-    let stopped = now_ms();
-    sandbox.process("cache")?.signal(Signal::SIGSTOP)?;
-    pause(1500);
+    let (stream, stopped) = stream_then_hang(&mut sandbox, MOVED_LISTENER)?;
     let maps = Maps::open_pinned(&sandbox.pin_dir())?;
     let activity = maps.cache_activity(moved_id)?;
     let resumed = now_ms();

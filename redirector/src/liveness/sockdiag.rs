@@ -57,6 +57,8 @@ pub enum SockDiagError {
 pub struct SocketTable {
     socket: Socket,
     sequence: u32,
+    /// Where each datagram of answers is received.
+    buffer: Vec<u8>,
 }
 
 impl SocketTable {
@@ -72,6 +74,7 @@ impl SocketTable {
         Ok(Self {
             socket,
             sequence: 0,
+            buffer: vec![0u8; 65_536],
         })
     }
 
@@ -111,19 +114,24 @@ impl SocketTable {
         received
     }
 
+    /// The next datagram of answers.
+    fn next_datagram(&mut self) -> Result<&[u8], SockDiagError> {
+        let size = self
+            .socket
+            .recv(&mut &mut self.buffer[..], 0)
+            .map_err(SockDiagError::Dump)?;
+        Ok(&self.buffer[..size])
+    }
+
     /// Reads and drops messages up to the end (`NLMSG_DONE` or `NLMSG_ERROR`) of a dump whose
     /// sequence number is `ours`, by the headers alone: what could not be decoded once is not
     /// decoded again.
     fn drain(&mut self, ours: impl Fn(u32) -> bool) -> Result<(), SockDiagError> {
-        let mut receive = vec![0u8; 65_536];
         loop {
-            let size = self
-                .socket
-                .recv(&mut &mut receive[..], 0)
-                .map_err(SockDiagError::Dump)?;
+            let datagram = self.next_datagram()?;
             let mut offset = 0;
-            while offset < size {
-                let Ok(header) = NetlinkBuffer::new_checked(&receive[offset..size]) else {
+            while offset < datagram.len() {
+                let Ok(header) = NetlinkBuffer::new_checked(&datagram[offset..]) else {
                     // Nothing to walk further in this datagram.
                     break;
                 };
@@ -188,17 +196,12 @@ impl SocketTable {
         } else {
             PROTOCOL_TCP
         };
-        let mut receive = vec![0u8; 65_536];
         loop {
-            let size = self
-                .socket
-                .recv(&mut &mut receive[..], 0)
-                .map_err(SockDiagError::Dump)?;
+            let datagram = self.next_datagram()?;
             let mut offset = 0;
-            while offset < size {
-                let message =
-                    NetlinkMessage::<SockDiagMessage>::deserialize(&receive[offset..size])
-                        .map_err(SockDiagError::Decode)?;
+            while offset < datagram.len() {
+                let message = NetlinkMessage::<SockDiagMessage>::deserialize(&datagram[offset..])
+                    .map_err(SockDiagError::Decode)?;
                 let length = message.header.length as usize;
                 if length == 0 {
                     break;

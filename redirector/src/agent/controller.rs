@@ -390,6 +390,15 @@ impl Agent {
         let listener = self.listeners.get(check.index)?;
         self.stats
             .record_upstream_check(&listener.name, check.answered);
+        // A target that left the pool while its check was out: its verdict is not brought back.
+        let (subset, _) =
+            subset::for_node(listener.desired.as_ref()?, &self.node, MAX_POOL_TARGETS);
+        if !subset
+            .iter()
+            .any(|upstream| checked_address(upstream) == check.target)
+        {
+            return None;
+        }
         let target = check.target.to_string();
         let Some(down) = self
             .upstream_checks

@@ -170,11 +170,14 @@ impl Agent {
             tokio::task::spawn_blocking(move || Datapath::load(&options, plan))
         };
         let stats = Arc::new(AgentStats::default());
-        let bypass = start_conntrack_bypass(config, netns, &stats).await;
+        // Ends with a failed start (a failed load included): a table it keeps would outlive the
+        // revert.
+        let bypass = start_conntrack_bypass(config, netns, &stats)
+            .await
+            .map(TaskGuard);
         phases.end("conntrack_bypass");
         let (mut datapath, mut maps) = load.await.map_err(AgentError::LoadTask)??;
-        // Ends with a failed start: a table it keeps would outlive the revert.
-        let bypass = TaskGuard(bypass?);
+        let bypass = bypass?;
         let load_times = datapath.load_times();
         phases.end_parts(
             "load",
@@ -276,8 +279,26 @@ impl Agent {
 
         phases.end("telemetry");
         datapath.attach(&attach.path)?;
+        if config.interface.manage {
+            // Only now: until this set steered, the running one may still have sent DNS there.
+            let addresses: Vec<IpAddr> = config
+                .listeners
+                .iter()
+                .map(|listener| listener.address)
+                .collect();
+            if let Err(error) = interface::remove_unconfigured(
+                &config.interface,
+                &addresses,
+                &worker,
+                &interface::record_path(&config.lock_file),
+            )
+            .await
+            {
+                warn!(error = %crate::error_chain(&error), "cannot remove the addresses of listeners no longer configured; `redirector uninstall` removes them");
+            }
+        }
         for other in datapath::other_attached_sets(&config.pin_dir) {
-            warn!(pin_dir = %other.display(), "ANOTHER redirector set is attached from this directory: it steers DNS on state no agent updates (was pin_dir changed?); remove its pins to detach it: rm -r {}", other.display());
+            warn!(pin_dir = %other.display(), "ANOTHER redirector set is attached from this directory: unless a second agent runs it on purpose, it is stale (was pin_dir changed?) and steers DNS on state no agent updates; remove its pins to detach it: rm -r {}", other.display());
         }
         phases.end("attach");
         let telemetry = match metrics_socket {
@@ -457,12 +478,19 @@ impl FirstStart {
     /// start took the lock with nothing steering and nothing steers now. Under the lock again:
     /// another agent may have started meanwhile, and what it set up is left alone.
     async fn revert(&self, config: &Config) {
-        if !self.nothing_steered || datapath::has_pinned_attachments(&config.pin_dir) {
+        if !self.nothing_steered {
             return;
         }
         let Ok(lock) = InstanceLock::acquire(&config.lock_file) else {
             return;
         };
+        // Looked at under the lock: nothing may steer through what would be removed, neither from
+        // this pin directory nor from another one on the same bpffs (a changed pin_dir's set).
+        if datapath::has_pinned_attachments(&config.pin_dir)
+            || !datapath::other_attached_sets(&config.pin_dir).is_empty()
+        {
+            return;
+        }
         let worker = match NetnsWorker::start(config.cache_netns.as_deref()) {
             Ok(worker) => worker,
             Err(error) => {

@@ -524,6 +524,8 @@ impl Maps {
         match self.cache_sockets.remove(&cookie) {
             Ok(()) => {
                 self.add_to_counts(&entry, -1, true);
+                // A socket still open but no longer counted must stop noting reads.
+                self.renew_readers()?;
                 Ok(true)
             }
             Err(MapError::SyscallError(error))

@@ -303,7 +303,8 @@ const OTHER_SETS_DEPTH: usize = 3;
 /// attached: what a changed `pin_dir` leaves steering DNS on state no agent updates (its
 /// attachments are pinned there, not here, so neither the new agent nor `uninstall` of this
 /// configuration touches them). A set is a directory with pinned attachments and a pinned
-/// `LISTENERS` map.
+/// `LISTENERS` map, at most `OTHER_SETS_DEPTH` levels below the mount's root (deeper ones are
+/// not looked for).
 #[must_use]
 pub fn other_attached_sets(pin_dir: &Path) -> Vec<PathBuf> {
     let on_bpffs = |path: &Path| {

@@ -49,6 +49,9 @@ pub enum SockDiagError {
     Decode(#[source] netlink_packet_core::DecodeError),
 }
 
+/// How long one read of a dump's answer may wait.
+const RECEIVE_TIMEOUT_SECS: i64 = 5;
+
 /// A netlink socket in the caches' network namespace, reused for every dump. Each dump has a
 /// sequence number of its own, and an answer of another is skipped: a dump that failed halfway
 /// (a decode error, an error message) leaves the rest of its answer in the socket, which the next
@@ -68,6 +71,14 @@ impl SocketTable {
             let mut socket = Socket::new(NETLINK_SOCK_DIAG)?;
             socket.bind_auto()?;
             socket.connect(&SocketAddr::new(0, 0))?;
+            // A dump's answer that never ends (a message lost to a decode error, a kernel that
+            // stops answering) fails the read instead of holding the reconcile for ever.
+            let timeout = nix::sys::time::TimeVal::new(RECEIVE_TIMEOUT_SECS, 0);
+            nix::sys::socket::setsockopt(
+                &socket,
+                nix::sys::socket::sockopt::ReceiveTimeout,
+                &timeout,
+            )?;
             Ok(socket)
         })
         .map_err(SockDiagError::Open)?;
@@ -200,17 +211,23 @@ impl SocketTable {
             let datagram = self.next_datagram()?;
             let mut offset = 0;
             while offset < datagram.len() {
-                let message = NetlinkMessage::<SockDiagMessage>::deserialize(&datagram[offset..])
+                // The header first: the rest of an earlier dump's answer is skipped undecoded.
+                let header = NetlinkBuffer::new_checked(&datagram[offset..])
                     .map_err(SockDiagError::Decode)?;
-                let length = message.header.length as usize;
+                let (length, ours) = (
+                    header.length() as usize,
+                    header.sequence_number() == sequence,
+                );
                 if length == 0 {
                     break;
                 }
-                offset += length;
-                if message.header.sequence_number != sequence {
-                    // The rest of an earlier dump's answer.
+                let start = offset;
+                offset += length.next_multiple_of(usize::from(NLMSG_ALIGNTO));
+                if !ours {
                     continue;
                 }
+                let message = NetlinkMessage::<SockDiagMessage>::deserialize(&datagram[start..])
+                    .map_err(SockDiagError::Decode)?;
                 match message.payload {
                     NetlinkPayload::InnerMessage(SockDiagMessage::InetResponse(response)) => {
                         let id = &response.header.socket_id;

@@ -99,6 +99,11 @@ pub fn pools<'a>(
             // FQDN slices carry names, not addresses.
             _ => continue,
         };
+        // A slice without endpoints (the controller's placeholder for a Service with none, whose
+        // ports are empty) offers nothing to refuse.
+        if slice.endpoints.is_empty() {
+            continue;
+        }
         let Some((udp_port, tcp_port)) = slice_ports(slice.ports.as_ref()) else {
             // Every endpoint of it would be a target of the wrong port: none is taken.
             rejected.push((
@@ -485,6 +490,14 @@ mod tests {
                 "EndpointSlice kube-dns-abcde".to_owned(),
                 Rejection::NoDnsPort
             )]
+        );
+        // The placeholder of a Service without endpoints: no ports, nothing offered, no refusal.
+        let placeholder = [slice("IPv4", &[], Vec::new())];
+        let offer = super::pools(&placeholder, &fed(), &listeners());
+        assert!(
+            offer.pools[&1].is_empty() && offer.rejected.is_empty(),
+            "{:?}",
+            offer.rejected
         );
     }
 }

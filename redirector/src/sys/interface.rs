@@ -329,20 +329,6 @@ pub async fn ensure(
             owned.write(record)?;
         }
     }
-    // The addresses it added for listeners no longer configured go, as uninstall would take them
-    // (an address someone else put there stays).
-    let stale: Vec<IpAddr> = owned
-        .added
-        .iter()
-        .copied()
-        .filter(|address| !addresses.contains(address))
-        .collect();
-    if !stale.is_empty() {
-        remove_addresses(&connection, index, name, &stale).await?;
-        owned.added.retain(|address| addresses.contains(address));
-        owned.write(record)?;
-        info!(link = name, addresses = ?stale, "removed the addresses of listeners no longer configured");
-    }
     if owned.created.is_none() && owned.added.is_empty() {
         // Nothing here is ours; a record says so (and replaces one of another link).
         owned.write(record)?;
@@ -358,6 +344,39 @@ pub async fn ensure(
         info!(link = name, addresses = ?added, "added listener addresses");
     }
     Ok(added)
+}
+
+/// Removes from the listener link the addresses the agent added (as `record` says) for
+/// listeners no longer among `addresses`, as uninstall would take them; an address someone else
+/// put there stays. For after the attach: until then the running set may steer DNS there.
+/// Returns the addresses removed.
+pub async fn remove_unconfigured(
+    settings: &InterfaceSettings,
+    addresses: &[IpAddr],
+    worker: &NetnsWorker,
+    record: &Path,
+) -> Result<Vec<IpAddr>, InterfaceError> {
+    let name = settings.name.as_str();
+    let Some(mut owned) = Ownership::read(record, name) else {
+        return Ok(Vec::new());
+    };
+    let stale: Vec<IpAddr> = owned
+        .added
+        .iter()
+        .copied()
+        .filter(|address| !addresses.contains(address))
+        .collect();
+    if stale.is_empty() {
+        return Ok(stale);
+    }
+    let connection = Connection::open(worker).await?;
+    if let Some(index) = connection.link_index(name).await? {
+        remove_addresses(&connection, index, name, &stale).await?;
+    }
+    owned.added.retain(|address| addresses.contains(address));
+    owned.write(record)?;
+    info!(link = name, addresses = ?stale, "removed the addresses of listeners no longer configured");
+    Ok(stale)
 }
 
 /// Removes what `record` says the agent owns of the listener link: the link itself when the agent

@@ -112,6 +112,8 @@ impl InstanceLock {
             .create(true)
             .truncate(false)
             .mode(0o600)
+            // A symlink put in its place could point the agent at another file.
+            .custom_flags(libc::O_NOFOLLOW)
             .open(path)
             .map_err(io)?;
         let metadata = file.metadata().map_err(io)?;
@@ -152,6 +154,9 @@ impl InstanceLock {
     }
 }
 
+/// The agent's command name, as `/proc/PID/comm` shows it.
+const AGENT_COMMAND: &str = "redirector";
+
 /// Why the lock at `path` could not be taken: an agent holds it (the pid it recorded holds the
 /// `flock`), or another process does (/proc/locks names it).
 fn held(path: &Path, recorded: &str) -> LockError {
@@ -160,16 +165,26 @@ fn held(path: &Path, recorded: &str) -> LockError {
         let locks = std::fs::read_to_string("/proc/locks").ok()?;
         holder_in(&locks, metadata.dev(), metadata.ino(), Some(recorded))
     });
+    let command = |pid: &str| {
+        std::fs::read_to_string(format!("/proc/{pid}/comm"))
+            .map_or_else(|_| "unknown".to_owned(), |comm| comm.trim().to_owned())
+    };
     match holder {
-        Some(pid) if pid != recorded => {
-            let command = std::fs::read_to_string(format!("/proc/{pid}/comm"))
-                .map_or_else(|_| "unknown".to_owned(), |comm| comm.trim().to_owned());
+        // Another pid than the one recorded is still an agent when it runs redirector: one in
+        // another pid namespace (a pod's) records its own pid, or one that has not written its
+        // pid yet.
+        Some(pid) if pid != recorded && command(&pid) != AGENT_COMMAND => {
+            let command = command(&pid);
             LockError::HeldByOther {
                 path: path.to_owned(),
                 pid,
                 command,
             }
         }
+        Some(pid) if pid != recorded => LockError::Held {
+            path: path.to_owned(),
+            pid,
+        },
         _ => LockError::Held {
             path: path.to_owned(),
             pid: recorded.to_owned(),

@@ -220,8 +220,9 @@ pub fn render_table(report: &StatusReport) -> String {
     for other in &report.programs.other_sets {
         let _ = writeln!(
             text,
-            "           ANOTHER SET attached from {other}: it steers DNS on state no agent updates \
-             (pin_dir changed?); remove its pins to detach it: rm -r {other}"
+            "           ANOTHER SET attached from {other}: unless a second agent runs it on purpose, \
+             it is stale (pin_dir changed?) and steers DNS on state no agent updates; remove its \
+             pins to detach it: rm -r {other}"
         );
     }
     let _ = writeln!(

@@ -206,12 +206,12 @@ impl Agent {
             maps.remove_listener(id)?;
         }
 
+        let addresses: Vec<IpAddr> = config
+            .listeners
+            .iter()
+            .map(|listener| listener.address)
+            .collect();
         if config.interface.manage {
-            let addresses: Vec<IpAddr> = config
-                .listeners
-                .iter()
-                .map(|listener| listener.address)
-                .collect();
             interface::ensure(
                 &config.interface,
                 &addresses,
@@ -281,11 +281,6 @@ impl Agent {
         datapath.attach(&attach.path)?;
         if config.interface.manage {
             // Only now: until this set steered, the running one may still have sent DNS there.
-            let addresses: Vec<IpAddr> = config
-                .listeners
-                .iter()
-                .map(|listener| listener.address)
-                .collect();
             if let Err(error) = interface::remove_unconfigured(
                 &config.interface,
                 &addresses,

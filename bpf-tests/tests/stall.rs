@@ -7,9 +7,11 @@
 use std::time::Duration;
 
 use bpf_tests::{
-    cli::{start_agent, stop_agent, uninstall},
+    cli::{start_agent, start_agent_with, stop_agent, uninstall},
     dns::now_ms,
-    harness::{NODE_ID, agent_serving_from_cache, node_reason, wait_for_cache},
+    harness::{
+        NODE_ID, agent_serving_from_cache, node_reason, wait_for_cache, write_standard_config,
+    },
     pace::{paced_ms, pause},
     sandbox::{CacheSpec, Ns, Query, Sandbox, Transport},
     stream::{Stream, StreamReport},
@@ -17,7 +19,7 @@ use bpf_tests::{
     topology::{NODE_LISTENER, dns, who},
 };
 use nix::sys::signal::Signal;
-use redirector::datapath::Maps;
+use redirector::{datapath::Maps, sys::kernel_support};
 use redirector_common::activity::{CacheActivity, FLIP_STALLED};
 
 /// The node listener's activity and epoch, and its reason as `status` gives it.
@@ -59,15 +61,69 @@ fn stream_then_hang(
     Ok((stream, stopped))
 }
 
+/// `CLOCK_MONOTONIC_COARSE`, ns: the clock of the activity stamps.
+fn coarse_ns() -> anyhow::Result<u64> {
+    let now = nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC_COARSE)?;
+    Ok(u64::try_from(now.tv_sec())? * 1_000_000_000 + u64::try_from(now.tv_nsec())?)
+}
+
 #[test]
 fn a_hung_cache_is_moved_upstream_by_the_kernel_with_no_agent() -> anyhow::Result<()> {
+    hung_cache_moved_with_no_agent(&[])
+}
+
+/// Where the agent could not measure the kernel's tick, the programs stamp with the coarse clock
+/// helper, and a hang is seen all the same. The measurement's absence is forced
+/// (`REDIRECTOR_TEST_ABSENT_FEATURES`): every kernel the tests boot can run it.
+#[test]
+fn without_a_measured_tick_a_hung_cache_is_moved_on_the_coarse_clock() -> anyhow::Result<()> {
+    hung_cache_moved_with_no_agent(&[kernel_support::TICK_TEST_RUN])
+}
+
+/// A cache hung (SIGSTOP) while no agent runs is moved upstream by the next query, stays
+/// upstream after it resumes until an agent confirms it, and the flip's record is on the coarse
+/// monotonic clock whichever way the programs read it (`absent`: the features the agent that set
+/// the node up is told the kernel lacks).
+fn hung_cache_moved_with_no_agent(absent: &[&str]) -> anyhow::Result<()> {
     let mut sandbox = Sandbox::new(tools!())?;
     sandbox.start_standard_servers()?;
-    let config = serving_without_agent(&mut sandbox)?;
+    let config = write_standard_config(&sandbox)?;
+    let absent = absent.join(",");
+    let env = [(
+        kernel_support::ABSENT_FOR_TESTS_VARIABLE,
+        std::ffi::OsStr::new(&absent),
+    )];
+    let mut agent = start_agent_with(&config, &[], &env)?;
+    wait_for_cache(&sandbox, "the agent confirms the cache")?;
+    stop_agent(&mut agent)?;
+    let timing = Maps::open_pinned(&sandbox.pin_dir())?.stall_timing(NODE_ID)?;
+    let tick_lines: Vec<String> = agent
+        .printed()
+        .iter()
+        .filter(|line| line.contains("tick"))
+        .cloned()
+        .collect();
+    println!("stall timing: {timing:?}; the agent said: {tick_lines:?}");
+    if absent.is_empty() {
+        assert!(
+            [1_000_000, 3_333_333, 4_000_000, 10_000_000].contains(&timing.tick_ns),
+            "the agent measured no tick of any CONFIG_HZ: {timing:?}, {tick_lines:?}"
+        );
+        assert!(
+            tick_lines
+                .iter()
+                .any(|line| line.contains("measured the kernel's tick")),
+            "{tick_lines:?}"
+        );
+    } else {
+        assert_eq!(timing.tick_ns, 0, "a tick was measured: {timing:?}");
+    }
     let (_, epoch, _) = node_state(&sandbox)?;
 
+    let before_hang = coarse_ns()?;
     let (stream, stopped) = stream_then_hang(&mut sandbox, NODE_LISTENER)?;
     let (activity, hung_epoch, hung_reason) = node_state(&sandbox)?;
+    let after_flip = coarse_ns()?;
     let resumed = now_ms();
     sandbox.process("cache")?.signal(Signal::SIGCONT)?;
     let report = stream.stop_once("queries after SIGCONT", Duration::from_secs(20), |report| {
@@ -111,10 +167,31 @@ fn a_hung_cache_is_moved_upstream_by_the_kernel_with_no_agent() -> anyhow::Resul
     assert_eq!(activity.flip_epoch, hung_epoch, "{activity:?}");
     assert!(activity.stalled >= 1, "{activity:?}");
     assert_eq!(hung_reason, "stalled");
+    // The stamps mean coarse monotonic ns: the flip is recorded between the hang and now (to a
+    // tick, 10 ms at the coarsest `CONFIG_HZ`).
+    let tick = 10_000_000;
+    assert!(
+        (before_hang.saturating_sub(tick)..=after_flip + tick).contains(&activity.flip_ns),
+        "the flip's time {} is not between {before_hang} and {after_flip}: {activity:?}",
+        activity.flip_ns
+    );
 
-    // The next agent's probes confirm the cache and give it its DNS back.
-    let agent = start_agent(&config)?;
+    // The next agent's probes confirm the cache and give it its DNS back. It keeps the tick the
+    // first measured (once a boot: a start spends no 100 ms on it again), or measures it where
+    // the first could not.
+    let mut agent = start_agent(&config)?;
     wait_for_cache(&sandbox, "the agent fails back to the resumed cache")?;
+    let measured = agent
+        .printed()
+        .iter()
+        .any(|line| line.contains("measured the kernel's tick"));
+    let later = Maps::open_pinned(&sandbox.pin_dir())?.stall_timing(NODE_ID)?;
+    if absent.is_empty() {
+        assert!(!measured, "a later start measured the tick again");
+        assert_eq!(later, timing, "a later start changed the stamps' clock");
+    } else {
+        assert!(measured && later.tick_ns != 0, "{later:?}");
+    }
     drop(agent);
     uninstall(&config)?;
     Ok(())
@@ -278,6 +355,49 @@ upstreams = ["198.18.2.2", "198.18.2.3:53"]
         "the kernel did not move the hung cache's DNS: {}",
         report.summary()
     );
+    uninstall(&config)?;
+    Ok(())
+}
+
+/// Programs of a release before `CACHE_PENDING` leave a stamp their cache has not read yet; the
+/// next release's programs tell the cache's reads to look only where a bit asks them to. The
+/// agent asks for every cache's next read at each start, so that stamp is answered by the
+/// cache's next read (the agent's own first probes) and never taken for a stall. Here the
+/// earlier programs' state is made by hand: a query stamped unread a second ago, no bit set.
+#[test]
+fn a_stamp_left_by_earlier_programs_is_answered_not_taken_for_a_stall() -> anyhow::Result<()> {
+    let mut sandbox = Sandbox::new(tools!())?;
+    sandbox.start_standard_servers()?;
+    let config = serving_without_agent(&mut sandbox)?;
+    let maps_dir = sandbox.pin_dir().join("maps");
+    let mut activity: aya::maps::Array<_, CacheActivity> =
+        aya::maps::Array::try_from(aya::maps::Map::Array(aya::maps::MapData::from_pin(
+            maps_dir.join("CACHE_ACTIVITY"),
+        )?))?;
+    let mut pending: aya::maps::Array<_, u64> = aya::maps::Array::try_from(aya::maps::Map::Array(
+        aya::maps::MapData::from_pin(maps_dir.join("CACHE_PENDING"))?,
+    ))?;
+    let (_, epoch, _) = node_state(&sandbox)?;
+    let now = coarse_ns()?;
+    let mut left = activity.get(&NODE_ID, 0)?;
+    left.last_read_ns = now - 2_000_000_000;
+    left.first_unread_ns = now - 1_000_000_000;
+    activity.set(NODE_ID, left, 0)?;
+    pending.set(0, 0, 0)?;
+
+    let mut agent = start_agent(&config)?;
+    let stream = Stream::open_loop(&sandbox, dns(NODE_LISTENER), Duration::from_secs(1), 1)?;
+    let report = stream.finish()?;
+    let (after, after_epoch, reason) = node_state(&sandbox)?;
+    println!("{after:?} {}", report.summary());
+    assert_eq!(after.stalled, 0, "the earlier stamp was taken for a stall");
+    assert_eq!(after_epoch, epoch, "the listener was moved");
+    assert_eq!(reason, "healthy");
+    assert!(
+        after.last_read_ns > now,
+        "the cache's reads since did not answer the stamp: {after:?}"
+    );
+    stop_agent(&mut agent)?;
     uninstall(&config)?;
     Ok(())
 }

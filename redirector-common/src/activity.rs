@@ -3,7 +3,7 @@
 //! The programs see every UDP query handed to a cache (an unconnected client's `sendmsg`, a
 //! connected client's datagram at egress) and every datagram the cache reads (`recvmsg` on a
 //! counted cache socket). A cache that has left a query unread for longer than its listener's
-//! `StallLimit` is stalled (a `SIGSTOP`, a frozen cgroup, a deadlock): the next query moves its
+//! `StallTiming` is stalled (a `SIGSTOP`, a frozen cgroup, a deadlock): the next query moves its
 //! listener upstream, in the kernel, as the last close of its sockets does. A saturated cache
 //! that keeps reading is never stalled, however long its queue.
 
@@ -14,11 +14,11 @@ use crate::listener::{Reason, SocketCounts};
 #[repr(C)]
 #[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
 pub struct CacheActivity {
-    /// `bpf_ktime_get_coarse_ns` of the first UDP query handed to the cache in a clock tick after
-    /// its last read: the query is unread while this is later than `last_read_ns`
-    /// ([`unread_since`]); 0 after a stall's flip.
+    /// Coarse monotonic ns (`StallTiming` has the clock) of the first UDP query handed to the
+    /// cache in a clock tick after its last read: the query is unread while this is later than
+    /// `last_read_ns` ([`unread_since`]); 0 after a stall's flip.
     pub first_unread_ns: u64,
-    /// `bpf_ktime_get_coarse_ns` of a read of the cache's that answered the stamp: its first read
+    /// Coarse monotonic ns of a read of the cache's that answered the stamp: its first read
     /// ever, and its first after each query stamped unread (so once a tick at most; the reads in
     /// between need no clock); 0 while no read was ever seen (the cache runs outside the attach
     /// cgroup, or serves only TCP): such a cache is never called stalled.
@@ -46,19 +46,50 @@ pub const FLIP_NONE: u32 = 0;
 /// `CacheActivity::flip_reason`: a process that bound the cache's sockets was delivered a
 /// terminating signal.
 pub const FLIP_SIGNALLED: u32 = 1;
-/// `CacheActivity::flip_reason`: the cache left a query unread past its `StallLimit`.
+/// `CacheActivity::flip_reason`: the cache left a query unread past its `StallTiming`.
 pub const FLIP_STALLED: u32 = 2;
 /// `CacheActivity::flip_reason`: an operator (or the cache's stop hook) drained the listener.
 pub const FLIP_DRAINED: u32 = 3;
 
-/// Value of `STALL_LIMITS`, indexed by listener id. Written by the agent at every start.
+/// Value of `STALL_TIMING`, indexed by listener id: how long the cache may leave a query unread,
+/// and the clock the programs stamp `CacheActivity` with. Written by the agent at every start.
+///
+/// The stamps are coarse monotonic ns. The programs make them from the kernel's tick count
+/// (`bpf_jiffies64`, which the verifier turns into one load of `jiffies_64` on 64-bit kernels)
+/// rather than from `bpf_ktime_get_coarse_ns` (a helper call that reads the timekeeper under its
+/// seqcount): both advance together at each tick, so the stamps mean what they meant before, but
+/// every query handed to the cache pays a load, a subtraction and a multiplication instead of a
+/// call. The tick's length is `CONFIG_HZ`'s, which userspace cannot read everywhere: the agent
+/// measures it against `CLOCK_MONOTONIC_COARSE` once a boot ([`StallTiming::tick_ns`] 0 until
+/// then, or where it could not: the programs call the helper).
 #[repr(C)]
 #[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
-pub struct StallLimit {
+pub struct StallTiming {
     /// How long the cache may leave a query unread before it is stalled, in ns; 0: never.
     pub stall_after_ns: u64,
+    /// The kernel's tick (`TICK_NSEC`), ns; 0: the programs read `bpf_ktime_get_coarse_ns`.
+    pub tick_ns: u64,
+    /// A tick count (`jiffies_64`) the agent read...
+    pub base_ticks: u64,
+    /// ...and `CLOCK_MONOTONIC_COARSE` in that tick, ns.
+    pub base_ns: u64,
 }
-const _: () = assert!(size_of::<StallLimit>() == 8);
+const _: () = assert!(size_of::<StallTiming>() == 32);
+
+impl StallTiming {
+    /// Coarse monotonic ns at tick count `ticks` (no earlier than `base_ticks`). Within a tick of
+    /// `bpf_ktime_get_coarse_ns` read in the same tick, for as long as the kernel runs: the tick
+    /// count is derived from the monotonic clock by whole `TICK_NSEC` periods.
+    #[inline(always)]
+    #[must_use]
+    pub const fn ticks_to_ns(&self, ticks: u64) -> u64 {
+        self.base_ns.wrapping_add(
+            ticks
+                .wrapping_sub(self.base_ticks)
+                .wrapping_mul(self.tick_ns),
+        )
+    }
+}
 
 /// When the oldest query the cache has not read was handed to it, from `CacheActivity`'s two
 /// stamps: `None` when it has read since (or its reads were never seen). Each side writes its
@@ -81,7 +112,7 @@ pub const fn unread_since(first_unread_ns: u64, last_read_ns: u64) -> Option<u64
 /// stamp: that is never a stall.
 #[inline(always)]
 #[must_use]
-pub const fn is_stalled(first_unread_ns: u64, now_ns: u64, limit: &StallLimit) -> bool {
+pub const fn is_stalled(first_unread_ns: u64, now_ns: u64, limit: &StallTiming) -> bool {
     limit.stall_after_ns != 0
         && first_unread_ns != 0
         && now_ns > first_unread_ns
@@ -116,8 +147,11 @@ pub const CACHE_PORT_WORDS: usize = crate::reverse::REPLY_PORT_WORDS;
 mod tests {
     use super::*;
 
-    const LIMIT: StallLimit = StallLimit {
+    const LIMIT: StallTiming = StallTiming {
         stall_after_ns: 80_000_000,
+        tick_ns: 0,
+        base_ticks: 0,
+        base_ns: 0,
     };
 
     #[test]
@@ -129,8 +163,20 @@ mod tests {
     #[test]
     fn nothing_unread_no_limit_or_a_clock_behind_is_no_stall() {
         assert!(!is_stalled(0, u64::MAX, &LIMIT));
-        assert!(!is_stalled(1_000, u64::MAX, &StallLimit::default()));
+        assert!(!is_stalled(1_000, u64::MAX, &StallTiming::default()));
         assert!(!is_stalled(2_000, 1_000, &LIMIT));
+    }
+
+    #[test]
+    fn ticks_count_whole_periods_from_the_base() {
+        let timing = StallTiming {
+            tick_ns: 4_000_000,
+            base_ticks: 4_300_000_000,
+            base_ns: 23_000_000_123,
+            ..LIMIT
+        };
+        assert_eq!(timing.ticks_to_ns(4_300_000_000), 23_000_000_123);
+        assert_eq!(timing.ticks_to_ns(4_300_000_020), 23_080_000_123);
     }
 
     #[test]

@@ -35,8 +35,15 @@ pub const MAP_SKIP_CGROUPS: &str = "SKIP_CGROUPS";
 /// Listener id → `CacheActivity`: the cache's unread queries and reads, and the kernel's latest
 /// flip (mmapable; changed field by field).
 pub const MAP_CACHE_ACTIVITY: &str = "CACHE_ACTIVITY";
-/// Listener id → `StallLimit` (written by the agent).
+/// Retired (a listener's stall limit alone, 8 bytes): its released row keeps the name.
 pub const MAP_STALL_LIMITS: &str = "STALL_LIMITS";
+/// Listener id → `StallTiming`: the stall limit and the clock of the stamps (written by the
+/// agent).
+pub const MAP_STALL_TIMING: &str = "STALL_TIMING";
+/// Index 0 → the listeners (a bit per id) whose cache's next read is wanted: a query stamped
+/// unread, or no read seen yet (set by the programs and by the agent at each start, cleared by
+/// the read that answers).
+pub const MAP_CACHE_PENDING: &str = "CACHE_PENDING";
 /// `reply_port_bit` word → bits of the ports caches listen on: `recvmsg` looks further only on
 /// sockets bound to one.
 pub const MAP_CACHE_PORTS: &str = "CACHE_PORTS";
@@ -47,7 +54,7 @@ pub const MAP_DATAPATH_CONFIG: &str = "DATAPATH_CONFIG";
 pub const MAP_CACHE_READERS: &str = "CACHE_READERS";
 
 /// Every map in the object.
-pub const ALL_MAPS: [&str; 20] = [
+pub const ALL_MAPS: [&str; 21] = [
     MAP_LISTENERS,
     MAP_LISTENER_MODE,
     MAP_CACHE_HEALTH,
@@ -65,7 +72,8 @@ pub const ALL_MAPS: [&str; 20] = [
     MAP_DATAPATH_CONFIG,
     MAP_CACHE_TASKS,
     MAP_CACHE_ACTIVITY,
-    MAP_STALL_LIMITS,
+    MAP_STALL_TIMING,
+    MAP_CACHE_PENDING,
     MAP_CACHE_PORTS,
     MAP_CACHE_READERS,
 ];
@@ -122,8 +130,13 @@ pub const PROG_SIGNAL: &str = "dns_signal";
 /// The tracepoint `PROG_SIGNAL` attaches to.
 pub const SIGNAL_TRACEPOINT: &str = "signal_deliver";
 
-/// Every `raw_tracepoint` program in the object.
+/// Every `raw_tracepoint` program in the object that is attached.
 pub const RAW_TRACEPOINT_PROGRAMS: [&str; 1] = [PROG_SIGNAL];
+
+/// `raw_tracepoint` never attached: run by the agent (`BPF_PROG_TEST_RUN`, 5.10) to read the
+/// kernel's tick count, half by half (argument 0: 0 the low 32 bits, 1 the high), when it measures
+/// the tick the programs stamp with (`StallTiming`).
+pub const PROG_TICKS: &str = "dns_ticks";
 
 /// Read-only global (`u8`, 0 or 1): whether sock_addr programs may call `bpf_set_retval` (6.1).
 /// The agent sets it from its probe of the running kernel before the load; at 0 the verifier
@@ -143,6 +156,7 @@ mod tests {
             .chain(SOCK_PROGRAMS.iter())
             .chain(SKB_PROGRAMS.iter())
             .chain(RAW_TRACEPOINT_PROGRAMS.iter())
+            .chain([MAP_STALL_LIMITS, PROG_TICKS].iter())
         {
             assert!(
                 name.len() <= 15,

@@ -1,7 +1,7 @@
 //! `aya::Pod` for every type the agent reads from or writes to a map.
 
 use crate::{
-    activity::{CacheActivity, StallLimit},
+    activity::{CacheActivity, StallTiming},
     addr::NetAddr,
     binds::{BindKey, BindListeners, CacheSocket, CacheTask},
     counters::ListenerCounters,
@@ -41,5 +41,5 @@ impl_pod!(
     DatapathConfig,
     SkipCgroup,
     CacheActivity,
-    StallLimit,
+    StallTiming,
 );

@@ -10,16 +10,16 @@
 //! (`CACHE_READERS`), filled from `CACHE_SOCKETS` at its first read. A cache whose reads were
 //! never seen is never called stalled. Both sides write their stamp at most once a clock tick, so
 //! the stamps' cache line is not bounced between the clients' CPUs and the cache's at every
-//! query, and a read reads the clock only when it answers a stamp.
+//! query; a read looks up its socket's listeners and reads the clock only while a stamp waits
+//! for it (`CACHE_PENDING`), about once a tick.
 //!
-//! Kernel features: `bpf_ktime_get_coarse_ns` 5.11 in sock_addr and cgroup_skb programs (a clock
-//! read without the TSC; its tick is fine for a limit of tens of ms), `BPF_CMPXCHG` 5.12,
-//! mmapable arrays 5.5, `bpf_sock_addr.sk` 5.3 (the reading socket's bound port), socket-local
-//! storage from sock_addr programs 5.3.
+//! Kernel features: the tick count (`clock`; a tick is fine for a limit of tens of ms),
+//! `BPF_CMPXCHG` 5.12, mmapable arrays 5.5, `bpf_sock_addr.sk` 5.3 (the reading socket's bound
+//! port), socket-local storage from sock_addr programs 5.3.
 
 use core::ptr::{addr_of, addr_of_mut, read_volatile, write_volatile};
 
-use aya_ebpf::{helpers::bpf_ktime_get_coarse_ns, programs::SockAddrContext};
+use aya_ebpf::programs::SockAddrContext;
 use redirector_common::{
     activity::{CacheActivity, FLIP_SIGNALLED, FLIP_STALLED, is_stalled, unread_since},
     binds::CacheReader,
@@ -29,11 +29,12 @@ use redirector_common::{
 };
 
 use crate::{
-    atomic::{add_u64, compare_exchange_u64, fetch_add_i64},
+    atomic::{add_u64, compare_exchange_u64, fetch_add_i64, fetch_clear_u64, fetch_or_u64},
+    clock::coarse_now,
     context,
     maps::{
-        CACHE_ACTIVITY, CACHE_PORTS, CACHE_READERS, CACHE_SOCKETS, DATAPATH_CONFIG, SOCKET_COUNTS,
-        STALL_LIMITS,
+        CACHE_ACTIVITY, CACHE_PENDING, CACHE_PORTS, CACHE_READERS, CACHE_SOCKETS, DATAPATH_CONFIG,
+        SOCKET_COUNTS, STALL_TIMING,
     },
 };
 
@@ -49,14 +50,14 @@ pub enum Handing {
 /// On the cache route: notes a query handed to the cache, and tells whether the cache has left
 /// one unread past its limit. The first program to see the stall flips the listener (a new
 /// `down_epoch`, as the last close records one); every program that sees it routes upstream.
-/// While the cache reads, this is two array lookups, two loads, a clock read when a query leaves
-/// and a store at most once a clock tick (`activity::unread_since` has why).
+/// While the cache reads, this is two array lookups, two loads, the tick count when a query
+/// leaves and a store at most once a tick (`activity::unread_since` has why).
 #[inline(always)]
 pub fn cache_stalled(listener_id: u32, handing: Handing) -> bool {
-    let Some(limit) = STALL_LIMITS.get(listener_id).copied() else {
+    let Some(timing) = STALL_TIMING.get(listener_id) else {
         return false;
     };
-    if limit.stall_after_ns == 0 {
+    if timing.stall_after_ns == 0 {
         return false;
     }
     let Some(activity) = CACHE_ACTIVITY.get_ptr_mut(listener_id) else {
@@ -68,6 +69,13 @@ pub fn cache_stalled(listener_id: u32, handing: Handing) -> bool {
     unsafe {
         let last_read = read_volatile(addr_of!((*activity).last_read_ns));
         if last_read == 0 {
+            // No read seen yet: the cache's next one is wanted. A load while the request stands
+            // (for good where the reads cannot be seen), an atomic once it was answered.
+            if let Some(pending) = CACHE_PENDING.get_ptr_mut(0)
+                && read_volatile(pending) & listener_bit(listener_id) == 0
+            {
+                fetch_or_u64(pending, listener_bit(listener_id));
+            }
             return false;
         }
         let first_unread = read_volatile(addr_of!((*activity).first_unread_ns));
@@ -75,16 +83,21 @@ pub fn cache_stalled(listener_id: u32, handing: Handing) -> bool {
         if unread.is_none() && handing == Handing::Nothing {
             return false;
         }
-        let now = bpf_ktime_get_coarse_ns();
+        let now = coarse_now(timing);
         let Some(since) = unread else {
             // The first query after the cache's last read, in a later tick (in the same tick it
             // cannot be told from the queries that read took): stamped; two CPUs may both stamp.
+            // Then the cache's reads are told to look (after the stamp, ordered: a read that
+            // sees the bit sees the stamp).
             if now > last_read {
                 write_volatile(addr_of_mut!((*activity).first_unread_ns), now);
+                if let Some(pending) = CACHE_PENDING.get_ptr_mut(0) {
+                    fetch_or_u64(pending, listener_bit(listener_id));
+                }
             }
             return false;
         };
-        if !is_stalled(since, now, &limit) {
+        if !is_stalled(since, now, timing) {
             return false;
         }
         if compare_exchange_u64(addr_of_mut!((*activity).first_unread_ns), since, 0) == since {
@@ -95,8 +108,9 @@ pub fn cache_stalled(listener_id: u32, handing: Handing) -> bool {
 }
 
 /// `recvmsg`: when the reading socket is a counted cache socket, notes the read for each of its
-/// listeners that has a query stamped unread. Any other socket returns after its bound port is checked
-/// against `CACHE_PORTS`.
+/// listeners that has a query stamped unread (`CACHE_PENDING`). Any other socket returns after
+/// its bound port is checked against `CACHE_PORTS`, and a cache's read while no stamp waits (all
+/// but about one a tick under load) after one more load.
 #[inline(always)]
 pub fn note_cache_read(ctx: &SockAddrContext) {
     // SAFETY: `sk` is always set in sock_addr programs (a full socket, readable as `bpf_sock`);
@@ -109,10 +123,22 @@ pub fn note_cache_read(ctx: &SockAddrContext) {
     if CACHE_PORTS.get(word).is_none_or(|ports| *ports & bit == 0) {
         return;
     }
-    let listeners = reader_listeners(ctx);
+    let Some(pending) = CACHE_PENDING.get_ptr_mut(0) else {
+        return;
+    };
+    // SAFETY: an element of an array map, 8-byte aligned; changed by atomics only.
+    if unsafe { read_volatile(pending) } == 0 {
+        return;
+    }
+    // SAFETY: as above.
+    let listeners = reader_listeners(ctx) & unsafe { read_volatile(pending) };
     if listeners == 0 {
         return;
     }
+    // Cleared before the stamps are read (ordered): a query stamped after this read looked sets
+    // the bit again, one stamped before is answered below.
+    // SAFETY: as above.
+    unsafe { fetch_clear_u64(pending, listeners) };
     // A socket is nearly always one listener's: that one is found in six comparisons. The rare
     // others are walked bit by bit, which the verifier follows in one pass; walking them all by
     // their lowest bit made it try every order of them (ten times the start's verification).
@@ -179,7 +205,10 @@ fn note_read(id: u32) {
             if last_read != 0 && unread_since(first_unread, last_read).is_none() {
                 return;
             }
-            let now = bpf_ktime_get_coarse_ns();
+            let Some(timing) = STALL_TIMING.get(id) else {
+                return;
+            };
+            let now = coarse_now(timing);
             if now != last_read {
                 write_volatile(addr_of_mut!((*activity).last_read_ns), now);
             }

@@ -1,4 +1,4 @@
-//! Atomic adds on shared map memory.
+//! Atomic operations on shared map memory.
 //!
 //! The `bpfel` target declares no compare-and-swap, so Rust's `Atomic*::fetch_add` is not
 //! available. A plain add uses the intrinsic, which lowers to `lock xadd`. The fetching add
@@ -9,6 +9,23 @@
 
 use core::intrinsics::{AtomicOrdering, atomic_xadd};
 
+/// `BPF_ATOMIC | BPF_FETCH` of operation `$op` with operand `$operand` on the 8 bytes at
+/// `$target`; evaluates to the value they held. The instruction reads and writes only
+/// `*$target` and its operand's register. Needs an `unsafe` block whose caller guarantees a
+/// live, 8-byte aligned target in map memory.
+macro_rules! fetch {
+    ($op:literal, $target:expr, $operand:expr) => {{
+        let mut value = $operand;
+        core::arch::asm!(
+            concat!("{value} = ", $op, "((u64 *)({target} + 0), {value})"),
+            target = in(reg) $target,
+            value = inout(reg) value,
+            options(nostack),
+        );
+        value
+    }};
+}
+
 /// Atomically adds `delta` to `*target` and returns the value before.
 ///
 /// # Safety
@@ -16,18 +33,8 @@ use core::intrinsics::{AtomicOrdering, atomic_xadd};
 /// `target` must point to a live, 8-byte aligned `i64` in map memory.
 #[inline(always)]
 pub unsafe fn fetch_add_i64(target: *mut i64, delta: i64) -> i64 {
-    let mut value = delta;
-    // SAFETY: the caller guarantees a valid, aligned target; the instruction reads and writes
-    // only `*target` and `value`.
-    unsafe {
-        core::arch::asm!(
-            "{value} = atomic_fetch_add((u64 *)({target} + 0), {value})",
-            target = in(reg) target,
-            value = inout(reg) value,
-            options(nostack),
-        );
-    }
-    value
+    // SAFETY: the caller guarantees a valid, aligned target.
+    unsafe { fetch!("atomic_fetch_add", target, delta) }
 }
 
 /// Atomically adds `delta` to `*target`.
@@ -62,4 +69,28 @@ pub unsafe fn compare_exchange_u64(target: *mut u64, expected: u64, new: u64) ->
         );
     }
     held
+}
+
+/// Atomically sets `bits` in `*target` (`BPF_OR | BPF_FETCH`, 5.12+), fully ordered: what this
+/// CPU stored before is visible to whoever sees the bits. Returns the value before.
+///
+/// # Safety
+///
+/// `target` must point to a live, 8-byte aligned `u64` in map memory.
+#[inline(always)]
+pub unsafe fn fetch_or_u64(target: *mut u64, bits: u64) -> u64 {
+    // SAFETY: the caller guarantees a valid, aligned target.
+    unsafe { fetch!("atomic_fetch_or", target, bits) }
+}
+
+/// Atomically clears `bits` in `*target` (`BPF_AND | BPF_FETCH`, 5.12+), fully ordered: what
+/// this CPU loads after sees what was stored before the bits were set. Returns the value before.
+///
+/// # Safety
+///
+/// `target` must point to a live, 8-byte aligned `u64` in map memory.
+#[inline(always)]
+pub unsafe fn fetch_clear_u64(target: *mut u64, bits: u64) -> u64 {
+    // SAFETY: the caller guarantees a valid, aligned target.
+    unsafe { fetch!("atomic_fetch_and", target, !bits) }
 }

@@ -21,6 +21,7 @@
 
 mod activity;
 mod atomic;
+mod clock;
 mod context;
 mod liveness;
 mod maps;
@@ -169,6 +170,17 @@ fn signal_verdict(_flipped: Option<()>) -> i32 {
 #[raw_tracepoint(tracepoint = "signal_deliver")]
 pub fn dns_signal(ctx: RawTracePointContext) -> i32 {
     signal_verdict(signal::try_flip_on_signal(&ctx))
+}
+
+/// Never attached (the section names only its program type): the agent runs it with
+/// `BPF_PROG_TEST_RUN` to read the tick count, which userspace cannot, when it measures the
+/// kernel's tick for the activity stamps. Its answer is its return value (the run's `retval`),
+/// so it is declared without `#[raw_tracepoint]`, whose entry point returns 0 whatever the
+/// function returns.
+#[unsafe(no_mangle)]
+#[unsafe(link_section = "raw_tp/signal_deliver")]
+pub fn dns_ticks(ctx: *mut core::ffi::c_void) -> u32 {
+    clock::ticks_half(&RawTracePointContext::new(ctx))
 }
 
 #[cfg(not(test))]

@@ -7,7 +7,7 @@ use aya_ebpf::{
     macros::btf_map,
 };
 use redirector_common::{
-    activity::{CACHE_PORT_WORDS, CacheActivity, StallLimit},
+    activity::{CACHE_PORT_WORDS, CacheActivity, StallTiming},
     addr::NetAddr,
     binds::{
         BindKey, BindListeners, CacheMark, CacheReader, CacheSocket, CacheTask, MAX_CACHE_BINDS,
@@ -114,9 +114,18 @@ pub static CACHE_TASKS: LruHashMap<u32, CacheTask, MAX_CACHE_TASKS> = LruHashMap
 pub static CACHE_ACTIVITY: Array<CacheActivity, MAX_LISTENERS, { BPF_F_MMAPABLE as usize }> =
     Array::new();
 
-/// Listener id → how long its cache may leave a query unread (0: never stalled).
+/// Listener id → how long its cache may leave a query unread (0: never stalled), and the clock of
+/// the activity stamps.
 #[btf_map]
-pub static STALL_LIMITS: Array<StallLimit, MAX_LISTENERS> = Array::new();
+pub static STALL_TIMING: Array<StallTiming, MAX_LISTENERS> = Array::new();
+
+/// Index 0 → the listeners (a bit per id) whose cache has a query stamped unread that no read
+/// has answered yet, or whose first read is wanted: the caches' reads look further only while
+/// one is set (nearly always none: a stamp is answered by the next read). Set by the programs,
+/// cleared by the read that answers; the agent sets every bit at each start, so that stamps the
+/// programs before it left are answered.
+#[btf_map]
+pub static CACHE_PENDING: Array<u64, 1> = Array::new();
 
 /// `reply_port_bit` word → the ports caches listen on (network byte order): `recvmsg` looks up a
 /// socket's cache entry only when it is bound to one of them.

@@ -165,6 +165,7 @@ impl Agent {
                 pin_dir: config.pin_dir.clone(),
                 kernel_log: config.kernel_log,
                 set_retval: kernel.has(kernel_support::SET_RETVAL),
+                measure_tick: kernel.has(kernel_support::TICK_TEST_RUN),
                 fail_after_load: options.fail_after_load,
             };
             tokio::task::spawn_blocking(move || Datapath::load(&options, plan))
@@ -249,8 +250,14 @@ impl Agent {
             let pool: Option<Vec<Target>> =
                 static_pool(listener).map(|pool| pool.iter().map(Upstream::target).collect());
             maps.install_listener(&entry, pool.as_deref())?;
-            maps.set_stall_limit(*id, config.probe.stall_after, listener.cache.port())?;
+            maps.set_stall_limit(
+                *id,
+                config.probe.stall_after,
+                datapath.tick_clock(),
+                listener.cache.port(),
+            )?;
         }
+        maps.want_next_reads()?;
 
         phases.end("maps");
         // Count the sockets that existed before the programs (or that moved between listeners)

@@ -98,7 +98,7 @@ const fn released(
 
 /// Every map ever released, with the shape it was released with. Append only: a row is never
 /// edited or removed (a retired `Config` map keeps its row, so its name is never reused).
-pub const RELEASED: [Released; 20] = [
+pub const RELEASED: [Released; 22] = [
     released(names::MAP_LISTENERS, HASH, 16, 32, 0, Kind::Config),
     released(names::MAP_LISTENER_MODE, ARRAY, 4, 4, 0, Kind::Kept),
     released(names::MAP_CACHE_HEALTH, ARRAY, 4, 16, 0, Kind::Kept),
@@ -153,6 +153,12 @@ pub const RELEASED: [Released; 20] = [
         NO_PREALLOC,
         Kind::Kept,
     ),
+    // #28: the stall limit with the clock of the activity stamps, in place of `STALL_LIMITS`
+    // (retired: the limit alone), which a rollback's agent creates again.
+    released(names::MAP_STALL_TIMING, ARRAY, 4, 32, 0, Kind::Config),
+    // #28: the listeners whose cache's next read is wanted; every bit set by the agent at each
+    // start.
+    released(names::MAP_CACHE_PENDING, ARRAY, 4, 8, 0, Kind::Config),
 ];
 
 /// The released row of `name`.

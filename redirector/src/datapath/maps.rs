@@ -11,7 +11,7 @@ use aya::{
     maps::{Array, HashMap, Map, MapData, MapError, PerCpuArray},
 };
 use redirector_common::{
-    activity::{CacheActivity, StallLimit, explain_flip},
+    activity::{CacheActivity, StallTiming, explain_flip},
     addr::{NetAddr, port_be},
     binds::{BindKey, BindListeners, CacheSocket, UNMARKED},
     counters::{ListenerCounters, PROTOCOL_TCP, PROTOCOL_UDP, counter_index},
@@ -45,7 +45,8 @@ pub struct Maps {
     cache_health: Array<MapData, CacheHealth>,
     socket_counts: MappedArray<SocketCounts>,
     cache_activity: MappedArray<CacheActivity>,
-    stall_limits: Array<MapData, StallLimit>,
+    stall_timing: Array<MapData, StallTiming>,
+    cache_pending: Array<MapData, u64>,
     cache_ports: Array<MapData, u64>,
     cache_binds: HashMap<MapData, BindKey, BindListeners>,
     cache_sockets: HashMap<MapData, u64, CacheSocket>,
@@ -191,7 +192,8 @@ impl Maps {
                 open(names::MAP_CACHE_ACTIVITY)?,
                 names::MAP_CACHE_ACTIVITY,
             )?,
-            stall_limits: typed(open, names::MAP_STALL_LIMITS)?,
+            stall_timing: typed(open, names::MAP_STALL_TIMING)?,
+            cache_pending: typed(open, names::MAP_CACHE_PENDING)?,
             cache_ports: typed(open, names::MAP_CACHE_PORTS)?,
             cache_binds: typed(open, names::MAP_CACHE_BINDS)?,
             cache_sockets: typed(open, names::MAP_CACHE_SOCKETS)?,
@@ -424,6 +426,28 @@ impl Maps {
         Ok(self.cache_activity.get(checked_id(id)?))
     }
 
+    /// Asks the programs for every cache's next read (`CACHE_PENDING`): a stamp the programs of
+    /// an earlier agent left unanswered is answered by it, as one they make themselves is.
+    pub fn want_next_reads(&mut self) -> Result<(), DatapathError> {
+        self.cache_pending
+            .set(0, u64::MAX, 0)
+            .map_err(write(names::MAP_CACHE_PENDING))
+    }
+
+    /// The listeners whose cache's next read the programs want (a bit per id).
+    pub fn wanted_reads(&self) -> Result<u64, DatapathError> {
+        self.cache_pending
+            .get(&0, 0)
+            .map_err(read(names::MAP_CACHE_PENDING))
+    }
+
+    /// Listener `id`'s stall limit and the clock of its cache's activity stamps.
+    pub fn stall_timing(&self, id: u32) -> Result<StallTiming, DatapathError> {
+        self.stall_timing
+            .get(&checked_id(id)?, 0)
+            .map_err(read(names::MAP_STALL_TIMING))
+    }
+
     /// Drains a listener at `now_ns` (monotonic): a new epoch, recorded as a drain, which the
     /// agent's probes do not confirm while the record stands. Returns the epoch.
     pub fn drain(&self, id: u32, now_ns: u64) -> Result<u64, DatapathError> {
@@ -441,12 +465,14 @@ impl Maps {
         Ok(self.cache_activity.end_drain(checked_id(id)?, epoch))
     }
 
-    /// How long listener `id`'s cache may leave a query unread (`None`: never stalled), and the
-    /// cache's port, so that the programs see its reads.
+    /// How long listener `id`'s cache may leave a query unread (`None`: never stalled) on the
+    /// stamps' clock (`tick`: `None` for the coarse clock helper), and the cache's port, so that
+    /// the programs see its reads.
     pub fn set_stall_limit(
         &mut self,
         id: u32,
         limit: Option<std::time::Duration>,
+        tick: Option<super::TickClock>,
         cache_port: u16,
     ) -> Result<(), DatapathError> {
         let id = checked_id(id)?;
@@ -463,9 +489,9 @@ impl Maps {
         let stall_after_ns = limit.map_or(0, |limit| {
             u64::try_from(limit.as_nanos()).unwrap_or(u64::MAX)
         });
-        self.stall_limits
-            .set(id, StallLimit { stall_after_ns }, 0)
-            .map_err(write(names::MAP_STALL_LIMITS))
+        self.stall_timing
+            .set(id, super::TickClock::timing(tick, stall_after_ns), 0)
+            .map_err(write(names::MAP_STALL_TIMING))
     }
 
     /// Every counted cache socket: (cookie, entry).

@@ -10,6 +10,7 @@
 //! layout and the rule that keeps releases compatible are in [`pins`] and [`layout`].
 
 mod cache_activity;
+mod clock;
 mod count_protocol;
 mod error;
 pub mod layout;
@@ -33,6 +34,7 @@ use aya::{
         links::{FdLink, PinnedLink},
     },
 };
+pub use clock::{TickClock, TickError};
 pub use error::DatapathError;
 pub use maps::{ListenerEntry, ListenerTotals, Maps, SkipEntry, target_of};
 pub use migrate::Copied;
@@ -43,7 +45,7 @@ use pins::{
 pub use pins::{
     MapAction, Plan, Verdict, has_pinned_attachments, other_attached_sets, remove_pins,
 };
-use redirector_common::names;
+use redirector_common::{activity::StallTiming, names};
 use tracing::{info, warn};
 
 /// The eBPF object built from `redirector-ebpf` by `build.rs`.
@@ -127,6 +129,8 @@ pub struct Datapath {
     adopted: bool,
     plan: Plan,
     load_times: LoadTimes,
+    /// The kernel's tick, reused from the pins or measured (`None`: it could not be).
+    tick_clock: Option<TickClock>,
     /// Removes the maps this start staged unless it attaches.
     staged: Staged,
 }
@@ -136,7 +140,8 @@ pub struct Datapath {
 pub struct LoadTimes {
     /// Parsing the object, its BTF, and creating (or opening) and pinning the maps.
     pub object: std::time::Duration,
-    /// Loading the programs: the kernel's verifier, run on every core (wall time).
+    /// Loading the programs: the kernel's verifier, run on every core (wall time), and the
+    /// measurement of the kernel's tick at a boot's first start (beside it, about 100 ms).
     pub verify: std::time::Duration,
     /// Copying the pinned maps the plan migrates into the new ones.
     pub migrate: std::time::Duration,
@@ -157,6 +162,10 @@ pub struct LoadOptions {
     /// it the read-only switch stays 0, the verifier removes the call, and the `fail` policy's
     /// syscalls fail with `EPERM`.
     pub set_retval: bool,
+    /// The kernel runs raw tracepoint programs on request (`BPF_PROG_TEST_RUN`, 5.10), so the
+    /// tick can be measured when no pinned `STALL_TIMING` holds it; without it the programs read
+    /// the coarse clock helper.
+    pub measure_tick: bool,
     /// Fail after loading and migrating, before anything runs (tests only).
     pub fail_after_load: bool,
 }
@@ -201,8 +210,23 @@ impl Datapath {
             .load(OBJECT)
             .map_err(|source| DatapathError::Load { source })?;
         let object = started.elapsed();
-        verify_all(&mut ebpf)?;
+        let pinned_tick = pinned_tick_clock(&ebpf);
+        let measured_tick = verify_all(&mut ebpf, options.measure_tick && pinned_tick.is_none())?;
         let verified = started.elapsed();
+        let tick_clock = pinned_tick.or_else(|| match measured_tick? {
+            Ok(clock) => {
+                info!(
+                    tick_us = clock.tick_ns / 1000,
+                    hz = clock.hz(),
+                    "measured the kernel's tick for the activity stamps"
+                );
+                Some(clock)
+            }
+            Err(error) => {
+                warn!(error = %crate::error_chain(&error), "cannot measure the kernel's tick; the programs read bpf_ktime_get_coarse_ns for the activity stamps instead (a few ns more per query handed to a cache; nothing else changes)");
+                None
+            }
+        });
         for (name, action) in &plan.maps {
             if let MapAction::Migrate { why } = action {
                 let copied = migrate::copy(pin_dir, name, raw::BPF_ANY)?;
@@ -226,6 +250,7 @@ impl Datapath {
                 adopted,
                 plan,
                 load_times,
+                tick_clock,
                 staged,
             },
             maps,
@@ -245,6 +270,13 @@ impl Datapath {
     ) -> Result<aya_log::EbpfLogger<&'static dyn log::Log>, DatapathError> {
         aya_log::EbpfLogger::init(&mut self.ebpf)
             .map_err(|source| DatapathError::KernelLog { source })
+    }
+
+    /// The kernel's tick, for the activity stamps' clock (`None`: the programs read the coarse
+    /// clock helper).
+    #[must_use]
+    pub fn tick_clock(&self) -> Option<TickClock> {
+        self.tick_clock
     }
 
     /// True when the maps were adopted from an earlier agent.
@@ -503,16 +535,36 @@ pub fn pinned_program_ids(pin_dir: &Path) -> Vec<(&'static str, u32)> {
 /// agent's start (about 150 ms of CPU here, 30 ms for each rewriting program), so two cores halve
 /// it. Workers take programs from the end of `ALL_PROGRAMS` first: the rewriting programs and the
 /// egress check before the light counting ones, which then fill the gaps.
-fn verify_all(ebpf: &mut Ebpf) -> Result<(), DatapathError> {
+///
+/// With `measure_tick`, `dns_ticks` is loaded first and measures the kernel's tick on a thread of
+/// its own meanwhile (it mostly sleeps): its result is returned.
+fn verify_all(
+    ebpf: &mut Ebpf,
+    measure_tick: bool,
+) -> Result<Option<Result<TickClock, TickError>>, DatapathError> {
     let mut queue: Vec<(&'static str, &mut Program)> = Vec::with_capacity(ALL_PROGRAMS.len());
     let mut programs: Vec<(&str, &mut Program)> = ebpf.programs_mut().collect();
-    for name in ALL_PROGRAMS {
-        let index = programs
+    let mut take = |name: &'static str| {
+        programs
             .iter()
             .position(|(found, _)| *found == name)
-            .ok_or(DatapathError::MissingProgram { name })?;
-        queue.push((name, programs.swap_remove(index).1));
+            .map(|index| programs.swap_remove(index).1)
+            .ok_or(DatapathError::MissingProgram { name })
+    };
+    for name in ALL_PROGRAMS {
+        queue.push((name, take(name)?));
     }
+    let ticks = if measure_tick {
+        let name = names::PROG_TICKS;
+        let program = take(name)?;
+        verify(name, program)?;
+        match program {
+            Program::RawTracePoint(program) => Some(&*program),
+            _ => return Err(DatapathError::ProgramType { name }),
+        }
+    } else {
+        None
+    };
     let workers = std::thread::available_parallelism()
         .map_or(1, std::num::NonZeroUsize::get)
         .min(queue.len());
@@ -524,6 +576,7 @@ fn verify_all(ebpf: &mut Ebpf) -> Result<(), DatapathError> {
             .pop()
     };
     std::thread::scope(|scope| {
+        let measuring = ticks.map(|program| scope.spawn(|| clock::measure(program)));
         let handles: Vec<_> = (0..workers)
             .map(|_| {
                 scope.spawn(|| {
@@ -538,8 +591,25 @@ fn verify_all(ebpf: &mut Ebpf) -> Result<(), DatapathError> {
             handle
                 .join()
                 .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
-        })
+        })?;
+        Ok(measuring.map(|handle| {
+            handle
+                .join()
+                .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+        }))
     })
+}
+
+/// The tick an earlier agent of this boot measured, kept in the pinned `STALL_TIMING` (bpffs
+/// does not outlive a boot); `None` when no element holds one (a new map, or one written by an
+/// agent that could not measure).
+fn pinned_tick_clock(ebpf: &Ebpf) -> Option<TickClock> {
+    let map = ebpf.map(names::MAP_STALL_TIMING)?;
+    let timings = aya::maps::Array::<_, StallTiming>::try_from(map).ok()?;
+    timings
+        .iter()
+        .filter_map(Result::ok)
+        .find_map(|timing| TickClock::of(&timing))
 }
 
 /// Loads one program (the verifier runs here).
@@ -582,10 +652,13 @@ mod tests {
             .chain(names::RAW_TRACEPOINT_PROGRAMS.iter())
             .copied()
             .collect();
+        let mut attached = expected.clone();
+        attached.sort_unstable();
+        expected.push(names::PROG_TICKS);
         expected.sort_unstable();
         assert_eq!(programs, expected);
-        let mut attached = ALL_PROGRAMS.to_vec();
-        attached.sort_unstable();
-        assert_eq!(attached, expected, "every program is attached");
+        let mut all = ALL_PROGRAMS.to_vec();
+        all.sort_unstable();
+        assert_eq!(all, attached, "every program but dns_ticks is attached");
     }
 }

@@ -114,6 +114,11 @@ const SOCK_ADDR: &[ProgramType] = &[ProgramType::CgroupSockAddr];
 const SOCK: &[ProgramType] = &[ProgramType::CgroupSock];
 const SKB: &[ProgramType] = &[ProgramType::CgroupSkb];
 const SOCK_ADDR_AND_SKB: &[ProgramType] = &[ProgramType::CgroupSockAddr, ProgramType::CgroupSkb];
+const SOCK_ADDR_SKB_AND_RAW_TRACEPOINT: &[ProgramType] = &[
+    ProgramType::CgroupSockAddr,
+    ProgramType::CgroupSkb,
+    ProgramType::RawTracePoint,
+];
 const RAW_TRACEPOINT: &[ProgramType] = &[ProgramType::RawTracePoint];
 const ALL_TYPES: &[ProgramType] = &[
     ProgramType::CgroupSockAddr,
@@ -123,6 +128,9 @@ const ALL_TYPES: &[ProgramType] = &[
 
 /// [`KernelFeature::id`] of `bpf_set_retval` in sock_addr programs.
 pub const SET_RETVAL: &str = "set_retval";
+/// [`KernelFeature::id`] of `BPF_PROG_TEST_RUN` of raw tracepoint programs (the tick's
+/// measurement).
+pub const TICK_TEST_RUN: &str = "raw_tracepoint_test_run";
 
 /// Every kernel feature redirector uses, in `docs/kernels.md`'s order.
 pub const FEATURES: &[KernelFeature] = &[
@@ -293,6 +301,18 @@ pub const FEATURES: &[KernelFeature] = &[
         uses: Uses::Other,
     },
     KernelFeature {
+        id: "jiffies64",
+        name: "`bpf_jiffies64` in sock_addr, cgroup_skb and raw tracepoint programs",
+        used_for: "the clock of a cache's unread queries and reads (a load once the verifier inlines it)",
+        since: KernelVersion::new(5, 5, 0),
+        need: Need::Required,
+        probe: Probe::Helpers,
+        uses: Uses::Helpers {
+            programs: SOCK_ADDR_SKB_AND_RAW_TRACEPOINT,
+            helpers: &[BpfHelper::BPF_FUNC_jiffies64],
+        },
+    },
+    KernelFeature {
         id: "current_ancestor_cgroup_id",
         name: "`bpf_get_current_ancestor_cgroup_id` in sock_addr programs",
         used_for: "skipped cgroups",
@@ -392,7 +412,7 @@ pub const FEATURES: &[KernelFeature] = &[
     KernelFeature {
         id: "ktime_get_coarse_ns",
         name: "`bpf_ktime_get_coarse_ns` in sock_addr and cgroup_skb programs",
-        used_for: "how long a cache has left a query unread",
+        used_for: "that clock where the tick could not be measured",
         since: KernelVersion::new(5, 11, 0),
         need: Need::Required,
         probe: Probe::Helpers,
@@ -403,9 +423,9 @@ pub const FEATURES: &[KernelFeature] = &[
     },
     KernelFeature {
         id: "atomic_fetch",
-        name: "`BPF_ATOMIC` with `BPF_FETCH` (`atomic_fetch_add`, `cmpxchg`)",
+        name: "`BPF_ATOMIC` with `BPF_FETCH` (`atomic_fetch_add`, `_or`, `_and`, `cmpxchg`)",
         used_for: "the close that takes a cache's socket count to zero, and the query that finds a \
-                   cache stalled, decided atomically",
+                   cache stalled, decided atomically; a waiting stamp shown to the cache's reads",
         since: KernelVersion::new(5, 12, 0),
         need: Need::Required,
         probe: Probe::Release,
@@ -434,6 +454,18 @@ pub const FEATURES: &[KernelFeature] = &[
             programs: SOCK_ADDR,
             helpers: &[BpfHelper::BPF_FUNC_set_retval],
         },
+    },
+    KernelFeature {
+        id: TICK_TEST_RUN,
+        name: "`BPF_PROG_TEST_RUN` of raw tracepoint programs (agent)",
+        used_for: "measuring the kernel's tick, for that clock",
+        since: KernelVersion::new(5, 10, 0),
+        need: Need::Optional {
+            without: "the programs read `bpf_ktime_get_coarse_ns` instead: a few ns more per query handed to a cache",
+            switch: None,
+        },
+        probe: Probe::Release,
+        uses: Uses::Other,
     },
     KernelFeature {
         id: "nft_notrack",
@@ -750,7 +782,7 @@ mod tests {
             require(&support).unwrap_err().to_string(),
             "Linux 5.10.240-238.955.amzn2.x86_64 lacks bpf_ktime_get_coarse_ns in sock_addr and \
              cgroup_skb programs (5.11, probed), BPF_ATOMIC with BPF_FETCH (atomic_fetch_add, \
-             cmpxchg) (5.12, by release), SO_NETNS_COOKIE (agent) (5.14, by release), which \
+             _or, _and, cmpxchg) (5.12, by release), SO_NETNS_COOKIE (agent) (5.14, by release), which \
              redirector needs: run it on Linux 5.15 or later (or on a kernel with these \
              backported) (nothing was loaded or attached)"
         );
@@ -803,7 +835,7 @@ mod tests {
         for expected in [
             "cgroup v2 sock_release (5.9, by release)",
             "BPF_F_MMAPABLE array (5.5, by release)",
-            "BPF_ATOMIC with BPF_FETCH (atomic_fetch_add, cmpxchg) (5.12, by release)",
+            "BPF_ATOMIC with BPF_FETCH (atomic_fetch_add, _or, _and, cmpxchg) (5.12, by release)",
         ] {
             assert!(error.missing.contains(expected), "{}", error.missing);
         }
@@ -825,7 +857,9 @@ mod tests {
         let error = parse_absent("set_retval,bpf_loop").unwrap_err();
         assert_eq!(error.id, "bpf_loop");
         assert!(
-            error.to_string().contains("set_retval, nft_notrack"),
+            error
+                .to_string()
+                .contains("set_retval, raw_tracepoint_test_run, nft_notrack"),
             "{error}"
         );
         let support = KernelSupport::decide(
@@ -849,7 +883,7 @@ mod tests {
             ProgramType::CgroupSock
         } else if names::SKB_PROGRAMS.contains(&name) {
             ProgramType::CgroupSkb
-        } else if names::RAW_TRACEPOINT_PROGRAMS.contains(&name) {
+        } else if names::RAW_TRACEPOINT_PROGRAMS.contains(&name) || name == names::PROG_TICKS {
             ProgramType::RawTracePoint
         } else {
             panic!("the object holds a program the shared names do not: {name}")

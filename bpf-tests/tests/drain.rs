@@ -7,7 +7,7 @@
 use std::time::Duration;
 
 use bpf_tests::{
-    cli::{CliOutput, redirector, uninstall},
+    cli::{CliOutput, redirector, set_state, uninstall},
     dns::now_ms,
     harness::{NODE_ID, agent_serving_from_cache, answered_by, node_reason, wait_for_cache},
     pace::{paced_ms, pause},
@@ -16,6 +16,7 @@ use bpf_tests::{
     tools,
     topology::{NODE_LISTENER, dns},
 };
+use nix::sys::signal::Signal;
 use redirector::datapath::Maps;
 use redirector_common::activity::FLIP_DRAINED;
 
@@ -174,7 +175,7 @@ fn a_sidecar_drains_at_its_sigterm_over_the_agents_socket() -> anyhow::Result<()
     );
     assert_eq!(node_reason(&sandbox)?, "healthy");
     let pid = Pid::from_raw(i32::try_from(sidecar.id())?);
-    signal::kill(pid, signal::Signal::SIGTERM)?;
+    signal::kill(pid, Signal::SIGTERM)?;
     let deadline = std::time::Instant::now() + bpf_tests::pace::paced(Duration::from_secs(20));
     while sidecar.try_wait()?.is_none() {
         if std::time::Instant::now() > deadline {
@@ -192,6 +193,60 @@ fn a_sidecar_drains_at_its_sigterm_over_the_agents_socket() -> anyhow::Result<()
     );
     assert!(answered_by(&sandbox)?.starts_with("upstream"));
     assert_eq!(node_reason(&sandbox)?, "drained");
+    drop(agent);
+    uninstall(&config)?;
+    Ok(())
+}
+
+/// `redirector probe` asks the cache through the agent, whose sockets are never steered: while
+/// the listener is forced upstream a query to the listener address (the cache's own address) is
+/// answered upstream, yet the probe reaches the cache; a hung cache fails it with the reason; an
+/// unknown listener is refused with the agent's listeners named.
+#[test]
+fn a_probe_asks_the_cache_itself_whatever_the_route() -> anyhow::Result<()> {
+    let mut sandbox = Sandbox::new(tools!())?;
+    sandbox.start_standard_servers()?;
+    let (config, agent) = agent_serving_from_cache(&sandbox)?;
+    let socket = sandbox.drain_socket().display().to_string();
+    let probe =
+        |listener: &str| redirector(&["probe", "--listener", listener, "--socket", &socket]);
+    let cache = format!("{NODE_LISTENER}:53");
+
+    let output = probe("node")?;
+    assert_eq!(output.code, 0, "{output:?}");
+    assert!(
+        output.stdout.contains(&cache) && output.stdout.contains("serves"),
+        "{output:?}"
+    );
+
+    assert_eq!(set_state(&sandbox, "node", "upstream")?.code, 0);
+    assert!(
+        answered_by(&sandbox)?.starts_with("upstream"),
+        "the override did not move the listener's DNS"
+    );
+    let output = probe("node")?;
+    assert_eq!(
+        output.code, 0,
+        "the probe was steered with the listener: {output:?}"
+    );
+    assert!(output.stdout.contains("serves"), "{output:?}");
+
+    sandbox.process("cache")?.signal(Signal::SIGSTOP)?;
+    let output = probe("node")?;
+    sandbox.process("cache")?.signal(Signal::SIGCONT)?;
+    assert_ne!(output.code, 0, "a hung cache passed the probe: {output:?}");
+    assert!(
+        output.stderr.contains("does not serve: timeout"),
+        "{output:?}"
+    );
+
+    let output = probe("nosuch")?;
+    assert_ne!(output.code, 0, "{output:?}");
+    assert!(
+        output.stderr.contains("no listener \"nosuch\"") && output.stderr.contains("cluster"),
+        "{output:?}"
+    );
+    assert_eq!(set_state(&sandbox, "node", "auto")?.code, 0);
     drop(agent);
     uninstall(&config)?;
     Ok(())

@@ -116,11 +116,17 @@ fn metrics_agree_with_the_kernel_and_with_what_happened() -> anyhow::Result<()> 
     );
     assert!(failover.is_some_and(|seconds| seconds > 0.2), "{metrics}");
     assert_eq!(
-        sample(&metrics, "redirector_pool_backends{listener=\"node\"}"),
+        sample(
+            &metrics,
+            "redirector_pool_backends{listener=\"node\",source=\"static\"}"
+        ),
         Some(2.0)
     );
     assert_eq!(
-        sample(&metrics, "redirector_pool_backends{listener=\"cluster\"}"),
+        sample(
+            &metrics,
+            "redirector_pool_backends{listener=\"cluster\",source=\"static\"}"
+        ),
         Some(0.0)
     );
     assert!(
@@ -220,7 +226,10 @@ fn readyz_waits_for_every_pool_and_healthz_does_not() -> anyhow::Result<()> {
     )?;
     let metrics = get(address, "/metrics")?.body;
     assert_eq!(
-        sample(&metrics, "redirector_pool_backends{listener=\"cluster\"}"),
+        sample(
+            &metrics,
+            "redirector_pool_backends{listener=\"cluster\",source=\"kubernetes\"}"
+        ),
         Some(1.0)
     );
     assert!(

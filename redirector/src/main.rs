@@ -8,7 +8,9 @@ use std::{path::PathBuf, process::ExitCode};
 use clap::{Parser, Subcommand};
 use redirector::config::DEFAULT_CONFIG_PATH;
 
-use crate::cli::{drain::DrainArgs, run::RunArgs, state::StateArgs, status::StatusArgs};
+use crate::cli::{
+    drain::DrainArgs, probe::ProbeArgs, run::RunArgs, state::StateArgs, status::StatusArgs,
+};
 
 #[derive(Parser, Debug)]
 #[command(version, about = "eBPF fast-path DNS redirector for Kubernetes nodes")]
@@ -33,6 +35,9 @@ enum Command {
     /// Move a listener upstream before planned work on its cache (until the cache's next life
     /// is confirmed), optionally waiting until the cache has answered what it was handed.
     Drain(DrainArgs),
+    /// Ask a listener's cache whether it serves, through the running agent, whose sockets the
+    /// programs never steer (a `dig` to the cache's address may be steered upstream).
+    Probe(ProbeArgs),
     /// Show every listener's state, the programs, the conntrack bypass and whether an agent
     /// runs, from the pinned maps (works while the agent is stopped).
     Status(StatusArgs),
@@ -61,6 +66,7 @@ fn main() -> ExitCode {
         Command::Uninstall { config } => cli::uninstall::uninstall(&config),
         Command::State(args) => cli::state::set_state(&args),
         Command::Drain(args) => cli::drain::drain(&args),
+        Command::Probe(args) => cli::probe::probe(&args),
         Command::Status(args) => cli::status::status(&args),
         Command::Cache { config, log_level } => cli::cache::cache(&config, &log_level),
         Command::CheckConfig { config } => cli::check_config::check_config(&config),

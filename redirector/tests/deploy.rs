@@ -137,16 +137,24 @@ fn added_capabilities(container: &Container) -> BTreeSet<&str> {
         .collect()
 }
 
-/// The configuration the DaemonSet runs with.
-fn configmap_config() -> (ConfigMap, String) {
-    let configmap: ConfigMap = manifest("configmap.yaml");
-    let text = configmap
-        .data
+/// The configuration the DaemonSet runs with: the file the base's `configMapGenerator` makes
+/// its ConfigMap from.
+fn configmap_config() -> String {
+    read(&format!("{BASE}/config.toml"))
+}
+
+/// The ConfigMap a kustomize build generated, and the one its DaemonSet's `config` volume names.
+fn generated_config(objects: &[serde_json::Value]) -> (ConfigMap, String) {
+    let configmap: ConfigMap =
+        serde_json::from_value(find(objects, "ConfigMap").clone()).expect("a ConfigMap");
+    let daemonset: DaemonSet =
+        serde_json::from_value(find(objects, "DaemonSet").clone()).expect("a DaemonSet");
+    let named = volume(pod(&daemonset), "config")
+        .config_map
         .as_ref()
-        .and_then(|data| data.get("config.toml"))
-        .expect("the ConfigMap has config.toml")
-        .clone();
-    (configmap, text)
+        .map(|source| source.name.clone())
+        .expect("the config volume is a ConfigMap");
+    (configmap, named)
 }
 
 fn parse_config(name: &str, text: &str) -> Config {
@@ -174,7 +182,6 @@ fn host_mount_covering<'a>(
 #[test]
 fn every_manifest_keeps_its_fields_through_its_type() {
     let _: DaemonSet = manifest("daemonset.yaml");
-    let _: ConfigMap = manifest("configmap.yaml");
     let _: ServiceAccount = manifest("serviceaccount.yaml");
     let _: Role = manifest("role.yaml");
     let _: RoleBinding = manifest("rolebinding.yaml");
@@ -199,12 +206,22 @@ fn the_kustomization_lists_exactly_the_base_files_and_no_namespace() {
         kustomization.get("namespace").is_none(),
         "the base is namespace-agnostic"
     );
-    let listed: BTreeSet<String> = kustomization["resources"]
+    let resources: BTreeSet<String> = kustomization["resources"]
         .as_array()
         .expect("resources")
         .iter()
         .map(|resource| resource.as_str().expect("a file name").to_owned())
         .collect();
+    // The generator's inputs are files of the base too.
+    let generated: BTreeSet<String> = kustomization["configMapGenerator"]
+        .as_array()
+        .expect("a configMapGenerator")
+        .iter()
+        .flat_map(|generator| generator["files"].as_array().expect("files").clone())
+        .map(|file| file.as_str().expect("a file name").to_owned())
+        .collect();
+    assert_eq!(generated, BTreeSet::from(["config.toml".to_owned()]));
+    let listed: BTreeSet<String> = resources.union(&generated).cloned().collect();
     let present: BTreeSet<String> = std::fs::read_dir(repo().join(BASE))
         .expect("the base directory")
         .map(|entry| {
@@ -217,7 +234,7 @@ fn the_kustomization_lists_exactly_the_base_files_and_no_namespace() {
         .filter(|name| name != "kustomization.yaml")
         .collect();
     assert_eq!(listed, present);
-    for file in &listed {
+    for file in &resources {
         let document: serde_json::Value =
             serde_yaml::from_str(&read(&format!("{BASE}/{file}"))).expect("YAML");
         assert!(
@@ -368,8 +385,8 @@ fn probes_reach_the_endpoint_the_configuration_opens() {
     let daemonset = daemonset();
     let pod = pod(&daemonset);
     let agent = container(pod, AGENT);
-    let (_, text) = configmap_config();
-    let config = parse_config("configmap.yaml", &text);
+    let text = configmap_config();
+    let config = parse_config("config.toml", &text);
     assert!(config.metrics.enabled);
     // kubelet probes a hostNetwork pod at the node's address: loopback would not answer.
     assert!(
@@ -435,8 +452,8 @@ fn the_configmap_configuration_is_valid_and_its_paths_are_the_hosts() {
     let daemonset = daemonset();
     let pod = pod(&daemonset);
     let agent = container(pod, AGENT);
-    let (configmap, text) = configmap_config();
-    let config = parse_config("configmap.yaml", &text);
+    let text = configmap_config();
+    let config = parse_config("config.toml", &text);
 
     // The agent reads the ConfigMap's config.toml.
     let command: Vec<&str> = agent
@@ -464,7 +481,8 @@ fn the_configmap_configuration_is_valid_and_its_paths_are_the_hosts() {
             .config_map
             .as_ref()
             .map(|source| source.name.as_str()),
-        configmap.metadata.name.as_deref()
+        Some("redirector-config"),
+        "the name the base's configMapGenerator makes (a_changed_configuration_rolls_out_like_an_image)"
     );
     // The agent runs directly (it finds its own cgroup inside a cgroup namespace itself).
     assert_eq!(&command[..2], ["/usr/local/bin/redirector", "run"]);
@@ -790,19 +808,15 @@ fn the_example_configurations_are_valid() {
     );
 
     // The same files through the binary's own check.
-    let dir = scratch("check-config");
-    let (_, configmap) = configmap_config();
-    std::fs::write(dir.join("configmap.toml"), configmap).expect("written");
     for path in [
         repo().join("deploy/examples/aks.toml"),
         repo().join("deploy/examples/nodelocal-dnscache.toml"),
-        dir.join("configmap.toml"),
+        repo().join(BASE).join("config.toml"),
     ] {
         let (ok, said) = check_config(&path);
         assert!(ok, "{}: {said}", path.display());
         assert!(said.contains("valid"), "{said}");
     }
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// `(section, key)` → values, in file order, of a systemd unit (comments and blank lines out).
@@ -1071,6 +1085,67 @@ fn find<'a>(objects: &'a [serde_json::Value], kind: &str) -> &'a serde_json::Val
         .unwrap_or_else(|| panic!("no {kind}"))
 }
 
+/// The base, relative to an overlay `depth` levels below `dir` (kustomize refuses absolute
+/// paths).
+fn base_from(dir: &Path, depth: usize) -> String {
+    let up = "../".repeat(depth + dir.components().count() - 1);
+    format!(
+        "{up}{}",
+        repo()
+            .join(BASE)
+            .display()
+            .to_string()
+            .trim_start_matches('/')
+    )
+}
+
+/// The ConfigMap's name carries a hash of config.toml, and the DaemonSet names it: a changed
+/// configuration is a changed pod template, which the DaemonSet rolls out one node at a time,
+/// never read at once by every pod that restarts. An overlay that replaces config.toml (the way
+/// config.toml says) gets a name of its own.
+#[test]
+fn a_changed_configuration_rolls_out_like_an_image() {
+    let (configmap, named) = generated_config(&kustomize(&repo().join(BASE)));
+    let name = configmap.metadata.name.clone().expect("a name");
+    assert!(name.starts_with("redirector-config-"), "{name}");
+    assert_eq!(named, name, "the DaemonSet names the generated ConfigMap");
+    assert_eq!(
+        configmap
+            .data
+            .as_ref()
+            .and_then(|data| data.get("config.toml")),
+        Some(&configmap_config())
+    );
+
+    let dir = scratch("changed-config");
+    let base = base_from(&dir, 0);
+    std::fs::write(
+        dir.join("config.toml"),
+        format!(
+            "{}\nsocket_reconcile_interval_ms = 4000\n",
+            configmap_config()
+        ),
+    )
+    .expect("written");
+    std::fs::write(
+        dir.join("kustomization.yaml"),
+        format!(
+            "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nresources:\n  - \
+             {base}\nconfigMapGenerator:\n  - name: redirector-config\n    behavior: replace\n    \
+             files:\n      - config.toml\n"
+        ),
+    )
+    .expect("written");
+    let (changed, changed_named) = generated_config(&kustomize(&dir));
+    let changed_name = changed.metadata.name.expect("a name");
+    assert_ne!(
+        changed_name, name,
+        "a changed configuration kept the ConfigMap's name"
+    );
+    assert_eq!(changed_named, changed_name);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn the_overlays_put_the_rbac_next_to_kube_dns() {
     let objects = kustomize(&repo().join(OVERLAY));
@@ -1105,18 +1180,7 @@ fn the_overlays_put_the_rbac_next_to_kube_dns() {
     // overlay chooses the namespace, a second puts the Role and RoleBinding back in kube-system
     // and names the subject's namespace (kustomize drops it when the binding moves).
     let dir = scratch("other-namespace");
-    let base_from = |depth: usize| {
-        // Relative from DIR/<depth levels> to the base (kustomize refuses absolute paths).
-        let up = "../".repeat(depth + dir.components().count() - 1);
-        format!(
-            "{up}{}",
-            repo()
-                .join(BASE)
-                .display()
-                .to_string()
-                .trim_start_matches('/')
-        )
-    };
+    let base_from = |depth: usize| base_from(&dir, depth);
     std::fs::create_dir_all(dir.join("namespace")).expect("a directory");
     std::fs::create_dir_all(dir.join("rbac")).expect("a directory");
     std::fs::write(
@@ -1226,9 +1290,9 @@ fn the_containerfile_ships_the_tested_binary_with_nft() {
     );
     assert!(runtime.contains("nftables") && runtime.contains("ca-certificates"));
     // The configuration's nft is the Debian package's.
-    let (_, text) = configmap_config();
+    let text = configmap_config();
     assert_eq!(
-        parse_config("configmap.yaml", &text).conntrack.nft,
+        parse_config("config.toml", &text).conntrack.nft,
         PathBuf::from("/usr/sbin/nft")
     );
 }
@@ -1254,7 +1318,7 @@ fn promtool(args: &[&str]) -> String {
 #[test]
 fn the_alert_rules_are_valid_and_fire_as_their_tests_say() {
     let checked = promtool(&["check", "rules", "redirector.rules.yml"]);
-    assert!(checked.contains("SUCCESS: 12 rules found"), "{checked}");
+    assert!(checked.contains("SUCCESS: 14 rules found"), "{checked}");
     promtool(&["test", "rules", "redirector.rules.test.yml"]);
     // Every alert has a unit test, and every metric an alert reads is one the agent serves.
     let rules = read("deploy/prometheus/redirector.rules.yml");
@@ -1311,7 +1375,7 @@ fn served_metrics() -> String {
         counters: redirector::telemetry::snapshot::CounterSnapshot::default(),
         flips: redirector::telemetry::snapshot::FlipCounts::default(),
     };
-    let stats = redirector::telemetry::stats::AgentStats::default();
+    let stats = redirector::telemetry::stats::AgentStats::for_node("node-a".to_owned());
     stats.record_probe("node", true, std::time::Duration::from_millis(1));
     stats.record_probe_servfail("node");
     stats.record_pool_left_out("node", 0);
@@ -1384,6 +1448,59 @@ fn the_dashboard_reads_only_metrics_the_agent_serves() {
         .map(|panel| panel["id"].as_u64().expect("an id"))
         .collect();
     assert_eq!(ids.len(), panels.len(), "panel ids are unique");
+}
+
+/// Every dashboard variable that lists a label's values (`label_values(METRIC, LABEL)`) reads a
+/// label the agent serves on that metric: the Node variable lists node names, not addresses.
+#[test]
+fn the_dashboard_variables_read_labels_the_agent_serves() {
+    let dashboard: serde_json::Value =
+        serde_json::from_str(&read("deploy/grafana/redirector.json")).expect("JSON");
+    let served = served_metrics();
+    let variables = dashboard["templating"]["list"]
+        .as_array()
+        .expect("variables");
+    let mut checked = 0;
+    for variable in variables {
+        let Some(query) = variable["query"].as_str() else {
+            continue;
+        };
+        let Some(arguments) = query
+            .strip_prefix("label_values(")
+            .and_then(|rest| rest.strip_suffix(')'))
+        else {
+            continue;
+        };
+        let (selector, label) = arguments.rsplit_once(',').expect("METRIC, LABEL");
+        let metric = selector.split('{').next().expect("a metric").trim();
+        let label = label.trim();
+        checked += 1;
+        if ["instance", "job"].contains(&label) {
+            // Prometheus adds these to every series it scrapes.
+            continue;
+        }
+        let series: Vec<&str> = served
+            .lines()
+            .filter(|line| line.starts_with(&format!("{metric}{{")))
+            .collect();
+        assert!(!series.is_empty(), "{query}: the agent serves no {metric}");
+        for line in series {
+            assert!(
+                line.contains(&format!("{label}=\"")),
+                "{query}: {line} has no {label} label"
+            );
+        }
+    }
+    assert!(checked >= 2, "{checked} label_values variables");
+    let node = variables
+        .iter()
+        .find(|variable| variable["label"] == "Node")
+        .expect("a Node variable");
+    assert_eq!(node["query"], "label_values(redirector_build_info, node)");
+    assert!(
+        served.contains("node=\"node-a\""),
+        "redirector_build_info carries the node's name"
+    );
 }
 
 /// The cache-drain examples run the drain the CLI has: the DaemonSet patch keeps its fields as a
@@ -1482,4 +1599,83 @@ fn the_cache_drain_examples_run_the_drain_the_cli_has() {
     let mut unit_args: Vec<String> = words.map(str::to_owned).collect();
     unit_args.extend(["--pin-dir".to_owned(), nobody.display().to_string()]);
     run(&unit_args);
+}
+
+/// The sample in docs/configuration.md: a copy starts under the shipped unit. It parses; every
+/// setting shown commented out parses when uncommented; the sections show their defaults; and
+/// what it needs (no `cache_netns`: CAP_SYS_ADMIN) is in the unit's bounding set.
+#[test]
+fn the_documented_sample_configuration_starts_under_the_unit() {
+    let page = read("docs/configuration.md");
+    let sample = page
+        .split("```toml\n")
+        .nth(1)
+        .and_then(|rest| rest.split("\n```").next())
+        .expect("docs/configuration.md's first toml block");
+    let config = parse_config("the sample", sample);
+    let unit = unit_settings(&read("deploy/systemd/redirector.service"));
+    let granted: BTreeSet<String> = unit
+        .get(&("Service".to_owned(), "CapabilityBoundingSet".to_owned()))
+        .into_iter()
+        .flatten()
+        .flat_map(|value| value.split_whitespace().map(str::to_owned))
+        .collect();
+    for need in redirector::sys::capabilities::needs(config.cache_netns.is_some()) {
+        assert!(
+            granted.contains(need.capability.name),
+            "the sample needs {} ({}), which the unit does not grant",
+            need.capability.name,
+            need.why
+        );
+    }
+    assert!(
+        config.kubernetes.kubeconfig.is_none(),
+        "the sample names a kubeconfig"
+    );
+
+    let lines: Vec<&str> = sample.lines().collect();
+    let mut commented = 0;
+    for (index, line) in lines.iter().enumerate() {
+        let Some(setting) = line.strip_prefix("# ") else {
+            continue;
+        };
+        let Some((key, _)) = setting.split_once(" = ") else {
+            continue;
+        };
+        if key.contains(' ') {
+            continue;
+        }
+        let mut uncommented = lines.clone();
+        uncommented[index] = setting;
+        let text = uncommented.join("\n");
+        if key == "cache_netns" {
+            // Entering a namespace needs CAP_SYS_ADMIN: the line says so.
+            assert!(Config::parse(&text).expect("parses").cache_netns.is_some());
+        } else {
+            parse_config(&format!("the sample with {key} uncommented"), &text);
+        }
+        commented += 1;
+    }
+    assert!(commented >= 10, "{commented} commented settings");
+
+    // The sections' values are the defaults: the sample without them parses alike.
+    let mut section = "";
+    let bare: Vec<&str> = lines
+        .iter()
+        .copied()
+        .filter(|line| {
+            if line.starts_with('[') {
+                section = line;
+                return true;
+            }
+            let in_section = !section.is_empty() && !section.starts_with("[[");
+            !(in_section && line.contains(" = ") && !line.starts_with('#'))
+        })
+        .collect();
+    let defaults = parse_config("the sample without its sections' values", &bare.join("\n"));
+    assert_eq!(
+        format!("{defaults:?}"),
+        format!("{config:?}"),
+        "a section of the sample shows a value that is not the default"
+    );
 }

@@ -1,8 +1,11 @@
 //! The drain socket: a unix socket on which a cache's stop hook (a DaemonSet's `preStop`, a
 //! unit's `ExecStop`) asks the agent to drain its listener (`redirector drain --socket`), with
-//! neither the pins nor CAP_BPF of its own. It is no network endpoint: only a process that can
-//! open the socket file (mode 0600, root's) reaches it, so a cache's pod must be given the
-//! socket's directory, and nothing else, to drain.
+//! neither the pins nor CAP_BPF of its own, and on which an operator asks the agent to probe a
+//! listener's cache (`redirector probe`): the agent's sockets are never steered, so its probe
+//! reaches the cache whatever the listener's route, which a `dig` to the cache's address (a
+//! listener address in both shipped layouts) cannot. It is no network endpoint: only a process
+//! that can open the socket file (mode 0600, root's) reaches it, so a cache's pod must be given
+//! the socket's directory, and nothing else, to drain.
 
 use std::{
     os::unix::fs::PermissionsExt as _,
@@ -18,7 +21,13 @@ use tokio::{
 use tracing::{info, warn};
 
 use super::AgentError;
-use crate::liveness::drain::{self, DrainReply, DrainRequest};
+use crate::liveness::{
+    drain::{self, DrainReply, DrainRequest},
+    probe::{self, ProbeRequest, Prober},
+};
+
+/// The listeners' probers, by name: what `redirector probe` asks for.
+pub type Probers = std::sync::Arc<Vec<(String, Prober)>>;
 
 /// How long a client has to send its request.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
@@ -36,6 +45,7 @@ pub fn serve(
     path: &Path,
     pin_dir: PathBuf,
     cache_netns: Option<PathBuf>,
+    probers: Probers,
 ) -> Result<JoinHandle<()>, AgentError> {
     let failed = |source| AgentError::DrainSocket {
         path: path.to_owned(),
@@ -60,7 +70,7 @@ pub fn serve(
                 Ok((stream, _)) => {
                     let pin_dir = pin_dir.clone();
                     let cache_netns = cache_netns.clone();
-                    tokio::spawn(answer(stream, pin_dir, cache_netns));
+                    tokio::spawn(answer(stream, pin_dir, cache_netns, probers.clone()));
                 }
                 Err(error) => {
                     warn!(error = %error, "accepting on the drain socket failed");
@@ -72,7 +82,12 @@ pub fn serve(
 }
 
 /// Reads one request, does it, writes one reply.
-async fn answer(stream: UnixStream, pin_dir: PathBuf, cache_netns: Option<PathBuf>) {
+async fn answer(
+    stream: UnixStream,
+    pin_dir: PathBuf,
+    cache_netns: Option<PathBuf>,
+    probers: Probers,
+) {
     let (reader, mut writer) = stream.into_split();
     let mut line = String::new();
     let read = tokio::time::timeout(
@@ -80,6 +95,13 @@ async fn answer(stream: UnixStream, pin_dir: PathBuf, cache_netns: Option<PathBu
         BufReader::new(tokio::io::AsyncReadExt::take(reader, MAX_REQUEST)).read_line(&mut line),
     )
     .await;
+    if let Ok(Ok(_)) = &read
+        && let Ok(request) = serde_json::from_str::<ProbeRequest>(&line)
+    {
+        let reply = probe_now(&probers, &request.probe).await;
+        write_reply(&mut writer, &reply).await;
+        return;
+    }
     let reply = match read {
         Ok(Ok(_)) => match serde_json::from_str::<DrainRequest>(&line) {
             Ok(request) => {
@@ -115,7 +137,35 @@ async fn answer(stream: UnixStream, pin_dir: PathBuf, cache_netns: Option<PathBu
             message: "no request within 5 s".to_owned(),
         },
     };
-    let Ok(mut text) = serde_json::to_string(&reply) else {
+    write_reply(&mut writer, &reply).await;
+}
+
+/// Probes listener `name`'s cache once, as the agent's probes do.
+async fn probe_now(probers: &Probers, name: &str) -> DrainReply {
+    let Some((_, prober)) = probers.iter().find(|(listener, _)| listener == name) else {
+        let known: Vec<&str> = probers
+            .iter()
+            .map(|(listener, _)| listener.as_str())
+            .collect();
+        return DrainReply {
+            ok: false,
+            message: format!(
+                "the agent has no listener {name:?}; its listeners: {}",
+                known.join(", ")
+            ),
+        };
+    };
+    let outcome = prober.probe().await;
+    info!(listener = %name, outcome = ?outcome, "probe asked for on the drain socket");
+    DrainReply {
+        ok: outcome.is_alive(),
+        message: probe::describe(name, prober.target(), &outcome),
+    }
+}
+
+/// Writes one reply line; a client that left gets none.
+async fn write_reply(writer: &mut tokio::net::unix::OwnedWriteHalf, reply: &DrainReply) {
+    let Ok(mut text) = serde_json::to_string(reply) else {
         return;
     };
     text.push('\n');

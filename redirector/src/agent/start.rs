@@ -170,7 +170,8 @@ impl Agent {
             };
             tokio::task::spawn_blocking(move || Datapath::load(&options, plan))
         };
-        let stats = Arc::new(AgentStats::default());
+        let node = sources::node_name();
+        let stats = Arc::new(AgentStats::for_node(node.clone()));
         // Ends with a failed start (a failed load included): a table it keeps would outlive the
         // revert.
         let bypass = start_conntrack_bypass(config, netns, &stats)
@@ -270,6 +271,9 @@ impl Agent {
             .map_err(AgentError::Seed)?;
         phases.end("seed");
         let listeners = first_verdicts(config, &ids, &worker, &mut maps).await?;
+        for listener in &listeners {
+            stats.record_pool_source(&listener.name, listener.source);
+        }
         phases.end("first_probes");
 
         // Bound before attaching, so a port in use stops the start with the running set (if
@@ -312,6 +316,12 @@ impl Agent {
                 path,
                 config.pin_dir.clone(),
                 config.cache_netns.clone(),
+                Arc::new(
+                    listeners
+                        .iter()
+                        .map(|listener| (listener.name.clone(), listener.prober.clone()))
+                        .collect(),
+                ),
             )?),
             None => None,
         };
@@ -321,7 +331,6 @@ impl Agent {
         }
         phases.end("recount");
 
-        let node = sources::node_name();
         let node_events = kube_client.as_ref().map(|client| {
             telemetry::node_events::NodeEvents::start(client.clone(), &node, Arc::clone(&stats))
         });

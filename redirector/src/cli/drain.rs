@@ -72,7 +72,9 @@ pub(crate) fn drain(args: &DrainArgs) -> anyhow::Result<()> {
         settle_ms: args.settle_ms,
     };
     if let Some(socket) = &args.socket {
-        let reply = ask_agent(socket, &request)?;
+        // The agent answers once the wait is over, or has failed.
+        let patience = Duration::from_millis(request.timeout_ms + request.settle_ms);
+        let reply = ask_agent(socket, &request, "drain", patience)?;
         if !reply.ok {
             bail!("the agent could not drain: {}", reply.message);
         }
@@ -91,8 +93,14 @@ pub(crate) fn drain(args: &DrainArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Sends `request` on the agent's drain socket and reads its one-line reply.
-fn ask_agent(socket: &std::path::Path, request: &DrainRequest) -> anyhow::Result<DrainReply> {
+/// Sends `request` (a `what`, for messages) on the agent's drain socket and reads its one-line
+/// reply, waiting `patience` and 5 s more for it.
+pub(crate) fn ask_agent(
+    socket: &std::path::Path,
+    request: &impl serde::Serialize,
+    what: &str,
+    patience: Duration,
+) -> anyhow::Result<DrainReply> {
     let mut stream = UnixStream::connect(socket).with_context(|| {
         format!(
             "cannot reach the agent's drain socket {} (is the agent running, and is the socket's \
@@ -100,21 +108,19 @@ fn ask_agent(socket: &std::path::Path, request: &DrainRequest) -> anyhow::Result
             socket.display()
         )
     })?;
-    // The agent answers once the wait is over, or has failed.
-    let patience =
-        Duration::from_millis(request.timeout_ms + request.settle_ms) + Duration::from_secs(5);
     stream
-        .set_read_timeout(Some(patience))
+        .set_read_timeout(Some(patience + Duration::from_secs(5)))
         .context("setting the drain socket's timeout")?;
-    let mut line = serde_json::to_string(request).context("encoding the drain request")?;
+    let mut line =
+        serde_json::to_string(request).with_context(|| format!("encoding the {what}"))?;
     line.push('\n');
     stream
         .write_all(line.as_bytes())
-        .context("sending the drain request")?;
+        .with_context(|| format!("sending the {what}"))?;
     let mut reply = String::new();
     BufReader::new(stream)
         .read_line(&mut reply)
-        .context("reading the agent's answer to the drain")?;
+        .with_context(|| format!("reading the agent's answer to the {what}"))?;
     serde_json::from_str(&reply)
-        .with_context(|| format!("the agent's answer to the drain is not one: {reply:?}"))
+        .with_context(|| format!("the agent's answer to the {what} is not one: {reply:?}"))
 }

@@ -4,6 +4,7 @@
 pub(crate) mod cache;
 pub(crate) mod check_config;
 pub(crate) mod drain;
+pub(crate) mod probe;
 pub(crate) mod run;
 pub(crate) mod state;
 pub(crate) mod status;

@@ -46,6 +46,43 @@ impl ProbeOutcome {
     }
 }
 
+/// `redirector probe`'s request on the agent's drain socket: probe listener `probe`'s cache now,
+/// from the agent (whose sockets the programs never steer), and say what answered. A request of
+/// its own shape, so that an agent of a release without it refuses it as no drain request.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ProbeRequest {
+    /// The listener's name.
+    pub probe: String,
+}
+
+/// What an asked-for probe found, for people: whether the cache served, and the answer's source.
+#[must_use]
+pub fn describe(listener: &str, target: SocketAddr, outcome: &ProbeOutcome) -> String {
+    let asked = "asked from the agent, whose sockets the programs never steer: this is the \
+                 cache's own answer, whatever the listener's route";
+    match outcome {
+        ProbeOutcome::Alive {
+            latency,
+            servfail: false,
+        } => format!(
+            "the cache of listener {listener} at {target} serves: it answered in {:.1} ms ({asked})",
+            latency.as_secs_f64() * 1000.0
+        ),
+        ProbeOutcome::Alive {
+            latency,
+            servfail: true,
+        } => format!(
+            "the cache of listener {listener} at {target} serves but answered SERVFAIL in {:.1} ms: \
+             its own upstreams fail ({asked})",
+            latency.as_secs_f64() * 1000.0
+        ),
+        ProbeOutcome::Failed { reason } => format!(
+            "the cache of listener {listener} at {target} does not serve: {reason} ({asked})"
+        ),
+    }
+}
+
 /// Probes one cache.
 #[derive(Clone, Debug)]
 pub struct Prober {

@@ -48,9 +48,16 @@ pub fn render(listeners: &[ListenerSnapshot], stats: &AgentStats) -> String {
     let mut registry = Registry::with_prefix("redirector");
 
     let build = GaugeFamily::default();
-    registry.register("build_info", "The running agent's version", build.clone());
+    registry.register(
+        "build_info",
+        "The running agent's version, and its node's name (NODE_NAME, else the hostname)",
+        build.clone(),
+    );
     build
-        .get_or_create(&labels(&[("version", env!("CARGO_PKG_VERSION"))]))
+        .get_or_create(&labels(&[
+            ("version", env!("CARGO_PKG_VERSION")),
+            ("node", stats.node()),
+        ]))
         .set(1);
     let ready = Gauge::<i64>::default();
     registry.register(
@@ -119,7 +126,8 @@ fn register_listeners(registry: &mut Registry, listeners: &[ListenerSnapshot], s
     let backends = GaugeFamily::default();
     registry.register(
         "pool_backends",
-        "Upstream targets in a listener's pool",
+        "Upstream targets in a listener's pool, with the pool's source (static, kubernetes, \
+         resolv.conf): a static pool configured empty is no fault",
         backends.clone(),
     );
     let flips = CounterFamily::default();
@@ -223,7 +231,10 @@ fn register_listeners(registry: &mut Registry, listeners: &[ListenerSnapshot], s
                 .inc_by(count);
         }
         backends
-            .get_or_create(&labels(&[("listener", name)]))
+            .get_or_create(&labels(&[
+                ("listener", name),
+                ("source", stats.pool_source(name).unwrap_or("unknown")),
+            ]))
             .set(i64::try_from(listener.pool.len()).unwrap_or(i64::MAX));
         failover
             .get_or_create(&labels(&[("listener", name)]))

@@ -86,6 +86,8 @@ struct Observations {
     probes: HashMap<(String, bool), (u64, Duration)>,
     probe_servfails: HashMap<String, u64>,
     pool_left_out: HashMap<String, usize>,
+    /// listener → the source of its pool (`static`, `kubernetes`, `resolv_conf`).
+    pool_sources: HashMap<String, &'static str>,
     /// (listener, target) → whether its last checks left it in the pool.
     upstream_up: HashMap<(String, String), bool>,
     /// (listener, answered) → checks of its upstream targets.
@@ -111,6 +113,10 @@ pub struct AgentStats {
     /// Milliseconds since `started` of the control loop's last turn.
     heartbeat_ms: AtomicU64,
     started: Instant,
+    /// The node's name (`sources::node_name`), the `node` label of `redirector_build_info`:
+    /// what joins the agent's series to an inventory of nodes (kube-state-metrics'
+    /// `kube_node_info`) for the alert on a node with no agent.
+    node: String,
 }
 
 impl Default for AgentStats {
@@ -128,11 +134,27 @@ impl Default for AgentStats {
             ready: AtomicBool::new(false),
             heartbeat_ms: AtomicU64::new(0),
             started: Instant::now(),
+            node: String::new(),
         }
     }
 }
 
 impl AgentStats {
+    /// The statistics of the agent on node `node`.
+    #[must_use]
+    pub fn for_node(node: String) -> Self {
+        Self {
+            node,
+            ..Self::default()
+        }
+    }
+
+    /// The node's name (empty where none is known).
+    #[must_use]
+    pub fn node(&self) -> &str {
+        &self.node
+    }
+
     fn observations(&self) -> MutexGuard<'_, Observations> {
         // A panic while holding the lock must not stop the agent from reporting.
         self.observations
@@ -206,6 +228,19 @@ impl AgentStats {
             .pool_syncs
             .entry(listener.to_owned())
             .or_default() += 1;
+    }
+
+    /// Records where a listener's pool comes from.
+    pub fn record_pool_source(&self, listener: &str, source: &'static str) {
+        self.observations()
+            .pool_sources
+            .insert(listener.to_owned(), source);
+    }
+
+    /// Where a listener's pool comes from, if recorded.
+    #[must_use]
+    pub fn pool_source(&self, listener: &str) -> Option<&'static str> {
+        self.observations().pool_sources.get(listener).copied()
     }
 
     /// Records how many upstreams of a listener's desired pool did not fit the kernel's.

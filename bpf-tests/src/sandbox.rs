@@ -683,12 +683,22 @@ impl Sandbox {
 
     /// Starts upstreams A and B.
     pub fn start_upstreams(&mut self) -> anyhow::Result<()> {
+        self.start_upstream_a()?;
+        self.start_upstream_b()
+    }
+
+    /// Starts "upstream A" on its IPv4 and IPv6 addresses (again, after `stop_server`).
+    pub fn start_upstream_a(&mut self) -> anyhow::Result<()> {
         self.start_server(
             "upstream A",
             Ns::Upstream,
             &[dns(topology::UPSTREAM_A_V4), dns(topology::UPSTREAM_A_V6)],
             UPSTREAM_A,
-        )?;
+        )
+    }
+
+    /// Starts "upstream B" on its IPv4 and IPv6 addresses (again, after `stop_server`).
+    pub fn start_upstream_b(&mut self) -> anyhow::Result<()> {
         self.start_server(
             "upstream B",
             Ns::Upstream,

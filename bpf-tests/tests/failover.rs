@@ -893,9 +893,7 @@ fn node_pool(harness: &Harness) -> anyhow::Result<Vec<std::net::IpAddr>> {
 /// its first answer; with both dead, the pool keeps both (an empty pool would fail DNS at once).
 #[test]
 fn a_dead_upstream_leaves_the_pool_and_returns_when_it_answers() -> anyhow::Result<()> {
-    use bpf_tests::topology::{
-        UPSTREAM_A, UPSTREAM_A_V4, UPSTREAM_A_V6, UPSTREAM_B, UPSTREAM_B_V4, UPSTREAM_B_V6,
-    };
+    use bpf_tests::topology::{UPSTREAM_A_V4, UPSTREAM_B_V4};
     let mut harness = Harness::standard(tools!())?;
     let (a, b) = (
         std::net::IpAddr::V4(UPSTREAM_A_V4),
@@ -915,12 +913,7 @@ fn a_dead_upstream_leaves_the_pool_and_returns_when_it_answers() -> anyhow::Resu
         assert_eq!(answered_by(&harness.sandbox)?, "upstream A");
     }
 
-    harness.sandbox.start_server(
-        "upstream B",
-        Ns::Upstream,
-        &[dns(UPSTREAM_B_V4), dns(UPSTREAM_B_V6)],
-        UPSTREAM_B,
-    )?;
+    harness.sandbox.start_upstream_b()?;
     harness.wait_until("B returns to the pool", Duration::from_secs(5), |harness| {
         Ok(node_pool(harness)? == [a, b])
     })?;
@@ -934,12 +927,7 @@ fn a_dead_upstream_leaves_the_pool_and_returns_when_it_answers() -> anyhow::Resu
         [a, b],
         "a pool is never emptied for its checks"
     );
-    harness.sandbox.start_server(
-        "upstream A",
-        Ns::Upstream,
-        &[dns(UPSTREAM_A_V4), dns(UPSTREAM_A_V6)],
-        UPSTREAM_A,
-    )?;
+    harness.sandbox.start_upstream_a()?;
     harness.wait_until("the answering A alone", Duration::from_secs(5), |harness| {
         Ok(node_pool(harness)? == [a])
     })?;

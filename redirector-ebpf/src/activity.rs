@@ -127,11 +127,12 @@ pub fn note_cache_read(ctx: &SockAddrContext) {
         return;
     };
     // SAFETY: an element of an array map, 8-byte aligned; changed by atomics only.
-    if unsafe { read_volatile(pending) } == 0 {
+    let wanted = unsafe { read_volatile(pending) };
+    if wanted == 0 {
         return;
     }
-    // SAFETY: as above.
-    let listeners = reader_listeners(ctx) & unsafe { read_volatile(pending) };
+    // A bit set after this load is caught by the socket's next read.
+    let listeners = reader_listeners(ctx) & wanted;
     if listeners == 0 {
         return;
     }

@@ -434,13 +434,6 @@ impl Maps {
             .map_err(write(names::MAP_CACHE_PENDING))
     }
 
-    /// The listeners whose cache's next read the programs want (a bit per id).
-    pub fn wanted_reads(&self) -> Result<u64, DatapathError> {
-        self.cache_pending
-            .get(&0, 0)
-            .map_err(read(names::MAP_CACHE_PENDING))
-    }
-
     /// Listener `id`'s stall limit and the clock of its cache's activity stamps.
     pub fn stall_timing(&self, id: u32) -> Result<StallTiming, DatapathError> {
         self.stall_timing

@@ -14,6 +14,7 @@ use std::{
     process::Command,
 };
 
+use common::{read, repo};
 use k8s_openapi::{
     api::{
         apps::v1::DaemonSet,
@@ -25,6 +26,8 @@ use k8s_openapi::{
 use redirector::config::{Config, UpstreamSource};
 use serde::{Deserialize as _, Serialize, de::DeserializeOwned};
 
+mod common;
+
 /// The Kustomize base, relative to the repository.
 const BASE: &str = "deploy/kubernetes/base";
 /// The overlay that deploys it in kube-system.
@@ -33,18 +36,6 @@ const OVERLAY: &str = "deploy/kubernetes/overlays/kube-system";
 const AGENT: &str = "redirector";
 /// The init container that mounts bpffs when the node has none.
 const PREPARE_NODE: &str = "prepare-node";
-
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("the crate lives in the workspace")
-        .to_owned()
-}
-
-fn read(relative: &str) -> String {
-    let path = repo().join(relative);
-    std::fs::read_to_string(&path).unwrap_or_else(|error| panic!("{}: {error}", path.display()))
-}
 
 /// Where `a` and `b` differ, as JSON pointers (`/spec/template/...`).
 fn differences(a: &serde_json::Value, b: &serde_json::Value, at: &str, out: &mut Vec<String>) {
@@ -718,10 +709,7 @@ fn check_config(path: &Path) -> (bool, String) {
 
 /// A fresh scratch directory for one test.
 fn scratch(tag: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("redirector-deploy-{}-{tag}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("a scratch directory");
-    dir
+    common::scratch("deploy", tag)
 }
 
 #[test]
@@ -1297,22 +1285,9 @@ fn the_containerfile_ships_the_tested_binary_with_nft() {
     );
 }
 
-/// Runs `promtool ARGS` in deploy/prometheus and returns what it printed; fails when it fails.
+/// Runs `promtool ARGS` in deploy/prometheus.
 fn promtool(args: &[&str]) -> String {
-    let output = Command::new("promtool")
-        .args(args)
-        .current_dir(repo().join("deploy/prometheus"))
-        .output()
-        .unwrap_or_else(|error| {
-            panic!("running promtool (install prometheus; `cargo xtask test` does): {error}")
-        });
-    let said = format!(
-        "{}{}",
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    );
-    assert!(output.status.success(), "promtool {args:?}: {said}");
-    said
+    common::promtool(&repo().join("deploy/prometheus"), args)
 }
 
 #[test]
@@ -1390,7 +1365,7 @@ fn served_metrics() -> String {
         reason: redirector_common::listener::Reason::NoSockets,
         at: std::time::SystemTime::now(),
     });
-    redirector::telemetry::metrics::render(&[listener], &stats)
+    redirector::telemetry::metrics::render(&[listener], &stats, std::time::SystemTime::now())
 }
 
 /// The metric families a PromQL text reads (`redirector_...`, without the suffixes Prometheus

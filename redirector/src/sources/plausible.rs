@@ -26,6 +26,18 @@ pub enum Rejection {
 }
 
 impl Rejection {
+    /// Every reason, in the order of the variants.
+    pub const ALL: [Self; 8] = [
+        Self::Unparseable,
+        Self::Loopback,
+        Self::Unspecified,
+        Self::Multicast,
+        Self::LinkLocal,
+        Self::Listener,
+        Self::WrongFamily,
+        Self::NoDnsPort,
+    ];
+
     /// The name used in logs and metrics.
     #[must_use]
     pub fn name(self) -> &'static str {

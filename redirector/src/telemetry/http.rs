@@ -199,6 +199,7 @@ impl Endpoint {
                 let mut response = Response::new(Full::new(Bytes::from(metrics::render(
                     &listeners,
                     &self.stats,
+                    std::time::SystemTime::now(),
                 ))));
                 if let Ok(value) =
                     "application/openmetrics-text; version=1.0.0; charset=utf-8".parse()

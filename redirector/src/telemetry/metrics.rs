@@ -42,9 +42,10 @@ fn labels(pairs: &[(&'static str, &str)]) -> Labels {
         .collect()
 }
 
-/// Renders every metric. `listeners` from [`super::snapshot::listeners`].
+/// Renders every metric as of `now` (the scrape's time: what ages are measured to).
+/// `listeners` from [`super::snapshot::listeners`].
 #[must_use]
-pub fn render(listeners: &[ListenerSnapshot], stats: &AgentStats) -> String {
+pub fn render(listeners: &[ListenerSnapshot], stats: &AgentStats, now: SystemTime) -> String {
     let mut registry = Registry::with_prefix("redirector");
 
     let build = GaugeFamily::default();
@@ -68,7 +69,7 @@ pub fn render(listeners: &[ListenerSnapshot], stats: &AgentStats) -> String {
     ready.set(i64::from(stats.is_ready()));
 
     register_listeners(&mut registry, listeners, stats);
-    register_agent(&mut registry, stats);
+    register_agent(&mut registry, stats, now);
 
     let mut text = String::new();
     // Writing into a String cannot fail.
@@ -243,7 +244,7 @@ fn register_listeners(registry: &mut Registry, listeners: &[ListenerSnapshot], s
 }
 
 /// What the agent observed.
-fn register_agent(registry: &mut Registry, stats: &AgentStats) {
+fn register_agent(registry: &mut Registry, stats: &AgentStats, now: SystemTime) {
     let transitions = CounterFamily::default();
     registry.register(
         "route_transitions",
@@ -339,10 +340,7 @@ fn register_agent(registry: &mut Registry, stats: &AgentStats) {
         let source_labels = labels(&[("source", source)]);
         syncs.get_or_create(&source_labels).inc_by(synced.count);
         if let Some(last) = synced.last_success {
-            let age = SystemTime::now()
-                .duration_since(last)
-                .unwrap_or_default()
-                .as_secs_f64();
+            let age = now.duration_since(last).unwrap_or_default().as_secs_f64();
             sync_age.get_or_create(&source_labels).set(age);
         }
     }

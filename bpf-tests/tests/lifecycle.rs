@@ -1,6 +1,7 @@
 //! The agent's lifecycle: restarts (kill -9, SIGTERM, a new binary) under a continuous query
 //! stream lose no query, state survives them, one agent runs per node, pins of another version
-//! are refused, uninstall leaves nothing behind, and the node pool follows resolv.conf.
+//! are refused, uninstall leaves nothing behind, the node pool follows resolv.conf, and after a
+//! reboot (no pins) DNS is steered from the agent's first start.
 
 use std::{net::IpAddr, time::Duration};
 
@@ -780,5 +781,85 @@ fn an_agent_whose_cache_namespace_is_replaced_exits_to_follow_it() -> anyhow::Re
     drop(agent);
     uninstall(&config)?;
     drop(caches);
+    Ok(())
+}
+
+/// A node's reboot under the DaemonSet (docs/operations.md, "At a node's reboot"): the pins went
+/// with the bpffs, and kubelet starts pods in no order. Until the agent's first start nothing
+/// steers, so a pod's DNS to the listener reaches only what listens there: with the cache not up
+/// yet, nothing, and every query fails as it would without redirector. The agent's start with no
+/// pins steers the next queries to the upstreams (the cache has no socket), loses none after
+/// that, and fails back when the cache comes.
+#[test]
+fn after_a_reboot_dns_fails_only_until_the_agents_first_start() -> anyhow::Result<()> {
+    let mut sandbox = Sandbox::new(tools!())?;
+    sandbox.start_upstreams()?;
+    let config = write_standard_config(&sandbox)?;
+    assert!(
+        !sandbox.pin_dir().exists(),
+        "a fresh bpffs holds no pins, as after a reboot"
+    );
+    let stream = Stream::start(
+        &sandbox,
+        Ns::Pod,
+        dns(NODE_LISTENER),
+        Duration::from_secs(120),
+    )?;
+    pause(1000);
+    let spawned = now_ms();
+    let agent = start_agent(&config)?;
+    let steering = now_ms();
+    pause(1000);
+    sandbox.start_cache("cache", &CacheSpec::standard())?;
+    let cache_started = now_ms();
+    let report = stream.stop_once(
+        "failback to the cache that came after the agent",
+        Duration::from_secs(10),
+        |report| report.first_cache_answer(cache_started).is_some(),
+    )?;
+
+    let start = report.started_ms();
+    let before: Vec<_> = report.between(0, spawned).collect();
+    assert!(
+        !before.is_empty(),
+        "no query before the agent: {}",
+        report.summary()
+    );
+    assert!(
+        before.iter().all(|record| record.error.is_some()),
+        "a query was answered before the agent started, with no cache: {}",
+        report.summary()
+    );
+    let flipped_by = report.flipped_by(spawned).unwrap_or_else(|| {
+        panic!(
+            "the agent's first start steered nothing upstream: {}",
+            report.summary()
+        )
+    });
+    assert_eq!(
+        report.failures_after_flip(flipped_by),
+        0,
+        "a query failed once the agent steered: {}",
+        report.summary()
+    );
+    let mut errors = std::collections::BTreeMap::new();
+    for record in &before {
+        let error = record.error.as_deref().unwrap_or_default();
+        let kind = error.split(':').next().unwrap_or(error).trim().to_owned();
+        *errors.entry((record.kind.clone(), kind)).or_insert(0) += 1;
+    }
+    println!(
+        "reboot: {} queries before the agent, all failed ({errors:?}); agent spawned at +{} ms, \
+         steering (its log) at +{} ms, the first upstream answer sent by +{} ms; the cache \
+         started at +{} ms; {}",
+        before.len(),
+        spawned - start,
+        steering - start,
+        flipped_by - start,
+        cache_started - start,
+        report.summary()
+    );
+    drop(agent);
+    uninstall(&config)?;
     Ok(())
 }

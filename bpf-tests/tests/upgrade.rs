@@ -296,6 +296,28 @@ fn an_upgrade_across_layouts_and_its_rollback_lose_no_query() -> anyhow::Result<
         !sandbox.pin_dir().join("maps-next").exists(),
         "staged maps left behind"
     );
+    // The first release's CLI on the newer release's pins: it reads and writes the maps every
+    // release keeps, and says whose pins they are.
+    let older_status =
+        redirector_with_env(&["status", "--config", &first.display().to_string()], &[])?;
+    assert_eq!(older_status.code, 0, "{older_status:?}");
+    assert!(
+        older_status.stdout.contains(&format!(
+            "pinned by a newer release (layout {}; this redirector reads layout {LAYOUT_VERSION})",
+            LAYOUT_VERSION + 1
+        )),
+        "{older_status:?}"
+    );
+    assert!(
+        older_status.stdout.contains("operator override"),
+        "{older_status:?}"
+    );
+    let older_state = set_state(&sandbox, "node", "upstream")?;
+    assert_eq!(older_state.code, 0, "{older_state:?}");
+    assert!(
+        older_state.stdout.contains("(was upstream)"),
+        "{older_state:?}"
+    );
     let after_upgrade = attached_ids(&sandbox);
     assert_eq!(after_upgrade.len(), first_ids.len(), "one link per program");
     assert!(
@@ -447,5 +469,86 @@ fn a_start_that_fails_after_its_load_leaves_the_running_set_steering() -> anyhow
     assert_eq!(sandbox.pinned_layout()?, LAYOUT_VERSION + 1);
     drop(agent);
     uninstall(&first)?;
+    Ok(())
+}
+
+/// A newer release's CLI on an older release's pins (what an operator gets who installed the new
+/// binary before the agent restarted): the pins lack a map this release added, and `status` and
+/// `state` say whose pins they are and which binary to run, touching nothing.
+#[test]
+fn a_newer_cli_on_an_older_releases_pins_names_both_layouts_and_changes_nothing()
+-> anyhow::Result<()> {
+    let mut sandbox = Sandbox::new(tools!())?;
+    sandbox.start_standard_servers()?;
+    let config = write_config(&sandbox, "first.toml", "")?;
+    let mut agent = start_agent(&config)?;
+    stop_agent(&mut agent)?;
+    // The pins as the release before this one left them: it recorded its own layout and had no
+    // CACHE_PENDING map yet (#28 added it).
+    let maps = sandbox.pin_dir().join("maps");
+    let datapath_config = maps.join(names::MAP_DATAPATH_CONFIG).display().to_string();
+    let shown: serde_json::Value = serde_json::from_str(&run(
+        "bpftool",
+        [
+            "--json",
+            "map",
+            "lookup",
+            "pinned",
+            &datapath_config,
+            "key",
+            "0",
+            "0",
+            "0",
+            "0",
+        ],
+    )?)?;
+    let mut value: Vec<String> = shown["value"]
+        .as_array()
+        .expect("the value's bytes")
+        .iter()
+        .map(|byte| byte.as_str().expect("a hex byte").to_owned())
+        .collect();
+    // `layout_version`: bytes 4..8, little-endian.
+    for (index, byte) in (LAYOUT_VERSION - 1).to_le_bytes().iter().enumerate() {
+        value[4 + index] = format!("0x{byte:02x}");
+    }
+    let mut update = vec![
+        "map",
+        "update",
+        "pinned",
+        &datapath_config,
+        "key",
+        "0",
+        "0",
+        "0",
+        "0",
+        "value",
+    ];
+    update.extend(value.iter().map(String::as_str));
+    run("bpftool", update)?;
+    std::fs::remove_file(maps.join(names::MAP_CACHE_PENDING))?;
+    let modes = maps.join(names::MAP_LISTENER_MODE).display().to_string();
+    let modes_before = run("bpftool", ["map", "dump", "pinned", &modes])?;
+
+    let config_arg = config.display().to_string();
+    let status = redirector_with_env(&["status", "--config", &config_arg], &[])?;
+    let state = set_state(&sandbox, "node", "upstream")?;
+    for (what, output) in [("status", &status), ("state", &state)] {
+        assert_ne!(output.code, 0, "{what}: {output:?}");
+        assert!(
+            output.stderr.contains(&format!(
+                "are of layout {}, an older release's than this redirector (layout {LAYOUT_VERSION}), and have no {} map yet",
+                LAYOUT_VERSION - 1,
+                names::MAP_CACHE_PENDING
+            )) && output.stderr.contains("run the redirector of the release the agent runs"),
+            "{what}: {output:?}"
+        );
+    }
+    assert_eq!(
+        run("bpftool", ["map", "dump", "pinned", &modes])?,
+        modes_before,
+        "the refused state changed a mode"
+    );
+    uninstall(&config)?;
     Ok(())
 }

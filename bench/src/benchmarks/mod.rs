@@ -9,6 +9,7 @@ pub mod layouts;
 pub mod output;
 pub mod rig;
 pub mod setup;
+pub mod sizing;
 pub mod soak;
 pub mod steering;
 pub mod sync;
@@ -141,4 +142,6 @@ pub struct Report {
     pub sync: sync::SyncLatency,
     /// The agent's and the maps' memory.
     pub memory: setup::Memory,
+    /// The same per `reverse_nat_entries`.
+    pub sizing: Vec<sizing::Sized>,
 }

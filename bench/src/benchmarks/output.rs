@@ -308,6 +308,11 @@ pub fn markdown(report: &Report) -> String {
             .collect::<Vec<_>>()
             .join(", ")
     );
+    let _ = write!(
+        text,
+        "\n**Sizing**: the agent started with each `reverse_nat_entries` (the one setting that sizes a map), on pins migrated to it:\n\n{}",
+        super::sizing::markdown(&report.sizing)
+    );
     text
 }
 

@@ -165,6 +165,18 @@ pub fn memory(rig: &Rig, agent: &TestProcess, since: (f64, Instant)) -> anyhow::
         .find_map(|line| line.strip_prefix("VmRSS:"))
         .and_then(|value| value.split_whitespace().next()?.parse().ok())
         .unwrap_or_default();
+    let maps = pinned_map_memory(rig)?;
+    let maps_total_bytes = maps.iter().map(|(_, bytes)| bytes).sum();
+    Ok(Memory {
+        agent_rss_kib,
+        agent_cpu_percent,
+        maps,
+        maps_total_bytes,
+    })
+}
+
+/// Each pinned map's kernel memory (bpftool's `bytes_memlock`), bytes, in `ALL_MAPS`' order.
+pub fn pinned_map_memory(rig: &Rig) -> anyhow::Result<Vec<(String, u64)>> {
     let mut maps = Vec::new();
     for name in redirector_common::names::ALL_MAPS {
         let pin = rig.sandbox.pin_dir().join("maps").join(name);
@@ -184,13 +196,7 @@ pub fn memory(rig: &Rig, agent: &TestProcess, since: (f64, Instant)) -> anyhow::
             info["bytes_memlock"].as_u64().unwrap_or_default(),
         ));
     }
-    let maps_total_bytes = maps.iter().map(|(_, bytes)| bytes).sum();
-    Ok(Memory {
-        agent_rss_kib,
-        agent_cpu_percent,
-        maps,
-        maps_total_bytes,
-    })
+    Ok(maps)
 }
 
 /// A pause that lets the agent settle (probes, first reconcile) before measuring.

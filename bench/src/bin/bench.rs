@@ -10,7 +10,7 @@ use redirector_bench::benchmarks::{
     failover::{self, Event, FailoverTrials},
     layouts, output,
     rig::Rig,
-    setup, soak, steering,
+    setup, sizing, soak, steering,
     steering::{HOOK_OPERATIONS, Path, TRIALS},
     sync,
 };
@@ -184,6 +184,8 @@ fn main() -> anyhow::Result<()> {
         None => setup::memory(&rig, &agent, agent_cpu_since)?,
     };
     rig.stop_and_uninstall(agent)?;
+    eprintln!("bench: sizing, the agent with each reverse_nat_entries");
+    let sizing = sizing::measure(&rig)?;
 
     eprintln!(
         "bench: soak, {} s at {:.0} % of the cache's capacity ({capacity_qps:.0} queries/s)",
@@ -266,6 +268,7 @@ fn main() -> anyhow::Result<()> {
         start_phases,
         sync,
         memory,
+        sizing,
     };
     output::write(&report, &args.out)?;
     println!("{}", output::markdown(&report));

@@ -155,6 +155,19 @@ pub enum DatapathError {
         #[source]
         source: Box<dyn std::error::Error + Send + Sync>,
     },
+    /// The pins are an older release's, which had no map of this name yet.
+    #[error(
+        "the pins under {pin_dir} are of layout {pinned}, an older release's than this \
+         redirector (layout {reads}), and have no {name} map yet: run the redirector of the \
+         release the agent runs (the binary its unit starts, or `kubectl exec` into its pod); \
+         this release's agent migrates the pins when it starts"
+    )]
+    OlderPins {
+        pin_dir: PathBuf,
+        pinned: u32,
+        reads: u32,
+        name: String,
+    },
     /// A pinned map could not be opened while others are there.
     #[error(
         "cannot open the pinned map {path}: the pins are incomplete or of another redirector \

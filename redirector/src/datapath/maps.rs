@@ -158,7 +158,7 @@ impl Maps {
                 });
             }
         }
-        Self::from_source(|name| {
+        let opened = Self::from_source(|name| {
             let path = dir.join(name);
             MapData::from_pin(&path)
                 .and_then(Map::from_map_data)
@@ -172,7 +172,30 @@ impl Maps {
                         DatapathError::OpenPin { path, source }
                     }
                 })
-        })
+        });
+        match opened {
+            Err(DatapathError::OpenPin { path, source })
+                if io_kind(&source) == Some(std::io::ErrorKind::NotFound) =>
+            {
+                // A map this build reads that the pins lack: pins of an older release say so
+                // (releases only add maps), anything else is incomplete pins.
+                match super::pinned_layout(pin_dir) {
+                    Some(pinned) if pinned < redirector_common::LAYOUT_VERSION => {
+                        Err(DatapathError::OlderPins {
+                            pin_dir: pin_dir.to_owned(),
+                            pinned,
+                            reads: redirector_common::LAYOUT_VERSION,
+                            name: path
+                                .file_name()
+                                .map(|name| name.to_string_lossy().into_owned())
+                                .unwrap_or_default(),
+                        })
+                    }
+                    _ => Err(DatapathError::OpenPin { path, source }),
+                }
+            }
+            other => other,
+        }
     }
 
     /// Types every map `source` yields by name.

@@ -204,18 +204,25 @@ pub fn plan(
         .into_iter()
         .filter(|name| !names::ALL_MAPS.contains(&name.as_str()))
         .collect();
-    let layout = MapData::from_pin(maps_dir.join(names::MAP_DATAPATH_CONFIG))
-        .and_then(Map::from_map_data)
-        .and_then(Array::<MapData, DatapathConfig>::try_from)
-        .and_then(|config| config.get(&0, 0))
-        .map(|config| config.layout_version)
-        .ok();
+    let layout = pinned_layout(pin_dir);
     Ok(Plan {
         maps,
         unknown,
         attached: has_pinned_attachments(pin_dir),
         layout,
     })
+}
+
+/// The layout the agent that pinned the maps under `pin_dir` recorded (`DatapathConfig`'s
+/// `layout_version`, a map every layout has kept as it is); `None` when it cannot be read.
+#[must_use]
+pub fn pinned_layout(pin_dir: &Path) -> Option<u32> {
+    MapData::from_pin(pin_dir.join(MAPS_DIR).join(names::MAP_DATAPATH_CONFIG))
+        .and_then(Map::from_map_data)
+        .and_then(Array::<MapData, DatapathConfig>::try_from)
+        .and_then(|config| config.get(&0, 0))
+        .map(|config| config.layout_version)
+        .ok()
 }
 
 /// The names of the pins in `dir` (none if it does not exist).

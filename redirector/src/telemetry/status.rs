@@ -52,6 +52,10 @@ pub struct ProgramState {
     /// Other redirector pin sets on the same bpf filesystem whose programs are attached (a
     /// changed `pin_dir` leaves the old set steering on state no agent updates).
     pub other_sets: Vec<String>,
+    /// The layout the pinning agent recorded (`None`: unreadable).
+    pub layout: Option<u32>,
+    /// The layout this build reads (`LAYOUT_VERSION`).
+    pub reads_layout: u32,
 }
 
 /// The running kernel, as the agent's probes see it.
@@ -159,6 +163,8 @@ pub async fn gather(
                 .iter()
                 .map(|dir| dir.display().to_string())
                 .collect(),
+            layout: datapath::pinned_layout(pin_dir),
+            reads_layout: redirector_common::LAYOUT_VERSION,
         },
         conntrack_bypass,
         kernel: KernelState::of(kernel),
@@ -217,6 +223,19 @@ pub fn render_table(report: &StatusReport) -> String {
         report.programs.expected,
         report.programs.pin_dir
     );
+    if let Some(pinned) = report.programs.layout
+        && pinned > report.programs.reads_layout
+    {
+        // Releases keep every map they released as it was (the layout rule) and only add
+        // maps: an older build reads the kept ones right and cannot see the added ones.
+        let _ = writeln!(
+            text,
+            "           pinned by a newer release (layout {pinned}; this redirector reads layout \
+             {}): what follows is what every release keeps, read right; the newer release's own \
+             additions are not shown (its own `redirector status` shows them)",
+            report.programs.reads_layout
+        );
+    }
     for other in &report.programs.other_sets {
         let _ = writeln!(
             text,
@@ -373,6 +392,8 @@ mod tests {
                 attached: vec![("dns_connect4".to_owned(), 17)],
                 expected: 13,
                 other_sets: Vec::new(),
+                layout: Some(redirector_common::LAYOUT_VERSION),
+                reads_layout: redirector_common::LAYOUT_VERSION,
             },
             conntrack_bypass: BypassState {
                 table: "present",

@@ -5,12 +5,15 @@
 
 use std::{net::IpAddr, time::Duration};
 
+use anyhow::Context as _;
 use bpf_tests::{
     cli::{redirector, set_state, start_agent, stop_agent, uninstall},
     command::run,
     dns::now_ms,
-    harness::{Harness, NODE_ID, answered_by, standard_listeners, write_standard_config},
-    pace::{paced_ms, pause, wait_until},
+    harness::{
+        Harness, NODE_ID, answered_by, node_reason, standard_listeners, write_standard_config,
+    },
+    pace::{paced, paced_ms, pause, wait_until},
     sandbox::{CacheSpec, Ns, Query, Sandbox, Transport},
     stream::Stream,
     tools,
@@ -859,6 +862,105 @@ fn after_a_reboot_dns_fails_only_until_the_agents_first_start() -> anyhow::Resul
         cache_started - start,
         report.summary()
     );
+    drop(agent);
+    uninstall(&config)?;
+    Ok(())
+}
+
+/// `CACHE_SOCKETS` full (docs/operations.md, "Sizing"): 16384 sockets bound to one listener's
+/// cache address fill it, and a cache started meanwhile cannot be counted. Its listener then
+/// has no counted socket and its DNS goes upstream, answered; once the sockets that filled the
+/// map close, the agent's recount counts the cache's and gives it its DNS back.
+#[test]
+fn with_the_cache_socket_table_full_a_restarted_cache_is_served_upstream_until_entries_free()
+-> anyhow::Result<()> {
+    const FILLER: &str = "169.254.10.12";
+    let mut sandbox = Sandbox::new(tools!())?;
+    sandbox.start_standard_servers()?;
+    sandbox
+        .netns(Ns::Node)
+        .ip(&["addr", "add", &format!("{FILLER}/32"), "dev", "lo"])?;
+    let listeners = format!(
+        "{}\n[[listener]]\nname = \"filler\"\naddress = \"{FILLER}\"\nupstreams = [\"198.18.2.2\"]\n",
+        standard_listeners(&sandbox)
+    );
+    let config = sandbox.write_file("config.toml", &sandbox.config_toml(&listeners))?;
+    let agent = start_agent(&config)?;
+    wait_until(
+        "the cache serves",
+        paced(Duration::from_secs(5)),
+        Duration::from_millis(50),
+        || Ok(answered_by(&sandbox)? == "cache"),
+    )?;
+
+    // The cache stops; one process binds a socket more than the table holds to the filler
+    // listener's address and the DNS port, as a cache would.
+    let total = redirector_common::binds::MAX_CACHE_SOCKETS + 1;
+    let script = format!(
+        "import resource, socket, sys, time\n\
+         resource.setrlimit(resource.RLIMIT_NOFILE, ({limit}, {limit}))\n\
+         held = []\n\
+         for _ in range({total}):\n\
+         \x20   s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n\
+         \x20   s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)\n\
+         \x20   s.bind(('{FILLER}', 53))\n\
+         \x20   held.append(s)\n\
+         print('ready', flush=True)\n\
+         time.sleep(600)\n",
+        limit = total + 64,
+    );
+    let cgroup = sandbox.skipped_cgroup().path().to_owned();
+    sandbox.stop_server("cache")?;
+    sandbox.start_process(
+        "filler",
+        Some(Ns::Node),
+        Some(&cgroup),
+        "python3",
+        &["-c".to_owned(), script],
+        "ready",
+    )?;
+    let pin_dir = sandbox.pin_dir();
+    let counted = |name: &str| -> anyhow::Result<i64> {
+        let maps = redirector::datapath::Maps::open_pinned(&pin_dir)?;
+        let listener = redirector::telemetry::snapshot::listeners(&maps)?
+            .into_iter()
+            .find(|listener| listener.name == name)
+            .context("no such listener")?;
+        let (udp, tcp) = listener.cache_sockets.unwrap_or_default();
+        Ok(udp + tcp)
+    };
+    let filled = counted("filler")?;
+    assert!(
+        filled > 16_000 && filled < i64::try_from(total)?,
+        "the filler's sockets counted: {filled} of {total}"
+    );
+
+    // The cache starts again while the table is full: none of its sockets is counted.
+    sandbox.start_cache("cache", &CacheSpec::standard())?;
+    pause(2000);
+    assert_eq!(counted("node")?, 0, "a socket was counted in a full table");
+    let by = answered_by(&sandbox)?;
+    assert!(
+        by.starts_with("upstream"),
+        "with its sockets uncounted: {by}"
+    );
+    assert_eq!(node_reason(&sandbox)?, "no_sockets");
+
+    // The filler exits: its entries go, and the agent's recount counts the cache's sockets.
+    sandbox.stop_server("filler")?;
+    let freed = now_ms();
+    wait_until(
+        "the recount gives the cache its DNS back",
+        paced(Duration::from_secs(15)),
+        Duration::from_millis(100),
+        || Ok(answered_by(&sandbox)? == "cache"),
+    )?;
+    println!(
+        "CACHE_SOCKETS full: {filled} filler sockets counted of {total}; the restarted cache \
+         served upstream (no_sockets) while full; back on the cache {} ms after the filler exited",
+        now_ms() - freed
+    );
+    assert!(counted("node")? > 0);
     drop(agent);
     uninstall(&config)?;
     Ok(())

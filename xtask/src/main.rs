@@ -1,6 +1,7 @@
 //! `cargo xtask`: the project's developer tasks. Each task first makes sure the machine has what
 //! it needs (`setup`), so the README's commands work on a fresh machine.
 
+mod arch;
 mod lint;
 mod pinned_rustup;
 mod setup;

@@ -11,10 +11,12 @@
 //! back on a second serial port, one line per test, and are reported per kernel.
 
 mod artifacts;
+mod foreign;
 mod initramfs;
 mod kernel;
 mod machine;
 mod report;
+mod rootfs;
 mod scope;
 
 use std::{
@@ -26,6 +28,8 @@ use std::{
 use anyhow::{Context as _, bail};
 
 pub use kernel::Series;
+
+use crate::arch::Arch;
 
 /// Which kernels to boot.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -56,6 +60,14 @@ pub struct VmArgs {
     /// Which kernel: 6.1, 6.12, or all (one after the other).
     #[arg(long, value_enum, default_value = "all")]
     pub kernel: KernelChoice,
+    /// The kernels' architecture. Another than the host's boots Debian's kernel of it under
+    /// emulation, in a root file system of its own, with the tests cross-built; it runs only the
+    /// arm64 subset (`vm/scope.rs`) unless `--whole-suite`, `--tests` or a filter says otherwise.
+    #[arg(long, value_enum, default_value_t = Arch::host())]
+    pub arch: Arch,
+    /// On another architecture than the host's: every test the host's VMs run, not the subset.
+    #[arg(long)]
+    pub whole_suite: bool,
     /// Only these bpf-tests test binaries (comma-separated: steering,failover); default all.
     #[arg(long, value_delimiter = ',')]
     pub tests: Vec<String>,
@@ -84,6 +96,12 @@ impl VmArgs {
     #[must_use]
     pub fn defaults() -> Self {
         <Self as clap::Parser>::parse_from(["vm-test"])
+    }
+
+    /// The arm64 subset on 6.1, as every `cargo xtask test` runs it.
+    #[must_use]
+    pub fn arm64_subset() -> Self {
+        <Self as clap::Parser>::parse_from(["vm-test", "--arch", "aarch64", "--kernel", "6.1"])
     }
 }
 
@@ -123,6 +141,13 @@ fn require_on_root_fs(path: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The workspace's root, with its links resolved.
+fn workspace_dir() -> anyhow::Result<PathBuf> {
+    crate::tasks::workspace_root()
+        .canonicalize()
+        .context("finding the workspace")
+}
+
 /// Removes the directories of earlier runs whose process is gone (a concurrent run keeps its
 /// own).
 fn sweep_runs(vm_dir: &Path) {
@@ -158,28 +183,38 @@ struct KernelResult {
 /// boot did.
 pub fn run(options: &VmArgs) -> anyhow::Result<()> {
     require_root()?;
-    for tool in [
-        "/usr/bin/qemu-system-x86_64",
-        "/usr/lib/qemu/virtiofsd",
-        "/bin/busybox",
-    ] {
+    let arch = options.arch;
+    let foreign_arch = arch != Arch::host();
+    let qemu = format!("/usr/bin/{}", machine::qemu_binary(arch));
+    for tool in [qemu.as_str(), "/usr/lib/qemu/virtiofsd", "/bin/busybox"] {
         if !Path::new(tool).exists() {
             bail!(
-                "{tool} is missing: run `cargo xtask setup` (it installs qemu-system-x86 and \
-                 busybox-static)"
+                "{tool} is missing: run `cargo xtask setup` (it installs qemu-system-x86, \
+                 qemu-system-arm and busybox-static)"
             );
         }
     }
     let started = Instant::now();
-    let mut artifacts = artifacts::build(&options.tests)?;
-    let systemd_boot = options.tests.is_empty()
-        || options
-            .tests
-            .iter()
-            .any(|name| name == artifacts::SYSTEMD_BOOT);
+    let mut artifacts = artifacts::build(&options.tests, arch)?;
+    // The systemd boot runs on the host's architecture (its guest is the host's own root).
+    let systemd_boot = !foreign_arch
+        && (options.tests.is_empty()
+            || options
+                .tests
+                .iter()
+                .any(|name| name == artifacts::SYSTEMD_BOOT));
     artifacts
         .tests
         .retain(|test| scope::runs_binary(&test.name, &options.tests, options.with_host_only));
+    let subset = foreign_arch
+        && !options.whole_suite
+        && options.tests.is_empty()
+        && options.filter.is_none();
+    if subset {
+        artifacts
+            .tests
+            .retain(|test| scope::arm64_filters(&test.name).is_some());
+    }
     if artifacts.tests.is_empty() && !systemd_boot {
         bail!("bpf-tests has no test binary to run");
     }
@@ -200,7 +235,10 @@ pub fn run(options: &VmArgs) -> anyhow::Result<()> {
     sweep_runs(&vm_dir);
 
     let series = options.kernel.series();
-    let available = match kernel::available_releases() {
+    let foreign_apt = foreign_arch
+        .then(|| foreign::ForeignApt::new(arch, &vm_dir))
+        .transpose()?;
+    let available = match kernel::available_releases(foreign_apt.as_ref()) {
         Ok(names) => Some(names),
         Err(error) => {
             eprintln!("xtask: cannot ask apt for kernels ({error:#}); using cached ones");
@@ -209,8 +247,43 @@ pub fn run(options: &VmArgs) -> anyhow::Result<()> {
     };
     let kernels = series
         .iter()
-        .map(|series| kernel::ensure(*series, available.as_deref(), &vm_dir.join("kernels")))
+        .map(|series| {
+            kernel::ensure(
+                *series,
+                arch,
+                available.as_deref(),
+                &vm_dir.join("kernels"),
+                foreign_apt.as_ref(),
+            )
+        })
         .collect::<anyhow::Result<Vec<_>>>()?;
+    let guest = if foreign_arch {
+        let root = rootfs::ensure(arch, &vm_dir)?;
+        // The plan's paths (the workspace, the snapshot, the kernels' modules, the profile
+        // directory) are the host's: bound into the guest's root at the same paths.
+        let mut binds = vec![workspace_dir()?];
+        let target = target_dir
+            .canonicalize()
+            .context("finding the target directory")?;
+        if !target.starts_with(&binds[0]) {
+            binds.push(target);
+        }
+        initramfs::Guest {
+            busybox: root.join("bin/busybox"),
+            extra_modules: &["virtio_console"],
+            root: Some((root, binds)),
+        }
+    } else {
+        initramfs::Guest {
+            busybox: PathBuf::from(initramfs::HOST_BUSYBOX),
+            extra_modules: &[],
+            root: None,
+        }
+    };
+    let results_port = match arch {
+        Arch::X86_64 => "/dev/ttyS1",
+        Arch::Aarch64 => "/dev/hvc0",
+    };
 
     let run_dir = vm_dir.join(format!("run-{}", std::process::id()));
     std::fs::create_dir_all(&run_dir).with_context(|| format!("creating {}", run_dir.display()))?;
@@ -223,9 +296,7 @@ pub fn run(options: &VmArgs) -> anyhow::Result<()> {
     ];
     test_args.extend(scope::skip_args(&options.tests, options.with_host_only));
     test_args.extend(options.filter.clone());
-    let workspace = crate::tasks::workspace_root()
-        .canonicalize()
-        .context("finding the workspace")?;
+    let workspace = workspace_dir()?;
     let plan = |kernel: &kernel::Kernel, mode: initramfs::Mode| {
         let (tests, test_args) = match mode {
             initramfs::Mode::Tests => (&artifacts.tests[..], test_args.clone()),
@@ -247,8 +318,16 @@ pub fn run(options: &VmArgs) -> anyhow::Result<()> {
             redirector: artifacts.redirector.clone(),
             tests: tests
                 .iter()
-                .map(|test| (test.name.clone(), test.path.clone()))
+                .map(|test| {
+                    let filters = if subset {
+                        scope::arm64_filters(&test.name).unwrap_or_default()
+                    } else {
+                        Vec::new()
+                    };
+                    (test.name.clone(), test.path.clone(), filters)
+                })
                 .collect(),
+            results: results_port.to_owned(),
             test_args,
             binary_timeout_secs: options.binary_timeout_secs.max(1),
             slowdown: options.slowdown,
@@ -272,7 +351,13 @@ pub fn run(options: &VmArgs) -> anyhow::Result<()> {
         options.timeout_secs,
         options.slowdown
     );
-    let left_out = scope::describe(&options.tests, options.with_host_only);
+    let mut left_out = scope::describe(&options.tests, options.with_host_only);
+    if subset {
+        left_out.push_str(&format!(
+            "  on {}: only the arm64 subset (vm/scope.rs; --whole-suite runs every test)\n",
+            arch.name()
+        ));
+    }
     eprint!("{left_out}");
 
     let mut boots: Vec<(&kernel::Kernel, initramfs::Mode)> = Vec::new();
@@ -298,13 +383,18 @@ pub fn run(options: &VmArgs) -> anyhow::Result<()> {
     }
     let mut results = Vec::new();
     for (kernel, mode) in boots {
+        let series = if foreign_arch {
+            format!("{}-{}", kernel.series.label(), arch.debian())
+        } else {
+            kernel.series.label().to_owned()
+        };
         let label = match mode {
-            initramfs::Mode::Tests => kernel.series.label().to_owned(),
-            initramfs::Mode::Systemd => format!("{}+systemd", kernel.series.label()),
+            initramfs::Mode::Tests => series,
+            initramfs::Mode::Systemd => format!("{series}+systemd"),
         };
         let initramfs = run_dir.join(format!("initramfs-{label}.cpio"));
         let plan = plan(kernel, mode);
-        initramfs::write(kernel, &plan, &initramfs)?;
+        initramfs::write(kernel, &guest, &plan, &initramfs)?;
         let log_dir = run_dir.join(&label);
         let mut run = report::KernelRun::default();
         let mut boot = None;

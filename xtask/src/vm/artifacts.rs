@@ -10,7 +10,10 @@ use std::{
 use anyhow::{Context as _, bail};
 use serde::Deserialize;
 
-use crate::tasks::{TESTED_BINARY_BUILD, USERSPACE};
+use crate::{
+    arch::Arch,
+    tasks::{TESTED_BINARY_BUILD, USERSPACE},
+};
 
 /// The test target the systemd boot runs.
 pub const SYSTEMD_BOOT: &str = "systemd_boot";
@@ -78,13 +81,18 @@ struct Built {
 }
 
 /// Runs `cargo args --message-format=json-render-diagnostics` (errors still print for people, on
-/// stderr) and returns the executables it reports.
-fn cargo_executables(args: &[&str], failure: &str) -> anyhow::Result<Vec<Built>> {
+/// stderr) for `arch` (the host's: as `cargo xtask test` builds; another: cross-built for its
+/// static musl target) and returns the executables it reports.
+fn cargo_executables(args: &[&str], arch: Arch, failure: &str) -> anyhow::Result<Vec<Built>> {
     let mut command = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned()));
     command
         .args(args)
         .arg("--message-format=json-render-diagnostics")
         .stdout(Stdio::piped());
+    if arch != Arch::host() {
+        command.args(["--target", arch.musl_target()]);
+        command.envs(arch.cargo_env());
+    }
     let mut child = command
         .spawn()
         .with_context(|| format!("running {command:?}"))?;
@@ -121,16 +129,27 @@ fn cargo_executables(args: &[&str], failure: &str) -> anyhow::Result<Vec<Built>>
 }
 
 /// Builds the redirector binary and the workspace's tests, exactly as `cargo xtask test` does
-/// (nothing is rebuilt after it), and returns the bpf-tests test binaries (with the helper
-/// programs cargo builds for them), and keeps the tests named in `only`
-/// (every one when empty).
-pub fn build(only: &[String]) -> anyhow::Result<Artifacts> {
-    let redirector =
-        cargo_executables(TESTED_BINARY_BUILD, "building the redirector binary failed")?;
+/// (nothing is rebuilt after it), for the host's architecture; for another, the same cross-built
+/// for its static musl target, bpf-tests alone. Returns the bpf-tests test binaries (with the
+/// helper programs cargo builds for them), and keeps the tests named in `only` (every one when
+/// empty).
+pub fn build(only: &[String], arch: Arch) -> anyhow::Result<Artifacts> {
+    let redirector = cargo_executables(
+        TESTED_BINARY_BUILD,
+        arch,
+        "building the redirector binary failed",
+    )?;
     // The crates the host run's `cargo test` selects (`USERSPACE`): a build of one package
-    // unifies the dependencies' features differently and would compile everything again.
+    // unifies the dependencies' features differently and would compile everything again. A
+    // cross build has no host run to share with: bpf-tests alone.
+    let selection: &[&str] = if arch == Arch::host() {
+        &USERSPACE
+    } else {
+        &["--package", "bpf-tests"]
+    };
     let bpf_tests: Vec<Built> = cargo_executables(
-        &[&["test", "--no-run"], &USERSPACE[..]].concat(),
+        &[&["test", "--no-run"], selection].concat(),
+        arch,
         "building the bpf-tests failed",
     )?
     .into_iter()
@@ -143,11 +162,8 @@ pub fn build(only: &[String]) -> anyhow::Result<Artifacts> {
     .collect();
     // Selected by name over the same crates, so that features unify as above.
     let systemd_boot = cargo_executables(
-        &[
-            &["test", "--no-run", "--test", SYSTEMD_BOOT],
-            &USERSPACE[..],
-        ]
-        .concat(),
+        &[&["test", "--no-run", "--test", SYSTEMD_BOOT], selection].concat(),
+        arch,
         "building the systemd boot's tests failed",
     )?
     .into_iter()

@@ -18,8 +18,9 @@ const STAGE2: &str = include_str!("stage2.sh");
 /// Stage 2 of the systemd boot.
 const SYSTEMD_BOOT: &str = include_str!("systemd-boot.sh");
 
-/// Debian's busybox-static: stage 1 runs before any library is reachable.
-const BUSYBOX: &str = "/bin/busybox";
+/// Debian's busybox-static on the host: stage 1 runs before any library is reachable (a guest
+/// of another architecture gets its own root file system's).
+pub const HOST_BUSYBOX: &str = "/bin/busybox";
 
 /// The busybox applets stage 1 calls.
 const APPLETS: &[&str] = &[
@@ -32,6 +33,7 @@ const APPLETS: &[&str] = &[
     "echo",
     "switch_root",
     "poweroff",
+    "sleep",
 ];
 
 /// Modules stage 1 loads (with what they depend on) unless the kernel has them built in:
@@ -51,8 +53,11 @@ pub struct Plan {
     pub workdir: PathBuf,
     /// `REDIRECTOR_BIN`.
     pub redirector: PathBuf,
-    /// The test binaries, by name.
-    pub tests: Vec<(String, PathBuf)>,
+    /// The test binaries, by name, each with the libtest filters that choose its tests (none:
+    /// every test).
+    pub tests: Vec<(String, PathBuf, Vec<String>)>,
+    /// The guest's results port.
+    pub results: String,
     /// Arguments for every test binary.
     pub test_args: Vec<String>,
     /// Seconds one test binary may run in the guest.
@@ -89,17 +94,19 @@ impl Plan {
     fn to_shell(&self) -> anyhow::Result<String> {
         let mut names = Vec::new();
         let mut binaries = Vec::new();
-        for (name, path) in &self.tests {
+        let mut filters = Vec::new();
+        for (name, path, chosen) in &self.tests {
             names.push(quote(name));
             binaries.push(quote_path(path)?);
+            filters.push(quote(&chosen.join(" ")));
         }
         let args: Vec<String> = self.test_args.iter().map(|arg| quote(arg)).collect();
         Ok(format!(
             "# Written by cargo xtask vm-test.\n\
              VM_KERNEL_MODULES={}\nVM_SNAPSHOT={}\nVM_PROFILE_DIR={}\nVM_WORKDIR={}\n\
              VM_REDIRECTOR_BIN={}\nVM_BINARY_TIMEOUT={}\nVM_SLOWDOWN={}\n\
-             VM_MODE={}\nVM_WORKSPACE={}\n\
-             VM_TEST_NAMES=({})\nVM_TEST_BINS=({})\nVM_TEST_ARGS=({})\n",
+             VM_MODE={}\nVM_WORKSPACE={}\nVM_RESULTS={}\n\
+             VM_TEST_NAMES=({})\nVM_TEST_BINS=({})\nVM_TEST_FILTERS=({})\nVM_TEST_ARGS=({})\n",
             quote_path(&self.kernel_modules)?,
             quote_path(&self.snapshot)?,
             quote_path(&self.profile_dir)?,
@@ -112,21 +119,40 @@ impl Plan {
                 Mode::Systemd => "systemd",
             },
             quote_path(&self.workspace)?,
+            quote(&self.results),
             names.join(" "),
             binaries.join(" "),
+            filters.join(" "),
             args.join(" "),
         ))
     }
 }
 
-/// Writes the initramfs for `kernel` and `plan` to `path`.
-pub fn write(kernel: &Kernel, plan: &Plan, path: &Path) -> anyhow::Result<()> {
+/// What a guest's architecture changes in stage 1.
+#[derive(Debug)]
+pub struct Guest {
+    /// The static busybox of the guest's architecture.
+    pub busybox: PathBuf,
+    /// Modules stage 1 loads besides the root's (the arm64 guest's results port is a virtio
+    /// console).
+    pub extra_modules: &'static [&'static str],
+    /// For another architecture than the host's: its root file system (a host directory), and
+    /// the host directories bound into it at their own paths.
+    pub root: Option<(PathBuf, Vec<PathBuf>)>,
+}
+
+/// Writes the initramfs for `kernel`, `guest` and `plan` to `path`.
+pub fn write(kernel: &Kernel, guest: &Guest, plan: &Plan, path: &Path) -> anyhow::Result<()> {
     let mut archive = Cpio::default();
     for dir in ["bin", "modules"] {
         archive.dir(dir);
     }
-    let busybox =
-        std::fs::read(BUSYBOX).context("reading /bin/busybox (package busybox-static)")?;
+    let busybox = std::fs::read(&guest.busybox).with_context(|| {
+        format!(
+            "reading {} (package busybox-static)",
+            guest.busybox.display()
+        )
+    })?;
     archive.file("bin/busybox", 0o755, &busybox);
     for applet in APPLETS {
         archive.symlink(&format!("bin/{applet}"), "busybox");
@@ -135,8 +161,29 @@ pub fn write(kernel: &Kernel, plan: &Plan, path: &Path) -> anyhow::Result<()> {
     archive.file("stage2.sh", 0o755, STAGE2.as_bytes());
     archive.file("systemd-boot.sh", 0o755, SYSTEMD_BOOT.as_bytes());
     archive.file("plan.sh", 0o644, plan.to_shell()?.as_bytes());
+    let (guest_root, binds) = match &guest.root {
+        Some((root, binds)) => (
+            quote_path(root)?,
+            binds
+                .iter()
+                .map(|dir| dir.to_str().map(str::to_owned).context("paths are UTF-8"))
+                .collect::<anyhow::Result<Vec<_>>>()?
+                .join(" "),
+        ),
+        None => (String::new(), String::new()),
+    };
+    archive.file(
+        "stage1.env",
+        0o644,
+        format!(
+            "RESULTS={}\nGUEST_ROOT={guest_root}\nGUEST_BINDS={}\n",
+            quote(&plan.results),
+            quote(&binds)
+        )
+        .as_bytes(),
+    );
     let mut order = String::new();
-    for module in root_modules(&kernel.modules)? {
+    for module in root_modules(&kernel.modules, guest.extra_modules)? {
         let name = module
             .file_name()
             .and_then(|name| name.to_str())
@@ -164,7 +211,7 @@ pub fn write(kernel: &Kernel, plan: &Plan, path: &Path) -> anyhow::Result<()> {
 
 /// `busybox xz -dc module`.
 fn unxz(module: &Path) -> anyhow::Result<Vec<u8>> {
-    let output = Command::new(BUSYBOX)
+    let output = Command::new(HOST_BUSYBOX)
         .args(["xz", "-dc"])
         .arg(module)
         .output()
@@ -181,7 +228,7 @@ fn unxz(module: &Path) -> anyhow::Result<Vec<u8>> {
 
 /// The module files of [`ROOT_MODULES`] and their dependencies, each after what it needs, from
 /// `modules.dep`; modules in `modules.builtin` need nothing.
-fn root_modules(modules: &Path) -> anyhow::Result<Vec<PathBuf>> {
+fn root_modules(modules: &Path, extra: &[&str]) -> anyhow::Result<Vec<PathBuf>> {
     let read = |name: &str| {
         let path = modules.join(name);
         std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))
@@ -210,7 +257,7 @@ fn root_modules(modules: &Path) -> anyhow::Result<Vec<PathBuf>> {
     }
 
     let mut order = Vec::new();
-    for wanted in ROOT_MODULES {
+    for wanted in ROOT_MODULES.iter().chain(extra) {
         match by_name.get(*wanted) {
             Some(file) => visit(file, &deps, &mut order),
             None if builtin.iter().any(|name| name == wanted) => {}

@@ -1,5 +1,6 @@
-//! Debian's cloud kernels for the VMs: the newest package of a series, fetched with
-//! `apt-get download`, unpacked with `dpkg-deb -x` and indexed with `depmod -b`, once.
+//! Debian's cloud kernels for the VMs: the newest package of a series and architecture,
+//! fetched with `apt-get download` (the host's apt for its own architecture, an apt of its own
+//! for another: `foreign.rs`), unpacked with `dpkg-deb -x` and indexed with `depmod -b`, once.
 
 use std::{
     path::{Path, PathBuf},
@@ -7,6 +8,9 @@ use std::{
 };
 
 use anyhow::{Context as _, bail};
+
+use super::foreign::ForeignApt;
+use crate::arch::Arch;
 
 /// A Debian 12 kernel series the VM matrix covers, oldest first (the order of the variants).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -30,10 +34,10 @@ impl Series {
     }
 
     /// True when `release` (a package name without `linux-image-`, or a `lib/modules` directory
-    /// name) is a cloud kernel of this series: `6.1.0-57-cloud-amd64`,
-    /// `6.12.117+deb12-cloud-amd64`. Meta-packages (`6.12-cloud-amd64`) are not.
-    fn has_release(self, release: &str) -> bool {
-        let Some(version) = release.strip_suffix("-cloud-amd64") else {
+    /// name) is a cloud kernel of this series for `arch`: `6.1.0-57-cloud-amd64`,
+    /// `6.12.117+deb12-cloud-arm64`. Meta-packages (`6.12-cloud-amd64`) are not.
+    fn has_release(self, release: &str, arch: Arch) -> bool {
+        let Some(version) = release.strip_suffix(&format!("-cloud-{}", arch.debian())) else {
             return false;
         };
         match self {
@@ -60,11 +64,15 @@ fn version_key(release: &str) -> Vec<u64> {
         .collect()
 }
 
-/// The newest release of `series` among `releases`.
-fn newest<'a>(series: Series, releases: impl IntoIterator<Item = &'a str>) -> Option<&'a str> {
+/// The newest release of `series` for `arch` among `releases`.
+fn newest<'a>(
+    series: Series,
+    arch: Arch,
+    releases: impl IntoIterator<Item = &'a str>,
+) -> Option<&'a str> {
     releases
         .into_iter()
-        .filter(|release| series.has_release(release))
+        .filter(|release| series.has_release(release, arch))
         .max_by_key(|release| version_key(release))
 }
 
@@ -73,6 +81,8 @@ fn newest<'a>(series: Series, releases: impl IntoIterator<Item = &'a str>) -> Op
 pub struct Kernel {
     /// Its series.
     pub series: Series,
+    /// Its architecture.
+    pub arch: Arch,
     /// `uname -r` in the guest, and the `lib/modules` directory name.
     pub release: String,
     /// The kernel image.
@@ -83,7 +93,7 @@ pub struct Kernel {
 
 impl Kernel {
     /// The kernel of `release` in `dir`, when it was completely unpacked there.
-    fn cached(series: Series, release: &str, dir: &Path) -> Option<Self> {
+    fn cached(series: Series, arch: Arch, release: &str, dir: &Path) -> Option<Self> {
         if !dir.join(READY).exists() {
             return None;
         }
@@ -91,6 +101,7 @@ impl Kernel {
         let modules = modules_dir(dir, release)?;
         vmlinuz.exists().then(|| Self {
             series,
+            arch,
             release: release.to_owned(),
             vmlinuz,
             modules,
@@ -109,8 +120,17 @@ fn modules_dir(tree: &Path, release: &str) -> Option<PathBuf> {
 }
 
 /// Every `linux-image-6.*` package name apt knows (one query for every series: apt-cache loads
-/// its whole cache each time, which costs most of a second).
-pub fn available_releases() -> anyhow::Result<Vec<String>> {
+/// its whole cache each time, which costs most of a second): the host's apt, or `foreign`'s.
+pub fn available_releases(foreign: Option<&ForeignApt>) -> anyhow::Result<Vec<String>> {
+    if let Some(apt) = foreign {
+        apt.update()?;
+        return Ok(apt
+            .package_names("linux-image-6.")?
+            .iter()
+            .filter_map(|name| name.strip_prefix("linux-image-"))
+            .map(str::to_owned)
+            .collect());
+    }
     let output = Command::new("apt-cache")
         .args(["pkgnames", "linux-image-6."])
         .output()
@@ -133,26 +153,31 @@ pub fn available_releases() -> anyhow::Result<Vec<String>> {
 /// second), else fetched. Without apt's answer, the newest cached kernel of the series is used.
 pub fn ensure(
     series: Series,
+    arch: Arch,
     available: Option<&[String]>,
     cache: &Path,
+    foreign: Option<&ForeignApt>,
 ) -> anyhow::Result<Kernel> {
     std::fs::create_dir_all(cache).with_context(|| format!("creating {}", cache.display()))?;
     let cached_releases: Vec<String> = std::fs::read_dir(cache)
         .with_context(|| format!("listing {}", cache.display()))?
         .filter_map(Result::ok)
         .map(|entry| entry.file_name().to_string_lossy().into_owned())
-        .filter(|name| series.has_release(name))
+        .filter(|name| series.has_release(name, arch))
         .collect();
-    let wanted = match available.and_then(|names| newest(series, names.iter().map(String::as_str)))
+    let wanted = match available
+        .and_then(|names| newest(series, arch, names.iter().map(String::as_str)))
     {
         Some(release) => release.to_owned(),
         None => {
-            let Some(release) = newest(series, cached_releases.iter().map(String::as_str)) else {
+            let Some(release) = newest(series, arch, cached_releases.iter().map(String::as_str))
+            else {
                 bail!(
-                    "apt knows no linux-image-{}*-cloud-amd64 package and none is cached in {}: \
+                    "apt knows no linux-image-{}*-cloud-{} package and none is cached in {}: \
                      run `apt-get update` (the package comes from Debian 12's archive, \
                      bookworm or bookworm-security)",
                     series.label(),
+                    arch.debian(),
                     cache.display()
                 );
             };
@@ -164,15 +189,15 @@ pub fn ensure(
         }
     };
     let dir = cache.join(&wanted);
-    if let Some(kernel) = Kernel::cached(series, &wanted, &dir) {
+    if let Some(kernel) = Kernel::cached(series, arch, &wanted, &dir) {
         return Ok(kernel);
     }
-    fetch(series, &wanted, cache)?;
+    fetch(series, &wanted, cache, foreign)?;
     // Older releases of the series are never booted again: free their space.
     for old in cached_releases.iter().filter(|release| **release != wanted) {
         let _ = std::fs::remove_dir_all(cache.join(old));
     }
-    Kernel::cached(series, &wanted, &dir).with_context(|| {
+    Kernel::cached(series, arch, &wanted, &dir).with_context(|| {
         format!(
             "{} is incomplete after unpacking; remove it and run again",
             dir.display()
@@ -182,7 +207,12 @@ pub fn ensure(
 
 /// Downloads `linux-image-RELEASE`, unpacks it and builds its module index, in a scratch
 /// directory renamed into place at the end (a run killed halfway leaves no half kernel).
-fn fetch(series: Series, release: &str, cache: &Path) -> anyhow::Result<()> {
+fn fetch(
+    series: Series,
+    release: &str,
+    cache: &Path,
+    foreign: Option<&ForeignApt>,
+) -> anyhow::Result<()> {
     let package = format!("linux-image-{release}");
     eprintln!(
         "xtask: fetching {package} for the {} VM (apt-get download)",
@@ -195,17 +225,10 @@ fn fetch(series: Series, release: &str, cache: &Path) -> anyhow::Result<()> {
     }
     std::fs::create_dir_all(&scratch).with_context(|| format!("creating {}", scratch.display()))?;
     let result = (|| {
-        let download = Command::new("apt-get")
-            // apt drops to the _apt user for downloads, who cannot write here; it would fall
-            // back to root with a warning anyway.
-            .args(["-o", "APT::Sandbox::User=root", "download", &package])
-            .current_dir(&scratch)
-            .status()
-            .context("running apt-get download")?;
-        if !download.success() {
-            bail!(
-                "`apt-get download {package}` failed ({download}); run `apt-get update` and try again"
-            );
+        if let Some(apt) = foreign {
+            apt.download(&package, &scratch)?;
+        } else {
+            download_with_host_apt(&package, &scratch)?;
         }
         let deb = std::fs::read_dir(&scratch)
             .with_context(|| format!("listing {}", scratch.display()))?
@@ -250,6 +273,23 @@ fn fetch(series: Series, release: &str, cache: &Path) -> anyhow::Result<()> {
     result
 }
 
+/// `apt-get download package` in `dir` with the host's apt.
+fn download_with_host_apt(package: &str, dir: &Path) -> anyhow::Result<()> {
+    let download = Command::new("apt-get")
+        // apt drops to the _apt user for downloads, who cannot write here; it would fall
+        // back to root with a warning anyway.
+        .args(["-o", "APT::Sandbox::User=root", "download", package])
+        .current_dir(dir)
+        .status()
+        .context("running apt-get download")?;
+    if !download.success() {
+        bail!(
+            "`apt-get download {package}` failed ({download}); run `apt-get update` and try again"
+        );
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -268,11 +308,29 @@ mod tests {
             "6.12.117+deb12-rt-amd64",
             "6.12.100+deb12-cloud-amd64",
         ];
-        assert_eq!(newest(Series::V6_1, names), Some("6.1.0-57-cloud-amd64"));
+        let x86 = Arch::X86_64;
         assert_eq!(
-            newest(Series::V6_12, names),
+            newest(Series::V6_1, x86, names),
+            Some("6.1.0-57-cloud-amd64")
+        );
+        assert_eq!(
+            newest(Series::V6_12, x86, names),
             Some("6.12.117+deb12-cloud-amd64")
         );
-        assert_eq!(newest(Series::V6_12, ["6.1.0-57-cloud-amd64"]), None);
+        assert_eq!(newest(Series::V6_12, x86, ["6.1.0-57-cloud-amd64"]), None);
+        let arm = [
+            "6.1.0-57-cloud-arm64",
+            "6.1.0-58-cloud-amd64",
+            "6.12.117+deb12-cloud-arm64",
+        ];
+        assert_eq!(
+            newest(Series::V6_1, Arch::Aarch64, arm),
+            Some("6.1.0-57-cloud-arm64")
+        );
+        assert_eq!(
+            newest(Series::V6_12, Arch::Aarch64, arm),
+            Some("6.12.117+deb12-cloud-arm64")
+        );
+        assert_eq!(newest(Series::V6_1, x86, ["6.1.0-57-cloud-arm64"]), None);
     }
 }

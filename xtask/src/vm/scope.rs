@@ -106,9 +106,81 @@ pub fn describe(named: &[String], everything: bool) -> String {
         .collect()
 }
 
+/// The tests every `cargo xtask test` runs on arm64 (Debian's 6.1 cloud-arm64 kernel under
+/// qemu's TCG, several times slower than the x86_64 guests): the kernel's side of each path, by
+/// test binary. `cargo xtask vm-test --arch aarch64 --whole-suite` runs everything there.
+pub const ARM64_SUBSET: &[(&str, &[&str])] = &[
+    (
+        "steering",
+        &[
+            // UDP and TCP, IPv4 and IPv6, connected and unconnected, to the cache.
+            "cache_answers_every_transport_while_it_serves",
+            // The same to the upstreams, and every reply shown as the listener's.
+            "upstream_mode_steers_every_transport_and_rewrites_replies",
+            // What the kernel probes decide without bpf_set_retval (6.1 has none in sock_addr).
+            "without_bpf_set_retval_the_fail_policy_fails_with_eperm_and_says_so",
+        ],
+    ),
+    // kill -9 of the cache with no agent: the kernel fails over by itself.
+    (
+        "failover",
+        &["the_kernel_fails_over_alone_after_the_agent_is_killed"],
+    ),
+    // The egress program refuses a kept connected socket's send so that it moves.
+    (
+        "long_lived",
+        &["a_connected_socket_leaves_a_killed_cache_and_returns_after_a_restart"],
+    ),
+    // Agent restarts (kill -9, SIGTERM) adopting the pins under a query stream.
+    (
+        "lifecycle",
+        &["restarts_under_a_query_stream_lose_no_query_and_keep_state"],
+    ),
+];
+
+/// The libtest filters that run only `binary`'s tests of [`ARM64_SUBSET`] (`--exact` and their
+/// names); `None` when the subset has none of its tests.
+#[must_use]
+pub fn arm64_filters(binary: &str) -> Option<Vec<String>> {
+    ARM64_SUBSET
+        .iter()
+        .find(|(name, _)| *name == binary)
+        .map(|(_, tests)| {
+            std::iter::once("--exact".to_owned())
+                .chain(tests.iter().map(|test| (*test).to_owned()))
+                .collect()
+        })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every test of the arm64 subset exists in its binary's source.
+    #[test]
+    fn the_arm64_subset_names_tests_that_exist() {
+        let dir = crate::tasks::workspace_root().join("bpf-tests/tests");
+        for (binary, tests) in ARM64_SUBSET {
+            let source = std::fs::read_to_string(dir.join(format!("{binary}.rs")))
+                .unwrap_or_else(|error| panic!("{binary}.rs: {error}"));
+            for test in *tests {
+                assert!(
+                    source.contains(&format!("fn {test}(")),
+                    "{binary} has no test {test}"
+                );
+            }
+        }
+        assert_eq!(
+            arm64_filters("failover").as_deref(),
+            Some(
+                &[
+                    "--exact".to_owned(),
+                    "the_kernel_fails_over_alone_after_the_agent_is_killed".to_owned()
+                ][..]
+            )
+        );
+        assert!(arm64_filters("kubernetes").is_none());
+    }
 
     #[test]
     fn host_only_tests_are_left_out_unless_named_or_asked_for() {

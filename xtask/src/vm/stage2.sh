@@ -4,18 +4,28 @@
 # below /tmp is visible, and what the tests write there stays in the guest); the kernel's
 # modules where modprobe looks (the kernel loads veth, nf_tables, conntrack... on demand, as on
 # a real node); the run's frozen binaries over the profile directory; then every test binary,
-# with its output on the results port (/dev/ttyS1) between markers the host parses:
+# with its output on the results port ($VM_RESULTS: /dev/ttyS1 on x86_64, the virtio console
+# /dev/hvc0 on arm64) between markers the host parses:
 #   @@vm-test ready kernel=RELEASE
 #   @@vm-test begin NAME
 #   (the test binary's own output: one "test NAME ... ok|FAILED|ignored" line per test)
 #   @@vm-test end NAME exit=CODE ms=MILLISECONDS
 #   @@vm-test done binaries=N failed=M ms=MILLISECONDS
-# The kernel's console (/dev/ttyS0) keeps only the kernel's messages and this script's errors.
+# The kernel's console (ttyS0, ttyAMA0) keeps only the kernel's messages and this script's errors.
+# On arm64 the root is Debian's own arm64 tree (the host's tools cannot run there), with the
+# workspace and the target directory bound in at their paths; a binary may run only some of its
+# tests (VM_TEST_FILTERS: libtest filters, "--exact" first when exact).
 set -u
+# Stage 1's PATH is the initramfs's /bin; a root whose /bin is not /usr/bin (the arm64 tree is
+# not usr-merged) needs the rest.
+export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 . /.vm-test/plan.sh
 
-results=/dev/ttyS1
-say() { echo "@@vm-test $*" > "$results"; }
+results=$VM_RESULTS
+# Held open for the whole run: a virtio console resets its terminal settings whenever its last
+# user closes it.
+exec 3>"$results"
+say() { echo "@@vm-test $*" >&3; }
 # Power off now: the host reads the reason on the results port instead of waiting for its
 # timeout. If even that fails, PID 1 exits, the kernel panics and panic=-1 with -no-reboot ends
 # qemu.
@@ -64,7 +74,7 @@ for index in "${!VM_TEST_NAMES[@]}"; do
     timeout --kill-after=10 "$VM_BINARY_TIMEOUT" \
         env -i PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/root \
         LANG=C.UTF-8 REDIRECTOR_BIN="$VM_REDIRECTOR_BIN" REDIRECTOR_TEST_SLOWDOWN="$VM_SLOWDOWN" \
-        "$binary" "${VM_TEST_ARGS[@]}" < /dev/null > "$results" 2>&1
+        "$binary" "${VM_TEST_ARGS[@]}" ${VM_TEST_FILTERS[$index]} < /dev/null >&3 2>&1
     code=$?
     [ "$code" -eq 0 ] || failed=$((failed + 1))
     say "end $name exit=$code ms=$(($(now_ms) - begin))"

@@ -11,7 +11,8 @@ use crate::arch::Arch;
 
 /// The packages: what stage 2 and the tests run (bash, coreutils' `timeout` and `stty`, `ip`,
 /// `nft`, `bpftool`, `dig`, `dnsmasq`, python3, modprobe), and what `extract` does not pull in
-/// by itself (the Essential set: grep, sed, findutils, mount).
+/// by itself (the Essential set: grep, sed, findutils, mount). Not pycares (the resolver tests
+/// stay on the host) nor systemd (the systemd boot runs on the host's architecture).
 const PACKAGES: &[&str] = &[
     "base-files",
     "base-passwd",
@@ -35,6 +36,11 @@ const PACKAGES: &[&str] = &[
     "dnsutils",
     "dnsmasq-base",
     "python3",
+    // The rest of the whole suite (`--whole-suite`): another cache, the coexistence tests' rules
+    // and their conntrack table.
+    "unbound",
+    "iptables",
+    "conntrack",
 ];
 
 /// Written last, with the recipe: a tree without it, or with another recipe, is made again.

@@ -487,21 +487,10 @@ fn a_newer_cli_on_an_older_releases_pins_names_both_layouts_and_changes_nothing(
     // CACHE_PENDING map yet (#28 added it).
     let maps = sandbox.pin_dir().join("maps");
     let datapath_config = maps.join(names::MAP_DATAPATH_CONFIG).display().to_string();
-    let shown: serde_json::Value = serde_json::from_str(&run(
-        "bpftool",
-        [
-            "--json",
-            "map",
-            "lookup",
-            "pinned",
-            &datapath_config,
-            "key",
-            "0",
-            "0",
-            "0",
-            "0",
-        ],
-    )?)?;
+    let key = ["key", "0", "0", "0", "0"];
+    let mut lookup = vec!["--json", "map", "lookup", "pinned", &datapath_config];
+    lookup.extend(key);
+    let shown: serde_json::Value = serde_json::from_str(&run("bpftool", lookup)?)?;
     let mut value: Vec<String> = shown["value"]
         .as_array()
         .expect("the value's bytes")
@@ -512,18 +501,9 @@ fn a_newer_cli_on_an_older_releases_pins_names_both_layouts_and_changes_nothing(
     for (index, byte) in (LAYOUT_VERSION - 1).to_le_bytes().iter().enumerate() {
         value[4 + index] = format!("0x{byte:02x}");
     }
-    let mut update = vec![
-        "map",
-        "update",
-        "pinned",
-        &datapath_config,
-        "key",
-        "0",
-        "0",
-        "0",
-        "0",
-        "value",
-    ];
+    let mut update = vec!["map", "update", "pinned", &datapath_config];
+    update.extend(key);
+    update.push("value");
     update.extend(value.iter().map(String::as_str));
     run("bpftool", update)?;
     std::fs::remove_file(maps.join(names::MAP_CACHE_PENDING))?;

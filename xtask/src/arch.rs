@@ -54,6 +54,23 @@ impl Arch {
         }
     }
 
+    /// The ELF header's `e_machine` of its binaries.
+    #[must_use]
+    pub const fn elf_machine(self) -> u16 {
+        match self {
+            Self::X86_64 => crate::elf::EM_X86_64,
+            Self::Aarch64 => crate::elf::EM_AARCH64,
+        }
+    }
+
+    /// The architecture of an ELF `e_machine`, if redirector builds for it.
+    #[must_use]
+    pub fn of_elf_machine(machine: u16) -> Option<Self> {
+        Self::ALL
+            .into_iter()
+            .find(|arch| arch.elf_machine() == machine)
+    }
+
     /// The environment `cargo build --target MUSL_TARGET` needs on any host: clang for ring's C
     /// (ring builds it without the host's headers for a non-x86_64 musl target, and the host's
     /// are the target's on x86_64), rust-lld to link against Rust's own musl.
@@ -68,5 +85,62 @@ impl Arch {
                 "rust-lld".to_owned(),
             ),
         ]
+    }
+}
+
+/// An architecture, or every one, as `--target` takes it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Selection {
+    /// x86_64 (amd64).
+    #[value(name = "x86_64")]
+    X86_64,
+    /// aarch64 (arm64).
+    #[value(name = "aarch64")]
+    Aarch64,
+    /// Every architecture.
+    All,
+}
+
+impl Selection {
+    /// The architectures `selections` name, each once, in [`Arch::ALL`]'s order.
+    #[must_use]
+    pub fn arches(selections: &[Self]) -> Vec<Arch> {
+        Arch::ALL
+            .into_iter()
+            .filter(|arch| {
+                selections.iter().any(|selection| match selection {
+                    Self::All => true,
+                    Self::X86_64 => *arch == Arch::X86_64,
+                    Self::Aarch64 => *arch == Arch::Aarch64,
+                })
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn selections_name_each_architecture_once_in_order() {
+        assert_eq!(
+            Selection::arches(&[Selection::Aarch64, Selection::X86_64, Selection::Aarch64]),
+            vec![Arch::X86_64, Arch::Aarch64]
+        );
+        assert_eq!(Selection::arches(&[Selection::All]), Arch::ALL.to_vec());
+        assert_eq!(
+            Selection::arches(&[Selection::Aarch64]),
+            vec![Arch::Aarch64]
+        );
+        assert!(Selection::arches(&[]).is_empty());
+    }
+
+    #[test]
+    fn every_architecture_has_its_own_elf_machine() {
+        for arch in Arch::ALL {
+            assert_eq!(Arch::of_elf_machine(arch.elf_machine()), Some(arch));
+        }
+        assert_eq!(Arch::of_elf_machine(0), None);
     }
 }

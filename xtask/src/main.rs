@@ -2,6 +2,7 @@
 //! it needs (`setup`), so the README's commands work on a fresh machine.
 
 mod arch;
+mod elf;
 mod lint;
 mod pinned_rustup;
 mod setup;
@@ -24,8 +25,15 @@ enum Task {
     /// Install what is missing: the pinned eBPF toolchain, Debian's LLVM, bpf-linker, the Debian
     /// test tools; check that the eBPF toolchain and bpf-linker are on one LLVM.
     Setup,
-    /// Build the eBPF object and every userspace crate.
-    Build,
+    /// Build the eBPF object and every userspace crate; with `--target`, the shipped agent
+    /// instead: static (musl), release, for each architecture named.
+    Build {
+        /// Build the agent for this architecture (repeat it, or `all`): into
+        /// target/<musl target>/release/redirector, checked to be a static binary of it.
+        #[arg(long = "target", value_name = "ARCH")]
+        targets: Vec<arch::Selection>,
+    },
+
     /// rustfmt check, and clippy with warnings denied (userspace, and the eBPF crate on its target).
     Lint,
     /// Every test: lints, unit tests, and the privileged bpf-tests (needs root).
@@ -82,10 +90,17 @@ fn main() -> std::process::ExitCode {
 fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.task {
         Task::Setup => setup::ensure(),
-        Task::Build => {
+        Task::Build { targets } => {
             setup::ensure()?;
-            tasks::build()
+            if targets.is_empty() {
+                return tasks::build();
+            }
+            for arch in arch::Selection::arches(&targets) {
+                tasks::build_agent(arch)?;
+            }
+            Ok(())
         }
+
         Task::Lint => {
             setup::ensure()?;
             lint::run()

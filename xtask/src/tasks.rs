@@ -5,6 +5,7 @@ use std::{path::PathBuf, process::Command, time::Instant};
 use anyhow::{Context as _, bail};
 
 use crate::{
+    arch::Arch,
     lint::{self, cargo},
     pinned_rustup, sweep,
 };
@@ -23,7 +24,7 @@ pub fn target_dir() -> PathBuf {
         .map_or_else(|| workspace_root().join("target"), PathBuf::from)
 }
 
-fn require_root(task: &str) -> anyhow::Result<()> {
+pub fn require_root(task: &str) -> anyhow::Result<()> {
     if !nix::unistd::geteuid().is_root() {
         bail!(
             "`cargo xtask {task}` loads eBPF programs and creates cgroups and network namespaces: \
@@ -55,6 +56,66 @@ pub fn build() -> anyhow::Result<()> {
         &[&["build", "--all-targets"], &USERSPACE[..]].concat(),
         "the build failed",
     )
+}
+
+/// The `cargo build` arguments of the shipped agent for `arch`: static musl, release, with the
+/// locked dependencies; the Containerfile's build stage runs the same (a unit test keeps them
+/// equal).
+pub fn agent_build_args(arch: Arch) -> Vec<&'static str> {
+    vec![
+        "build",
+        "--release",
+        "--locked",
+        "--package",
+        "redirector",
+        "--target",
+        arch.musl_target(),
+    ]
+}
+
+/// Builds the shipped agent for `arch` (the eBPF object it embeds is built from the same source
+/// for every architecture), checks that the binary is a static ELF executable of that
+/// architecture, and returns its path.
+pub fn build_agent(arch: Arch) -> anyhow::Result<PathBuf> {
+    let started = Instant::now();
+    let mut build = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned()));
+    build.args(agent_build_args(arch)).envs(arch.cargo_env());
+    // What `cargo run` set for xtask itself: ring's build script tracks CARGO_MANIFEST_DIR, so
+    // with it a `cargo build` by hand and this one would each rebuild what the other built.
+    for (name, _) in std::env::vars_os() {
+        let name = name.to_string_lossy();
+        if name.starts_with("CARGO_PKG_")
+            || name.starts_with("CARGO_MANIFEST_")
+            || [
+                "CARGO_CRATE_NAME",
+                "CARGO_BIN_NAME",
+                "CARGO_PRIMARY_PACKAGE",
+            ]
+            .contains(&name.as_ref())
+        {
+            build.env_remove(name.as_ref());
+        }
+    }
+    lint::check(
+        &mut build,
+        &format!("building the agent for {} failed", arch.name()),
+    )?;
+    let binary = target_dir()
+        .join(arch.musl_target())
+        .join("release/redirector");
+    crate::elf::check_static_binary(&binary, arch)?;
+    let size = std::fs::metadata(&binary)
+        .with_context(|| format!("reading {}", binary.display()))?
+        .len();
+    eprintln!(
+        "xtask: built the agent for {} in {:.0?}: {} (a static {} ELF executable, {:.1} MB)",
+        arch.name(),
+        started.elapsed(),
+        binary.display(),
+        arch.name(),
+        size as f64 / 1e6,
+    );
+    Ok(binary)
 }
 
 /// Every test. Privileged tests are not optional: without root this fails before running any.

@@ -5,9 +5,13 @@ use std::{path::PathBuf, process::Command};
 
 use anyhow::{Context as _, bail};
 
-use crate::toolchain::{EBPF_TOOLCHAIN_OVERRIDE, LLVM_MAJOR, Pin};
+use crate::{
+    arch::Arch,
+    toolchain::{EBPF_TOOLCHAIN_OVERRIDE, LLVM_MAJOR, Pin},
+};
 
-/// Debian packages the build and the tests use, besides Debian's LLVM (`debian_packages` adds it).
+/// Debian packages the build and the tests use, besides Debian's LLVM and clang
+/// (`debian_packages` adds them).
 const DEBIAN_PACKAGES: &[&str] = &[
     // bpf-linker's LLVM needs them to link.
     "libzstd-dev",
@@ -31,6 +35,8 @@ const DEBIAN_PACKAGES: &[&str] = &[
     // `cargo xtask vm-test`: qemu (with QEMU 7.2's virtiofsd), busybox for the guest's
     // initramfs, depmod for the kernels' module index and modprobe in the guest.
     "qemu-system-x86",
+    // The VM runner's arm64 kernels: qemu-system-aarch64.
+    "qemu-system-arm",
     "busybox-static",
     "kmod",
     // `systemd-analyze verify` of the shipped unit (redirector/tests/deploy.rs).
@@ -45,6 +51,8 @@ const DEBIAN_PACKAGES: &[&str] = &[
     "golang-github-containers-common",
     "mmdebstrap",
     "binutils",
+    // The image's root filesystem (deploy/container/rootfs.sh): update-ca-certificates' openssl.
+    "ca-certificates",
 ];
 
 /// Where Debian's LLVM lives.
@@ -56,6 +64,7 @@ fn llvm_prefix() -> String {
 /// bpf-linker agree on LLVM.
 pub fn ensure() -> anyhow::Result<()> {
     ensure_debian_packages()?;
+    ensure_musl_targets()?;
     let ebpf = Pin::ebpf()?;
     ensure_ebpf_toolchain(&ebpf)?;
     let linker = ensure_bpf_linker()?;
@@ -101,11 +110,16 @@ fn is_root() -> bool {
     nix::unistd::geteuid().is_root()
 }
 
-/// Every Debian package setup installs.
+/// Every Debian package setup installs: with the list, Debian's LLVM for bpf-linker, and clang
+/// of the same major for the C that `ring` compiles for the musl targets (`Arch::cargo_env`).
 fn debian_packages() -> Vec<String> {
-    std::iter::once(format!("llvm-{LLVM_MAJOR}-dev"))
-        .chain(DEBIAN_PACKAGES.iter().map(|&package| package.to_owned()))
-        .collect()
+    [
+        format!("llvm-{LLVM_MAJOR}-dev"),
+        format!("clang-{LLVM_MAJOR}"),
+    ]
+    .into_iter()
+    .chain(DEBIAN_PACKAGES.iter().map(|&package| package.to_owned()))
+    .collect()
 }
 
 fn missing_debian_packages() -> anyhow::Result<Vec<String>> {
@@ -198,6 +212,44 @@ impl Drop for PolicyRcGuard {
             let _ = std::fs::remove_file(path);
         }
     }
+}
+
+/// Adds the static musl target of every architecture (`cargo xtask build --target`, the images,
+/// the VMs) to the workspace's stable toolchain, unless rustup has them. The eBPF toolchain is
+/// left alone: the object is the same for every architecture.
+fn ensure_musl_targets() -> anyhow::Result<()> {
+    let pin = Pin::userspace()?;
+    let listed = Command::new("rustup")
+        .args(["target", "list", "--installed", "--toolchain", &pin.channel])
+        .env_remove("RUSTUP_TOOLCHAIN")
+        .output()
+        .context("running rustup (the build needs rustup, https://rustup.rs)")?;
+    let installed = String::from_utf8_lossy(&listed.stdout);
+    let missing: Vec<&str> = Arch::ALL
+        .iter()
+        .map(|arch| arch.musl_target())
+        .filter(|target| !installed.lines().any(|line| line.trim() == *target))
+        .collect();
+    if listed.status.success() && missing.is_empty() {
+        return Ok(());
+    }
+    eprintln!(
+        "xtask: adding the Rust targets {} to the toolchain {}",
+        missing.join(", "),
+        pin.channel
+    );
+    let mut add = Command::new("rustup");
+    add.args(["target", "add", "--toolchain", &pin.channel])
+        .args(&missing)
+        .env_remove("RUSTUP_TOOLCHAIN");
+    if !status_ok(&mut add)? {
+        bail!(
+            "`rustup target add --toolchain {} {}` failed; see rustup's output above",
+            pin.channel,
+            missing.join(" ")
+        );
+    }
+    Ok(())
 }
 
 /// Installs the eBPF toolchain the pin names, with its components, unless rustup has them. A

@@ -39,10 +39,7 @@ fn client(script: &str) -> PathBuf {
 fn musl_client() -> anyhow::Result<PathBuf> {
     let built = env!("MUSL_GETADDRINFO");
     if built.is_empty() {
-        bail!(
-            "bpf-tests was built without musl-gcc, so the musl client is missing: run `cargo \
-             xtask setup` (it installs musl-tools) and build again"
-        );
+        bail!("{}", env!("MUSL_GETADDRINFO_MISSING"));
     }
     Ok(PathBuf::from(built))
 }

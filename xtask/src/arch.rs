@@ -17,6 +17,9 @@ pub enum Arch {
 }
 
 impl Arch {
+    /// Every architecture.
+    pub const ALL: [Self; 2] = [Self::X86_64, Self::Aarch64];
+
     /// The one this xtask runs on.
     #[must_use]
     pub const fn host() -> Self {

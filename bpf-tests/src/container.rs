@@ -1,11 +1,16 @@
 //! The shipped image, built from the Containerfile and run the way the DaemonSet runs it, with
 //! Debian's podman (runc) on storage of the tests' own.
 //!
-//! - **The base image**: no registry is reachable, so `debian:12-slim` is an mmdebstrap of
-//!   Debian 12 (minbase, no documentation), imported under that name, once per storage.
+//! - **The base image**: no registry is reachable, so `debian:12-slim`, which the Containerfile's
+//!   `rootfs` stage runs mmdebstrap in, is an mmdebstrap of Debian 12 (minbase, no
+//!   documentation) for this machine's architecture, imported under that name, once per storage.
 //! - **The build stage**: replaced by this build's binary through a named build context
 //!   (`--build-context build=DIR`, which podman, like BuildKit, puts in place of the stage of
-//!   that name); the runtime stage is built from the Containerfile as shipped.
+//!   that name); the `rootfs` and runtime stages are built from the Containerfile as shipped.
+//! - **Each architecture**: the image for another one ([`Platform::Arm64`] on an x86_64 machine)
+//!   is the same build with `--platform`, from a binary cross-built for it: `rootfs` runs on this
+//!   machine's platform and the runtime stage has no RUN, so nothing of that architecture runs.
+//!   podman before 5 does not set BUILDPLATFORM by itself: it is given.
 //! - **The runtime**: runc (crun refuses the hybrid cgroup layout of the development machines;
 //!   runc refuses `--cgroups=disabled`, so each container gets a `--cgroup-parent` below the
 //!   sandbox's cgroup, and `--cgroups=no-conmon` keeps conmon out of it), no default ulimits
@@ -25,10 +30,58 @@ use anyhow::{Context as _, bail};
 
 use crate::command::output_within;
 
-/// The image the Containerfile's runtime stage starts from.
+/// The image the Containerfile's `rootfs` stage runs mmdebstrap in.
 pub const BASE_IMAGE: &str = "docker.io/library/debian:12-slim";
-/// What the tests tag the built image.
+/// What the tests tag the image for this machine's architecture.
 pub const IMAGE: &str = "localhost/redirector:test";
+
+/// An architecture the image is built for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Platform {
+    /// linux/amd64 (x86_64).
+    Amd64,
+    /// linux/arm64 (aarch64).
+    Arm64,
+}
+
+impl Platform {
+    /// This machine's.
+    #[must_use]
+    pub const fn host() -> Self {
+        if cfg!(target_arch = "aarch64") {
+            Self::Arm64
+        } else {
+            Self::Amd64
+        }
+    }
+
+    /// Debian's and the OCI platform's name of the architecture.
+    #[must_use]
+    pub const fn debian(self) -> &'static str {
+        match self {
+            Self::Amd64 => "amd64",
+            Self::Arm64 => "arm64",
+        }
+    }
+
+    /// The OCI platform (`podman build --platform`).
+    #[must_use]
+    pub fn oci(self) -> String {
+        format!("linux/{}", self.debian())
+    }
+
+    /// What the tests tag its image: [`IMAGE`] for this machine's, `IMAGE-ARCH` for another.
+    #[must_use]
+    pub fn image(self) -> &'static str {
+        if self == Self::host() {
+            return IMAGE;
+        }
+        match self {
+            Self::Amd64 => "localhost/redirector:test-amd64",
+            Self::Arm64 => "localhost/redirector:test-arm64",
+        }
+    }
+}
 
 /// podman with the tests' own storage and configuration.
 #[derive(Clone, Debug)]
@@ -133,35 +186,59 @@ pub struct Image {
     pub size: u64,
 }
 
-static BUILT: Mutex<Option<u64>> = Mutex::new(None);
+/// The images built in this process, by platform, with their sizes.
+static BUILT: Mutex<Vec<(Platform, u64)>> = Mutex::new(Vec::new());
 
-/// Builds [`IMAGE`] from `workspace`'s Containerfile with `binary` as the build stage's output,
-/// making the base image first if the storage lacks it. Later calls in the same process return
-/// the first build.
+/// Builds [`IMAGE`], this machine's image, from `workspace`'s Containerfile with `binary` as the
+/// build stage's output. See [`build_image_for`].
 pub fn build_image(podman: &Podman, workspace: &Path, binary: &Path) -> anyhow::Result<Image> {
+    build_image_for(podman, workspace, Platform::host(), binary)
+}
+
+/// Builds `platform`'s image ([`Platform::image`]) from `workspace`'s Containerfile with `binary`
+/// (built for that platform) as the build stage's output, making the base image first if the
+/// storage lacks it. One build at a time; later calls in the same process return the first build
+/// of each platform.
+pub fn build_image_for(
+    podman: &Podman,
+    workspace: &Path,
+    platform: Platform,
+    binary: &Path,
+) -> anyhow::Result<Image> {
+    let name = platform.image();
     let mut built = BUILT
         .lock()
         .map_err(|_| anyhow::anyhow!("an image build panicked"))?;
-    if let Some(size) = *built {
-        return Ok(Image { name: IMAGE, size });
+    if let Some((_, size)) = built.iter().find(|(done, _)| *done == platform) {
+        return Ok(Image { name, size: *size });
     }
     if !podman.has_current_base()? {
         make_base_image(podman)?;
     }
-    let context = podman.root.with_file_name("build-context");
+    let context = podman
+        .root
+        .with_file_name(format!("build-context-{}", platform.debian()));
     let out = context.join("out");
     let _ = std::fs::remove_dir_all(&context);
     std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
-    let stripped = out.join("redirector");
-    crate::command::run(
-        "objcopy",
-        [
-            "--strip-debug".to_owned(),
-            binary.display().to_string(),
-            stripped.display().to_string(),
-        ],
-    )
-    .context("stripping the redirector binary for the image")?;
+    let in_image = out.join("redirector");
+    if platform == Platform::host() {
+        // A debug build: its debug info is most of it.
+        crate::command::run(
+            "objcopy",
+            [
+                "--strip-debug".to_owned(),
+                binary.display().to_string(),
+                in_image.display().to_string(),
+            ],
+        )
+        .context("stripping the redirector binary for the image")?;
+    } else {
+        // binutils' objcopy reads this machine's ELF only; a cross-built agent is a release
+        // build, which goes in as the Containerfile's build stage installs it.
+        std::fs::copy(binary, &in_image)
+            .with_context(|| format!("copying {} into the build context", binary.display()))?;
+    }
     for (from, to) in [
         ("deploy/seccomp/redirector.json", "seccomp.json"),
         ("deploy/container/prepare-node.sh", "prepare-node"),
@@ -169,15 +246,22 @@ pub fn build_image(podman: &Podman, workspace: &Path, binary: &Path) -> anyhow::
         std::fs::copy(workspace.join(from), out.join(to))
             .with_context(|| format!("copying {from} into the build context"))?;
     }
-    // The runtime stage copies nothing from the main context: give it an empty one.
-    let empty = context.join("empty");
-    std::fs::create_dir_all(&empty).with_context(|| format!("creating {}", empty.display()))?;
+    // The main context: only what the `rootfs` stage copies from it.
+    let main = context.join("main");
+    let script = "deploy/container/rootfs.sh";
+    std::fs::create_dir_all(main.join("deploy/container"))
+        .with_context(|| format!("creating {}", main.display()))?;
+    std::fs::copy(workspace.join(script), main.join(script))
+        .with_context(|| format!("copying {script} into the build context"))?;
     let containerfile = workspace.join("Containerfile");
     podman.run(
         &[
             "build",
-            // apt-get in the runtime stage reaches Debian's mirror from the host's namespace:
-            // no bridge, no firewall rules of podman's.
+            "--platform",
+            &platform.oci(),
+            &format!("--build-arg=BUILDPLATFORM={}", Platform::host().oci()),
+            // apt-get and mmdebstrap in the `rootfs` stage reach Debian's mirror from the
+            // host's namespace: no bridge, no firewall rules of podman's.
             "--network",
             "host",
             "--build-context",
@@ -185,21 +269,99 @@ pub fn build_image(podman: &Podman, workspace: &Path, binary: &Path) -> anyhow::
             "--file",
             &containerfile.display().to_string(),
             "--tag",
-            IMAGE,
-            &empty.display().to_string(),
+            name,
+            &main.display().to_string(),
         ],
-        Duration::from_secs(600),
+        Duration::from_secs(900),
     )?;
     let size = podman
         .run(
-            &["image", "inspect", "--format", "{{.Size}}", IMAGE],
+            &["image", "inspect", "--format", "{{.Size}}", name],
             Duration::from_secs(30),
         )?
         .trim()
         .parse()
         .context("podman's image size")?;
-    *built = Some(size);
-    Ok(Image { name: IMAGE, size })
+    built.push((platform, size));
+    Ok(Image { name, size })
+}
+
+/// An image's root filesystem, mounted read-only by podman (`podman image mount`) to read its
+/// files without running anything of it; unmounted when dropped.
+#[derive(Debug)]
+pub struct MountedImage {
+    podman: Podman,
+    image: String,
+    /// Where its root is.
+    pub root: PathBuf,
+}
+
+impl MountedImage {
+    /// Mounts `image`.
+    pub fn new(podman: &Podman, image: &str) -> anyhow::Result<Self> {
+        let root = podman.run(&["image", "mount", image], Duration::from_secs(60))?;
+        Ok(Self {
+            podman: podman.clone(),
+            image: image.to_owned(),
+            root: PathBuf::from(root.trim()),
+        })
+    }
+
+    /// Where `path` (absolute in the image) is on this machine, its symbolic links followed
+    /// inside the image: an absolute link target is the image's, not this machine's.
+    pub fn resolve(&self, path: &str) -> anyhow::Result<PathBuf> {
+        let mut resolved = PathBuf::new();
+        let mut pending: Vec<String> = path
+            .split('/')
+            .filter(|part| !part.is_empty())
+            .rev()
+            .map(str::to_owned)
+            .collect();
+        let mut links = 0;
+        while let Some(part) = pending.pop() {
+            match part.as_str() {
+                "." => continue,
+                ".." => {
+                    resolved.pop();
+                    continue;
+                }
+                _ => {}
+            }
+            let candidate = resolved.join(&part);
+            let on_host = self.root.join(&candidate);
+            match std::fs::symlink_metadata(&on_host) {
+                Ok(meta) if meta.file_type().is_symlink() => {
+                    links += 1;
+                    anyhow::ensure!(links < 40, "{path}: too many symbolic links in the image");
+                    let target = std::fs::read_link(&on_host)?;
+                    let target = target.to_string_lossy();
+                    if target.starts_with('/') {
+                        resolved = PathBuf::new();
+                    }
+                    pending.extend(
+                        target
+                            .split('/')
+                            .filter(|part| !part.is_empty())
+                            .rev()
+                            .map(str::to_owned),
+                    );
+                }
+                Ok(_) => resolved = candidate,
+                Err(error) => {
+                    return Err(error).with_context(|| format!("{path} in {}", self.image));
+                }
+            }
+        }
+        Ok(self.root.join(resolved))
+    }
+}
+
+impl Drop for MountedImage {
+    fn drop(&mut self) {
+        let _ = self
+            .podman
+            .run(&["image", "unmount", &self.image], Duration::from_secs(60));
+    }
 }
 
 /// The label of the base image that names the recipe it was made by.

@@ -13,7 +13,7 @@ use std::{
 
 use bpf_tests::{
     command::{TestProcess, kill_pid},
-    container::{Image, Named, Podman, build_image},
+    container::{Image, MountedImage, Named, Platform, Podman, build_image, build_image_for},
     harness::standard_listeners,
     pace::paced,
     sandbox::{CacheSpec, Ns, Query, Sandbox, Transport, redirector_bin},
@@ -764,5 +764,290 @@ fn prepare_node_mounts_a_missing_bpffs_on_the_node_and_installs_the_seccomp_prof
         "{printed}"
     );
     assert_eq!(std::fs::read(seccomp_dir.join("redirector.json"))?, shipped);
+    Ok(())
+}
+
+/// The agent cross-built for `platform`: what `cargo xtask build --target ARCH` built (`cargo
+/// xtask test` builds it first and names it in `REDIRECTOR_BIN_X86_64` or `REDIRECTOR_BIN_AARCH64`).
+fn cross_built_agent(platform: Platform) -> anyhow::Result<PathBuf> {
+    let (arch, triple) = match platform {
+        Platform::Amd64 => ("x86_64", "x86_64-unknown-linux-musl"),
+        Platform::Arm64 => ("aarch64", "aarch64-unknown-linux-musl"),
+    };
+    let agent = std::env::var_os(format!("REDIRECTOR_BIN_{}", arch.to_uppercase())).map_or_else(
+        || Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("../{triple}/release/redirector")),
+        PathBuf::from,
+    );
+    anyhow::ensure!(
+        agent.is_file(),
+        "{} is missing: build the {arch} agent with `cargo xtask build --target {arch}` (`cargo \
+         xtask test` builds it)",
+        agent.display()
+    );
+    Ok(agent)
+}
+
+/// What an ELF file says of itself: its machine, its program interpreter, the libraries it needs.
+struct ElfFile {
+    machine: u16,
+    interpreter: Option<String>,
+    needed: Vec<String>,
+}
+
+fn read_elf(path: &Path) -> anyhow::Result<ElfFile> {
+    use object::read::elf::{FileHeader as _, ProgramHeader as _};
+    let data = std::fs::read(path)?;
+    let file = object::read::elf::ElfFile64::<object::Endianness>::parse(&*data)
+        .map_err(|error| anyhow::anyhow!("{}: {error}", path.display()))?;
+    let endian = file.endian();
+    let mut interpreter = None;
+    for header in file.elf_program_headers() {
+        if let Some(path) = header
+            .interpreter(endian, &*data)
+            .map_err(|error| anyhow::anyhow!("{error}"))?
+        {
+            interpreter = Some(String::from_utf8_lossy(path).into_owned());
+        }
+    }
+    let dynamic = file
+        .elf_section_table()
+        .dynamic_table(endian, &*data)
+        .map_err(|error| anyhow::anyhow!("{}: {error}", path.display()))?;
+    let mut needed = Vec::new();
+    for entry in &dynamic {
+        if entry.tag == object::elf::DT_NEEDED {
+            let name = dynamic
+                .string(entry)
+                .map_err(|error| anyhow::anyhow!("{}: {error}", path.display()))?;
+            needed.push(String::from_utf8_lossy(name).into_owned());
+        }
+    }
+    Ok(ElfFile {
+        machine: file.elf_header().e_machine(endian),
+        interpreter,
+        needed,
+    })
+}
+
+/// The ELF machine of `platform`'s binaries and Debian's multiarch directory of its libraries.
+const fn machine_of(platform: Platform) -> (u16, &'static str) {
+    match platform {
+        Platform::Amd64 => (object::elf::EM_X86_64, "x86_64-linux-gnu"),
+        Platform::Arm64 => (object::elf::EM_AARCH64, "aarch64-linux-gnu"),
+    }
+}
+
+/// Checks that `binary` in the mounted image, its interpreter, and every library it needs (and
+/// they need), found where the image's dynamic linker looks, are `platform`'s; returns them.
+fn check_closure(
+    image: &MountedImage,
+    binary: &str,
+    platform: Platform,
+) -> anyhow::Result<Vec<String>> {
+    let (machine, multiarch) = machine_of(platform);
+    let dirs = [
+        format!("/lib/{multiarch}"),
+        format!("/usr/lib/{multiarch}"),
+        "/lib".to_owned(),
+        "/usr/lib".to_owned(),
+    ];
+    let mut checked: Vec<String> = Vec::new();
+    let mut pending = vec![binary.to_owned()];
+    while let Some(file) = pending.pop() {
+        if checked.contains(&file) {
+            continue;
+        }
+        let elf = read_elf(&image.resolve(&file)?)?;
+        anyhow::ensure!(
+            elf.machine == machine,
+            "{file} in the {} image is for ELF machine {}, not {machine}",
+            platform.debian(),
+            elf.machine
+        );
+        pending.extend(elf.interpreter);
+        for library in elf.needed {
+            let found = dirs
+                .iter()
+                .map(|dir| format!("{dir}/{library}"))
+                .find(|path| image.resolve(path).is_ok_and(|found| found.is_file()))
+                .ok_or_else(|| {
+                    anyhow::anyhow!(
+                        "{file} needs {library}, which is in none of {dirs:?} in the {} image",
+                        platform.debian()
+                    )
+                })?;
+            pending.push(found);
+        }
+        checked.push(file);
+    }
+    Ok(checked)
+}
+
+/// What the packages' maintainer scripts would have made, which the image makes without running
+/// them (deploy/container/rootfs.sh): the CA bundle, root's account, the package records.
+fn check_made_without_maintainer_scripts(image: &MountedImage) -> anyhow::Result<()> {
+    let bundle = std::fs::read_to_string(image.resolve("/etc/ssl/certs/ca-certificates.crt")?)?;
+    let certificates = bundle.matches("-----BEGIN CERTIFICATE-----").count();
+    anyhow::ensure!(
+        certificates > 100,
+        "the CA bundle holds {certificates} certificates"
+    );
+    // Every .pem link points at a certificate in the image.
+    for entry in std::fs::read_dir(image.resolve("/etc/ssl/certs")?)? {
+        let name = entry?.file_name().to_string_lossy().into_owned();
+        if name.ends_with(".pem") {
+            image.resolve(&format!("/etc/ssl/certs/{name}"))?;
+        }
+    }
+    let passwd = std::fs::read_to_string(image.resolve("/etc/passwd")?)?;
+    anyhow::ensure!(
+        passwd.starts_with("root:x:0:0:") || passwd.starts_with("root:*:0:0:"),
+        "{passwd}"
+    );
+    let status = std::fs::read_to_string(image.resolve("/var/lib/dpkg/status")?)?;
+    for package in ["nftables", "ca-certificates", "libc6"] {
+        anyhow::ensure!(
+            status.contains(&format!(
+                "Package: {package}\nStatus: install ok installed\n"
+            )),
+            "/var/lib/dpkg/status lacks {package}"
+        );
+    }
+    Ok(())
+}
+
+/// The image for the other architecture (arm64 on an x86_64 machine) beside this machine's,
+/// assembled with no emulation: the agent cross-built, the root filesystem made by mmdebstrap's
+/// extract variant on this machine. Nothing of it can run here, so what it holds is read: its
+/// platform, a static agent of its architecture, nft and every library it loads of its
+/// architecture, what the maintainer scripts would have made; and one manifest list names both
+/// images, so that the DaemonSet's one image name serves every node.
+#[test]
+fn the_other_architectures_image_is_made_without_emulation_and_one_list_names_both()
+-> anyhow::Result<()> {
+    let started = Instant::now();
+    let podman = podman()?;
+    let host = image(&podman)?;
+    let other_platform = match Platform::host() {
+        Platform::Amd64 => Platform::Arm64,
+        Platform::Arm64 => Platform::Amd64,
+    };
+    let other = build_image_for(
+        &podman,
+        &workspace(),
+        other_platform,
+        &cross_built_agent(other_platform)?,
+    )?;
+    eprintln!(
+        "image {}: {} bytes ({:.0?} for both images)",
+        other.name,
+        other.size,
+        started.elapsed()
+    );
+    let handlers: Vec<String> = std::fs::read_dir("/proc/sys/fs/binfmt_misc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|entry| entry.file_name().to_string_lossy().into_owned())
+        .filter(|name| name != "register" && name != "status")
+        .collect();
+    // With none, the build above could not have run a program of the other architecture.
+    eprintln!("binfmt_misc handlers on this machine: {handlers:?}");
+
+    for (image, platform) in [(&host, Platform::host()), (&other, other_platform)] {
+        let said = podman.run(
+            &[
+                "image",
+                "inspect",
+                "--format",
+                "{{.Os}}/{{.Architecture}}",
+                image.name,
+            ],
+            Duration::from_secs(30),
+        )?;
+        assert_eq!(said.trim(), platform.oci(), "{}", image.name);
+        let mounted = MountedImage::new(&podman, image.name)?;
+        let agent = read_elf(&mounted.resolve("/usr/local/bin/redirector")?)?;
+        assert_eq!(
+            agent.machine,
+            machine_of(platform).0,
+            "the agent in {} is for ELF machine {}, not {}'s",
+            image.name,
+            agent.machine,
+            platform.debian()
+        );
+        if platform != Platform::host() {
+            // Cross-built: static musl (the host's image holds the tests' debug build).
+            assert_eq!(agent.interpreter, None, "a static agent");
+            assert!(agent.needed.is_empty(), "{:?}", agent.needed);
+        }
+        let nft = check_closure(&mounted, "/usr/sbin/nft", platform)?;
+        for library in ["libnftables.so.1", "libc.so.6", "libmnl.so.0"] {
+            assert!(
+                nft.iter().any(|file| file.ends_with(library)),
+                "{library} among nft's: {nft:?}"
+            );
+        }
+        // prepare-node's tools run from the same libraries.
+        for tool in ["/bin/sh", "/usr/bin/stat", "/usr/bin/nsenter", "/bin/mount"] {
+            check_closure(&mounted, tool, platform)?;
+        }
+        check_made_without_maintainer_scripts(&mounted)?;
+        eprintln!(
+            "{} ({}): the agent and nft with {} files it loads, all {}",
+            image.name,
+            platform.oci(),
+            nft.len() - 1,
+            platform.debian()
+        );
+    }
+
+    // One name for both: the DaemonSet's image.
+    let list = "localhost/redirector:test-list";
+    let _ = podman.run(&["manifest", "rm", list], Duration::from_secs(30));
+    podman.run(&["manifest", "create", list], Duration::from_secs(30))?;
+    for image in [&host, &other] {
+        podman.run(
+            &[
+                "manifest",
+                "add",
+                list,
+                &format!("containers-storage:{}", image.name),
+            ],
+            Duration::from_secs(60),
+        )?;
+    }
+    let manifest: serde_json::Value = serde_json::from_str(
+        &podman.run(&["manifest", "inspect", list], Duration::from_secs(30))?,
+    )?;
+    let mut listed: Vec<(String, String)> = manifest["manifests"]
+        .as_array()
+        .ok_or_else(|| anyhow::anyhow!("no manifests in {manifest}"))?
+        .iter()
+        .map(|entry| {
+            (
+                format!(
+                    "{}/{}",
+                    entry["platform"]["os"].as_str().unwrap_or_default(),
+                    entry["platform"]["architecture"]
+                        .as_str()
+                        .unwrap_or_default()
+                ),
+                entry["digest"].as_str().unwrap_or_default().to_owned(),
+            )
+        })
+        .collect();
+    listed.sort();
+    let mut expected = Vec::new();
+    for (image, platform) in [(&host, Platform::host()), (&other, other_platform)] {
+        let digest = podman.run(
+            &["image", "inspect", "--format", "{{.Digest}}", image.name],
+            Duration::from_secs(30),
+        )?;
+        expected.push((platform.oci(), digest.trim().to_owned()));
+    }
+    expected.sort();
+    assert_eq!(listed, expected, "{manifest}");
+    let _ = podman.run(&["manifest", "rm", list], Duration::from_secs(30));
     Ok(())
 }

@@ -1233,10 +1233,15 @@ fn the_containerfile_ships_the_tested_binary_with_nft() {
         .lines()
         .filter(|line| line.starts_with("FROM "))
         .collect();
-    assert_eq!(stages.len(), 2, "{stages:?}");
+    assert_eq!(stages.len(), 3, "{stages:?}");
     assert!(stages[0].contains("rust:1.95.0-bookworm"), "{}", stages[0]);
-    assert!(stages[1].contains("debian:12-slim"), "{}", stages[1]);
-    assert!(containerfile.contains("cargo build --release --locked -p redirector"));
+    assert!(
+        stages[1].contains("debian:12-slim AS rootfs"),
+        "{}",
+        stages[1]
+    );
+    assert_eq!(stages[2], "FROM scratch");
+    assert!(containerfile.contains("cargo build --release --locked --package redirector --target"));
     // The agent's production build leaves the embedded cache (`embedded-cache`, a tool for dev
     // boxes, the demo and the tests) out.
     let agent_build = containerfile
@@ -1247,7 +1252,7 @@ fn the_containerfile_ships_the_tested_binary_with_nft() {
         !agent_build.contains("--features") && !agent_build.contains("--all-features"),
         "the image's build asks for features: {agent_build}"
     );
-    assert!(containerfile.contains("target/release/redirector"));
+    assert!(containerfile.contains("\"target/$target/release/redirector\" /out/redirector"));
     assert!(containerfile.contains("llvm-22-dev"));
     let runtime = &containerfile[containerfile.rfind("FROM ").expect("a runtime stage")..];
     let build = &containerfile[..containerfile.rfind("FROM ").expect("a runtime stage")];
@@ -1276,7 +1281,32 @@ fn the_containerfile_ships_the_tested_binary_with_nft() {
     assert!(
         runtime.contains("COPY --from=build /out/redirector /out/prepare-node /usr/local/bin/")
     );
-    assert!(runtime.contains("nftables") && runtime.contains("ca-certificates"));
+    // The rest of the runtime's root is the `rootfs` stage's Debian: with nftables and
+    // ca-certificates, and what prepare-node runs (sh, stat, cp, chmod, mv, nsenter, mount).
+    assert!(
+        runtime.contains("COPY --from=rootfs /rootfs/ /"),
+        "{runtime}"
+    );
+    let rootfs = read("deploy/container/rootfs.sh");
+    let packages: Vec<&str> = rootfs
+        .lines()
+        .find_map(|line| line.strip_prefix("packages="))
+        .expect("rootfs.sh names its packages")
+        .split(',')
+        .collect();
+    for package in [
+        "nftables",
+        "ca-certificates",
+        "dash",
+        "coreutils",
+        "util-linux",
+        "mount",
+    ] {
+        assert!(
+            packages.contains(&package),
+            "rootfs.sh lacks {package}: {packages:?}"
+        );
+    }
     // The configuration's nft is the Debian package's.
     let text = configmap_config();
     assert_eq!(

@@ -57,6 +57,12 @@ impl Arch {
         }
     }
 
+    /// The OCI platform of its images (`podman build --platform`).
+    #[must_use]
+    pub fn platform(self) -> String {
+        format!("linux/{}", self.debian())
+    }
+
     /// The ELF header's `e_machine` of its binaries.
     #[must_use]
     pub const fn elf_machine(self) -> u16 {

@@ -3,6 +3,7 @@
 
 mod arch;
 mod elf;
+mod image;
 mod lint;
 mod pinned_rustup;
 mod setup;
@@ -33,7 +34,9 @@ enum Task {
         #[arg(long = "target", value_name = "ARCH")]
         targets: Vec<arch::Selection>,
     },
-
+    /// Build the image (Containerfile) for each architecture named, with no emulation, and a
+    /// manifest list of them under one name (needs root: podman, mmdebstrap).
+    Image(image::ImageArgs),
     /// rustfmt check, and clippy with warnings denied (userspace, and the eBPF crate on its target).
     Lint,
     /// Every test: lints, unit tests, and the privileged bpf-tests (needs root).
@@ -100,7 +103,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             }
             Ok(())
         }
-
+        Task::Image(args) => {
+            setup::ensure()?;
+            image::run(&args)
+        }
         Task::Lint => {
             setup::ensure()?;
             lint::run()

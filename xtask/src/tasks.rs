@@ -135,6 +135,14 @@ pub fn test(with_lints: bool, filter: Option<&str>) -> anyhow::Result<()> {
         .args(USERSPACE)
         .arg("--no-fail-fast")
         .env("REDIRECTOR_BIN", &binary);
+    // The image test builds the other architectures' images from their shipped agents.
+    for arch in Arch::ALL.into_iter().filter(|arch| *arch != Arch::host()) {
+        let agent = build_agent(arch)?;
+        test.env(
+            format!("REDIRECTOR_BIN_{}", arch.name().to_uppercase()),
+            agent,
+        );
+    }
     if let Some(filter) = filter {
         test.args(["--", filter]);
     }

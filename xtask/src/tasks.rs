@@ -73,15 +73,25 @@ pub fn agent_build_args(arch: Arch) -> Vec<&'static str> {
     ]
 }
 
-/// Builds the shipped agent for `arch` (the eBPF object it embeds is built from the same source
-/// for every architecture), checks that the binary is a static ELF executable of that
-/// architecture, and returns its path.
-pub fn build_agent(arch: Arch) -> anyhow::Result<PathBuf> {
-    let started = Instant::now();
+/// `cargo ARGS` for `arch`: the host's as every other build here runs it; another's for its
+/// static musl target, with what that needs (`Arch::cargo_env`), and without what `cargo run`
+/// set for xtask itself: ring's build script tracks CARGO_MANIFEST_DIR, so with it a `cargo
+/// build` by hand and this one would each rebuild what the other built.
+pub fn cargo_for(arch: Arch, args: &[&str]) -> Command {
     let mut build = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned()));
-    build.args(agent_build_args(arch)).envs(arch.cargo_env());
-    // What `cargo run` set for xtask itself: ring's build script tracks CARGO_MANIFEST_DIR, so
-    // with it a `cargo build` by hand and this one would each rebuild what the other built.
+    build.args(args);
+    if arch == Arch::host() {
+        return build;
+    }
+    build
+        .args(["--target", arch.musl_target()])
+        .envs(arch.cargo_env());
+    remove_cargo_run_env(&mut build);
+    build
+}
+
+/// Removes from `build` what `cargo run` set for xtask itself (see [`cargo_for`]).
+fn remove_cargo_run_env(build: &mut Command) {
     for (name, _) in std::env::vars_os() {
         let name = name.to_string_lossy();
         if name.starts_with("CARGO_PKG_")
@@ -96,6 +106,16 @@ pub fn build_agent(arch: Arch) -> anyhow::Result<PathBuf> {
             build.env_remove(name.as_ref());
         }
     }
+}
+
+/// Builds the shipped agent for `arch` (the eBPF object it embeds is built from the same source
+/// for every architecture), checks that the binary is a static ELF executable of that
+/// architecture, and returns its path.
+pub fn build_agent(arch: Arch) -> anyhow::Result<PathBuf> {
+    let started = Instant::now();
+    let mut build = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned()));
+    build.args(agent_build_args(arch)).envs(arch.cargo_env());
+    remove_cargo_run_env(&mut build);
     lint::check(
         &mut build,
         &format!("building the agent for {} failed", arch.name()),
@@ -118,6 +138,21 @@ pub fn build_agent(arch: Arch) -> anyhow::Result<PathBuf> {
     Ok(binary)
 }
 
+/// Builds the binary the tests run ([`TESTED_BINARY_BUILD`]) for another architecture than the
+/// host's, as the arm64 VMs build it (so that they build nothing again), checks that it is a
+/// static ELF executable of that architecture, and returns its path.
+pub fn build_tested_agent(arch: Arch) -> anyhow::Result<PathBuf> {
+    lint::check(
+        &mut cargo_for(arch, TESTED_BINARY_BUILD),
+        &format!("building the tested agent for {} failed", arch.name()),
+    )?;
+    let binary = target_dir()
+        .join(arch.musl_target())
+        .join("debug/redirector");
+    crate::elf::check_static_binary(&binary, arch)?;
+    Ok(binary)
+}
+
 /// Every test. Privileged tests are not optional: without root this fails before running any.
 pub fn test(with_lints: bool, filter: Option<&str>) -> anyhow::Result<()> {
     require_root("test")?;
@@ -135,9 +170,10 @@ pub fn test(with_lints: bool, filter: Option<&str>) -> anyhow::Result<()> {
         .args(USERSPACE)
         .arg("--no-fail-fast")
         .env("REDIRECTOR_BIN", &binary);
-    // The image test builds the other architectures' images from their shipped agents.
+    // The image test builds the other architectures' images from the binaries the tests run
+    // there (the arm64 VMs reuse the build).
     for arch in Arch::ALL.into_iter().filter(|arch| *arch != Arch::host()) {
-        let agent = build_agent(arch)?;
+        let agent = build_tested_agent(arch)?;
         test.env(
             format!("REDIRECTOR_BIN_{}", arch.name().to_uppercase()),
             agent,

@@ -4,7 +4,7 @@
 use std::{
     io::{BufRead as _, BufReader},
     path::{Path, PathBuf},
-    process::{Command, Stdio},
+    process::Stdio,
 };
 
 use anyhow::{Context as _, bail};
@@ -84,15 +84,10 @@ struct Built {
 /// stderr) for `arch` (the host's: as `cargo xtask test` builds; another: cross-built for its
 /// static musl target) and returns the executables it reports.
 fn cargo_executables(args: &[&str], arch: Arch, failure: &str) -> anyhow::Result<Vec<Built>> {
-    let mut command = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned()));
+    let mut command = crate::tasks::cargo_for(arch, args);
     command
-        .args(args)
         .arg("--message-format=json-render-diagnostics")
         .stdout(Stdio::piped());
-    if arch != Arch::host() {
-        command.args(["--target", arch.musl_target()]);
-        command.envs(arch.cargo_env());
-    }
     let mut child = command
         .spawn()
         .with_context(|| format!("running {command:?}"))?;

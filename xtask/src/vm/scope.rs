@@ -56,6 +56,18 @@ pub const HOST_ONLY: &[HostOnly] = &[
               every kernel",
     },
     HostOnly {
+        binary: "upgrade",
+        skip: &["a_newer_cli_on_an_older_releases_pins"],
+        why: "what the CLI reads of another release's pins and says is userspace; the upgrade and \
+              rollback across layouts run on every kernel",
+    },
+    HostOnly {
+        binary: "lifecycle",
+        skip: &["after_a_reboot_dns_fails_only_until"],
+        why: "an agent's first start on no pins is what every VM test's first start does; this \
+              test times the window before it on the host",
+    },
+    HostOnly {
         binary: "resolvers",
         skip: &[],
         why: "how c-ares, glibc and musl answer the egress program's EPERM is userspace; \

@@ -560,11 +560,15 @@ impl Sandbox {
             listeners,
             tables,
             &format!(
-                "interval_ms = {}\ntimeout_ms = {}\nstall_after_ms = {}\nsignal_hold_ms = {}\n",
+                "interval_ms = {}\ntimeout_ms = {}\nstall_after_ms = {}\nsignal_hold_ms = {}\n\
+                 upstream_interval_ms = {}\n",
                 interval.as_millis(),
                 timeout.as_millis(),
                 paced_ms(redirector::config::DEFAULT_STALL_AFTER_MS),
                 paced_ms(1500),
+                // The upstream checks share the probes' timeout: stretched with it, so that a
+                // slower machine checks each target as often per timeout as the host does.
+                paced_ms(redirector::config::DEFAULT_UPSTREAM_INTERVAL_MS),
             ),
         )
     }

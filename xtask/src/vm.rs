@@ -62,12 +62,17 @@ pub struct VmArgs {
     pub kernel: KernelChoice,
     /// The kernels' architecture. Another than the host's boots Debian's kernel of it under
     /// emulation, in a root file system of its own, with the tests cross-built; it runs only the
-    /// arm64 subset (`vm/scope.rs`) unless `--whole-suite`, `--tests` or a filter says otherwise.
+    /// kernel subset (`vm/scope.rs`) unless `--whole-suite`, `--tests` or a filter says
+    /// otherwise.
     #[arg(long, value_enum, default_value_t = Arch::host())]
     pub arch: Arch,
     /// On another architecture than the host's: every test the host's VMs run, not the subset.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "subset_on")]
     pub whole_suite: bool,
+    /// Only the kernel subset (`vm/scope.rs`) on this kernel, everything on the others
+    /// (`cargo xtask test` runs 6.12 so); ignored with `--tests` or a filter.
+    #[arg(long, value_enum)]
+    pub subset_on: Option<KernelChoice>,
     /// Only these bpf-tests test binaries (comma-separated: steering,failover); default all.
     #[arg(long, value_delimiter = ',')]
     pub tests: Vec<String>,
@@ -92,16 +97,29 @@ pub struct VmArgs {
 }
 
 impl VmArgs {
-    /// Every default: every test binary on every kernel.
+    /// The host architecture's VMs as every `cargo xtask test` runs them: every test on 6.1,
+    /// the oldest kernel here; the kernel subset and the systemd boot on 6.12, which sits
+    /// between it and the host's kernel, where every test runs too.
     #[must_use]
-    pub fn defaults() -> Self {
-        <Self as clap::Parser>::parse_from(["vm-test"])
+    pub fn suite() -> Self {
+        <Self as clap::Parser>::parse_from(["vm-test", "--subset-on", "6.12"])
     }
 
-    /// The arm64 subset on 6.1, as every `cargo xtask test` runs it.
+    /// The kernel subset on arm64's 6.1, as every `cargo xtask test` runs it.
     #[must_use]
     pub fn arm64_subset() -> Self {
         <Self as clap::Parser>::parse_from(["vm-test", "--arch", "aarch64", "--kernel", "6.1"])
+    }
+
+    /// Whether `series` runs only the kernel subset: another architecture's kernels unless
+    /// `--whole-suite`, and the kernels `--subset-on` names; never when tests or a filter are
+    /// named.
+    fn subset(&self, series: Series) -> bool {
+        let chosen = self
+            .subset_on
+            .is_some_and(|choice| choice.series().contains(&series));
+        let foreign = self.arch != Arch::host() && !self.whole_suite;
+        (chosen || foreign) && self.tests.is_empty() && self.filter.is_none()
     }
 }
 
@@ -206,14 +224,12 @@ pub fn run(options: &VmArgs) -> anyhow::Result<()> {
     artifacts
         .tests
         .retain(|test| scope::runs_binary(&test.name, &options.tests, options.with_host_only));
-    let subset = foreign_arch
-        && !options.whole_suite
-        && options.tests.is_empty()
-        && options.filter.is_none();
-    if subset {
+    let series = options.kernel.series();
+    // A binary with no test of the subset is left out of every run that is all subset.
+    if series.iter().all(|series| options.subset(*series)) {
         artifacts
             .tests
-            .retain(|test| scope::arm64_filters(&test.name).is_some());
+            .retain(|test| scope::subset_filters(&test.name).is_some());
     }
     if artifacts.tests.is_empty() && !systemd_boot {
         bail!("bpf-tests has no test binary to run");
@@ -234,7 +250,6 @@ pub fn run(options: &VmArgs) -> anyhow::Result<()> {
     }
     sweep_runs(&vm_dir);
 
-    let series = options.kernel.series();
     let foreign_apt = foreign_arch
         .then(|| foreign::ForeignApt::new(arch, &vm_dir))
         .transpose()?;
@@ -298,6 +313,7 @@ pub fn run(options: &VmArgs) -> anyhow::Result<()> {
     test_args.extend(options.filter.clone());
     let workspace = workspace_dir()?;
     let plan = |kernel: &kernel::Kernel, mode: initramfs::Mode| {
+        let subset = options.subset(kernel.series);
         let (tests, test_args) = match mode {
             initramfs::Mode::Tests => (&artifacts.tests[..], test_args.clone()),
             // One after the other: each test of the boot takes up where the last left the node.
@@ -318,13 +334,12 @@ pub fn run(options: &VmArgs) -> anyhow::Result<()> {
             redirector: artifacts.redirector.clone(),
             tests: tests
                 .iter()
-                .map(|test| {
-                    let filters = if subset {
-                        scope::arm64_filters(&test.name).unwrap_or_default()
-                    } else {
-                        Vec::new()
+                .filter_map(|test| {
+                    let filters = match (mode, subset) {
+                        (initramfs::Mode::Tests, true) => scope::subset_filters(&test.name)?,
+                        _ => Vec::new(),
                     };
-                    (test.name.clone(), test.path.clone(), filters)
+                    Some((test.name.clone(), test.path.clone(), filters))
                 })
                 .collect(),
             results: results_port.to_owned(),
@@ -352,10 +367,19 @@ pub fn run(options: &VmArgs) -> anyhow::Result<()> {
         options.slowdown
     );
     let mut left_out = scope::describe(&options.tests, options.with_host_only);
-    if subset {
+    for kernel in kernels
+        .iter()
+        .filter(|kernel| options.subset(kernel.series))
+    {
         left_out.push_str(&format!(
-            "  on {}: only the arm64 subset (vm/scope.rs; --whole-suite runs every test)\n",
-            arch.name()
+            "  on {} {}: only the kernel subset (vm/scope.rs; {} runs every test)\n",
+            arch.name(),
+            kernel.series.label(),
+            if foreign_arch {
+                "--whole-suite"
+            } else {
+                "vm-test without --subset-on"
+            }
         ));
     }
     eprint!("{left_out}");
@@ -498,4 +522,31 @@ fn summarize(results: &[KernelResult], left_out: &str, total: Duration) -> anyho
         );
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(args: &[&str]) -> VmArgs {
+        <VmArgs as clap::Parser>::parse_from(std::iter::once("vm-test").chain(args.iter().copied()))
+    }
+
+    #[test]
+    fn the_subset_runs_where_asked_and_never_for_named_tests() {
+        let suite = VmArgs::suite();
+        assert!(
+            !suite.subset(Series::V6_1),
+            "cargo xtask test runs everything on 6.1"
+        );
+        assert!(suite.subset(Series::V6_12));
+        let arm64 = VmArgs::arm64_subset();
+        assert!(arm64.subset(Series::V6_1));
+        let everything = parse(&[]);
+        assert!(Series::ALL.iter().all(|series| !everything.subset(*series)));
+        assert!(!parse(&["--arch", "aarch64", "--whole-suite"]).subset(Series::V6_1));
+        assert!(parse(&["--subset-on", "all"]).subset(Series::V6_1));
+        assert!(!parse(&["--subset-on", "6.12", "--tests", "drain"]).subset(Series::V6_12));
+        assert!(!parse(&["--subset-on", "6.12", "restarts"]).subset(Series::V6_12));
+    }
 }

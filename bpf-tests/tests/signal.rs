@@ -130,9 +130,11 @@ fn a_signal_to_a_reused_pid_moves_nothing_and_a_false_alarm_fails_back() -> anyh
     let (mut command, procs) = sandbox.client_command(Ns::Pod, sandbox.cgroup(), "python3")?;
     command.args([
         "-c",
-        "import signal, time\n\
+        // The handler writes with os.write: a signal that lands while `print('ready')` still
+        // flushes would make a print in the handler a reentrant call, which Python refuses.
+        "import os, signal, time\n\
          count = [0]\n\
-         def survive(*_):\n    count[0] += 1\n    print(f'survived {count[0]}', flush=True)\n\
+         def survive(*_):\n    count[0] += 1\n    os.write(1, f'survived {count[0]}\\n'.encode())\n\
          signal.signal(signal.SIGTERM, survive)\n\
          print('ready', flush=True)\n\
          time.sleep(600)",

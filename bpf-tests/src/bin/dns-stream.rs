@@ -1,6 +1,7 @@
 //! A continuous DNS client for failover tests: for `--duration-ms`, every `--interval-ms`, one
 //! query per socket kind, each printed as a JSON line (`StreamRecord`) the moment it completes.
-//! Kinds: `fresh` (a new connected UDP socket per query, as glibc does), `long` (one long-lived
+//! Kinds: `fresh` (a new connected UDP socket per query, as glibc does, and as glibc a query whose
+//! send is refused asked again at once from another), `long` (one long-lived
 //! unconnected socket), `connected` (one long-lived connected socket, as c-ares does: reopened
 //! when a send fails, and the query asked again from the new socket; with `--mapped`, an
 //! AF_INET6 socket connected to the IPv4-mapped server address). With `--until-eof` it runs until
@@ -159,19 +160,24 @@ fn run(settings: &Settings, kind: Kind, first_id: u16) -> anyhow::Result<()> {
         id = id.wrapping_add(1);
         let begun_ms = now_ms();
         let (mut steered_ms, mut result) = query_once(settings, kind, long_lived.as_ref(), id);
-        // c-ares closes a connected socket whose send fails and asks again at once from a new
-        // one; a receive timeout keeps the socket.
-        let reopened = kind == Kind::Connected
+        // A refused send is asked again at once from a new socket, as resolvers do: c-ares
+        // closes its connected socket and opens another; glibc (a socket per query) closes it
+        // and goes on to its next try (res_send.c: `send_dg` returns 0; 2 tries by default).
+        // A receive timeout keeps the socket, and fails the query here.
+        let reopened = kind != Kind::Long
             && result
                 .as_ref()
                 .is_err_and(|error| error.to_string() == SEND_FAILED);
         if reopened {
-            match open(settings, true) {
-                Ok(socket) => {
-                    long_lived = Some(socket);
-                    (steered_ms, result) = query_once(settings, kind, long_lived.as_ref(), id);
-                }
-                Err(error) => result = Err(error),
+            match kind {
+                Kind::Connected => match open(settings, true) {
+                    Ok(socket) => {
+                        long_lived = Some(socket);
+                        (steered_ms, result) = query_once(settings, kind, long_lived.as_ref(), id);
+                    }
+                    Err(error) => result = Err(error),
+                },
+                _ => (steered_ms, result) = query_once(settings, kind, None, id),
             }
         }
         emit(
@@ -225,11 +231,14 @@ fn run_open_loop(settings: &Settings, kind: Kind, first_id: u16) -> anyhow::Resu
             let begun_ms = now_ms();
             let mut reopened = false;
             let mut sent = send_open_loop(settings, kind, long_lived.as_ref(), id);
-            if kind == Kind::Connected
-                && sent
-                    .as_ref()
-                    .is_err_and(|error| error.to_string() == SEND_FAILED)
-            {
+            let refused = sent
+                .as_ref()
+                .is_err_and(|error| error.to_string() == SEND_FAILED);
+            if kind == Kind::Fresh && refused {
+                // As glibc does (see `run`): the query asked again at once from a new socket.
+                reopened = true;
+                sent = send_open_loop(settings, kind, None, id);
+            } else if kind == Kind::Connected && refused {
                 // As c-ares does: a new socket, and the query asked again at once; the queries
                 // still pending on the old socket, whose answers it can no longer hear, are
                 // asked again on the new one (c-ares requeues a closed connection's queries).

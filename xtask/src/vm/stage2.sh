@@ -71,10 +71,20 @@ for index in "${!VM_TEST_NAMES[@]}"; do
     # A clean environment like a CI job's, with the tests' waits stretched to TCG's pace; the
     # test binary's limit lets the other binaries run when one hangs (the host's hard timeout
     # still bounds the whole boot).
-    timeout --kill-after=10 "$VM_BINARY_TIMEOUT" \
-        env -i PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/root \
-        LANG=C.UTF-8 REDIRECTOR_BIN="$VM_REDIRECTOR_BIN" REDIRECTOR_TEST_SLOWDOWN="$VM_SLOWDOWN" \
-        "$binary" "${VM_TEST_ARGS[@]}" ${VM_TEST_FILTERS[$index]} < /dev/null >&3 2>&1
+    # timeout puts the binary in a process group of its own. Were timeout a child of PID 1, that
+    # group would be orphaned (init is no connection to a session), and the kernel sends SIGHUP,
+    # then SIGCONT, to an orphaned group holding a stopped process whenever a member whose parent
+    # is outside it exits (kernel/exit.c, kill_orphaned_pgrp): a test that stops its cache with
+    # SIGSTOP while a helper's orphan (reparented to PID 1) exits took the SIGHUP (exit code 129).
+    # The subshell, which waits for timeout instead of becoming it, is the group's connection.
+    (
+        timeout --kill-after=10 "$VM_BINARY_TIMEOUT" \
+            env -i PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/root \
+            LANG=C.UTF-8 REDIRECTOR_BIN="$VM_REDIRECTOR_BIN" \
+            REDIRECTOR_TEST_SLOWDOWN="$VM_SLOWDOWN" \
+            "$binary" "${VM_TEST_ARGS[@]}" ${VM_TEST_FILTERS[$index]} < /dev/null >&3 2>&1
+        exit $?
+    )
     code=$?
     [ "$code" -eq 0 ] || failed=$((failed + 1))
     say "end $name exit=$code ms=$(($(now_ms) - begin))"

@@ -8,13 +8,19 @@ use anyhow::Context as _;
 use bpf_tests::{
     dns::QueryOutcome,
     harness::{CacheEvent, Harness, NODE_ID, V6_ID, socket_addr},
+    pace,
     sandbox::{HeldClient, Ns, Query, Transport},
     tools,
     topology::{NODE_LISTENER, V6_LISTENER, dns, who},
 };
 use std::time::{Duration, Instant};
 
-use redirector_common::{counters::ListenerCounters, settings::Mode, stale::FAILBACK_GRACE_NS};
+use redirector::liveness::drain;
+use redirector_common::{
+    counters::ListenerCounters,
+    settings::Mode,
+    stale::{DRAIN_GRACE_NS, FAILBACK_GRACE_NS},
+};
 
 /// `EPERM`: what a send dropped at cgroup egress fails with.
 const EPERM: i32 = 1;
@@ -170,6 +176,43 @@ fn a_socket_connected_just_before_a_failback_finishes_on_its_upstream() -> anyho
     harness.set_mode(NODE_ID, Mode::Upstream)?;
     assert_answered(&on_cache.ask()?, &query, "upstream", Some(EPERM));
     assert_eq!(moves(&harness, NODE_ID)?, (1, 1));
+    Ok(())
+}
+
+/// A socket connected to the cache moments before a drain sends its query there: the drained
+/// cache still serves and answers it, so a resolver with a socket per query and a single try
+/// (glibc with `options attempts:1`) that connected the instant before the drain does not lose
+/// it. Once past the grace, the socket's next send moves it upstream. A cache that died, hung or
+/// was told to stop is never spared (`leaves_and_returns`, and the failback test above).
+#[test]
+fn a_socket_connected_just_before_a_drain_finishes_on_the_drained_cache() -> anyhow::Result<()> {
+    let harness = Harness::standard(tools!())?;
+    harness.wait_for_route(NODE_ID, "cache")?;
+    let query = Query::new(dns(NODE_LISTENER), Transport::UdpConnected);
+    let mut on_cache =
+        harness
+            .sandbox
+            .held_client_idle(Ns::Pod, harness.sandbox.cgroup(), query, 2, true)?;
+    drain::begin(&harness.maps, NODE_ID)?;
+    assert_eq!(
+        harness.route(NODE_ID)?,
+        "upstream",
+        "the drain moved nothing"
+    );
+    let first = on_cache.ask()?;
+    // Timed from the drain's own record, on the clock the egress program reads.
+    let drained_ns = harness.maps.cache_activity(NODE_ID)?.flip_ns;
+    let grace = Duration::from_nanos(DRAIN_GRACE_NS);
+    let since_drained = Duration::from_nanos(pace::monotonic_ns().saturating_sub(drained_ns));
+    anyhow::ensure!(
+        since_drained < grace,
+        "{since_drained:?} passed from the drain to the client's answer, more than the {grace:?} \
+         grace: this test cannot tell the grace from a refusal"
+    );
+    assert_answered(&first, &query, "cache", None);
+    std::thread::sleep((grace + Duration::from_millis(50)).saturating_sub(since_drained));
+    assert_answered(&on_cache.ask()?, &query, "upstream", Some(EPERM));
+    assert_eq!(moves(&harness, NODE_ID)?, (0, 1));
     Ok(())
 }
 

@@ -1,6 +1,7 @@
 //! cgroup_skb/egress: a connected UDP DNS socket whose peer is no longer where its listener's route
 //! points is refused its next send, so its resolver opens a new socket, which connect steers to
-//! the current route (`redirector_common::stale` has the rule).
+//! the current route (`redirector_common::stale` has the rule). A socket that connected the
+//! moment before a failback or a drain is spared for a grace: its server still answers it.
 //!
 //! A drop at cgroup egress fails the sender's `send` with EPERM, for connected UDP also from a
 //! process of the cgroup inside another network namespace (`bpf-tests/tests/long_lived.rs` shows
@@ -24,10 +25,10 @@ use redirector_common::{
     DNS_PORT,
     addr::{NetAddr, port_be},
     counters::{IPPROTO_UDP, PROTOCOL_UDP, counter_index},
-    listener::Route,
+    listener::{ListenerConfig, Route},
     pool::MAX_POOL_TARGETS,
     reverse::SteeredSocket,
-    stale::{Standing, is_fresh, standing},
+    stale::{Grace, Standing, in_drain_grace, is_fresh, standing},
 };
 
 use crate::{
@@ -95,9 +96,19 @@ pub fn try_check_egress(ctx: &SkBuffContext) -> Egress {
         return Egress::Pass;
     };
     let on_cache = peer == listener.cache.addr && port_be(DNS_PORT) == listener.cache.udp_port_be;
+    // A socket on the cache may send there for a drain's grace: the drained cache still serves.
+    let mut grace = if route == Route::Upstream && on_cache && drained_moments_ago(&listener) {
+        Grace::Drained
+    } else {
+        Grace::None
+    };
     // A query leaving for the cache: noted, and refused if the cache has stopped reading.
-    if route == Route::Cache && on_cache && activity::cache_stalled(listener.id, Handing::Query) {
+    if on_cache
+        && (route == Route::Cache || grace == Grace::Drained)
+        && activity::cache_stalled(listener.id, Handing::Query)
+    {
         route = Route::Upstream;
+        grace = Grace::None;
     }
     // The pool matters only towards the upstreams: a socket on the cache route is judged by its
     // peer alone, without the pool's lookup and scan on every send.
@@ -106,14 +117,17 @@ pub fn try_check_egress(ctx: &SkBuffContext) -> Egress {
         Route::Cache => (false, 0),
     };
     // The clock is read only for a socket off the cache while the route is the cache.
-    let fresh = route == Route::Cache
+    if route == Route::Cache
         && !on_cache
         && steered.is_some_and(|steered| {
             // SAFETY: plain helper call (4.1+).
             is_fresh(steered.steered_ns, unsafe { bpf_ktime_get_ns() })
-        });
+        })
+    {
+        grace = Grace::Connected;
+    }
     let counters = counter_index(listener.id, PROTOCOL_UDP);
-    match standing(route, on_cache, in_pool, pool_len, fresh) {
+    match standing(route, on_cache, in_pool, pool_len, grace) {
         Standing::Current => Egress::Pass,
         Standing::MoveToCache => {
             count(counters, |c| c.moved_to_cache += 1);
@@ -124,6 +138,17 @@ pub fn try_check_egress(ctx: &SkBuffContext) -> Egress {
             Egress::Refuse
         }
     }
+}
+
+/// Whether the listener routes upstream only because its cache was drained, less than
+/// `DRAIN_GRACE_NS` ago. Asked only of a socket on the cache while the route is upstream (one
+/// that would be refused otherwise), so the send path of a socket on its route never pays it.
+#[inline(always)]
+fn drained_moments_ago(listener: &ListenerConfig) -> bool {
+    steer::drained_at(listener).is_some_and(|drained| {
+        // SAFETY: plain helper call (4.1+).
+        in_drain_grace(drained, unsafe { bpf_ktime_get_ns() })
+    })
 }
 
 /// The socket's connected peer, in the shared representation (a dual-stack socket's IPv4 peer is

@@ -8,10 +8,14 @@ use aya_ebpf::{
 use aya_log_ebpf::info;
 use redirector_common::{
     DNS_PORT,
+    activity::explain_flip,
     addr::port_be,
     counters::{ListenerCounters, PROTOCOL_UDP, counter_index},
     datapath::{MAX_CGROUP_LEVEL, listener_bit},
-    listener::{EMPTY_POOL_FAIL, ListenerConfig, Route, route},
+    listener::{
+        CacheHealth, EMPTY_POOL_FAIL, ListenerConfig, ListenerMode, Reason, Route, SocketCounts,
+        explain, route,
+    },
     pool::{MAX_POOL_TARGETS, Target, pick_index},
     reverse::{ReverseKey, ReverseValue, SteeredSocket},
 };
@@ -20,8 +24,8 @@ use crate::{
     activity::{self, Handing},
     context::{self, Family},
     maps::{
-        CACHE_HEALTH, COUNTERS, DATAPATH_CONFIG, LISTENER_MODE, LISTENERS, POOLS, REVERSE_NAT,
-        SET_RETVAL_OK, SKIP_CGROUPS, SOCKET_COUNTS, STEERED_SOCKS,
+        CACHE_ACTIVITY, CACHE_HEALTH, COUNTERS, DATAPATH_CONFIG, LISTENER_MODE, LISTENERS, POOLS,
+        REVERSE_NAT, SET_RETVAL_OK, SKIP_CGROUPS, SOCKET_COUNTS, STEERED_SOCKS,
     },
 };
 
@@ -155,23 +159,43 @@ pub fn try_steer(ctx: &SockAddrContext, family: Family, hook: Hook) -> Result<()
 /// socket counts, through the truth table (`listener::route`).
 #[inline(always)]
 pub fn current_route(listener: &ListenerConfig) -> Option<Route> {
+    let (mode, health, sockets) = route_inputs(listener.id)?;
+    Some(route(listener.liveness, &mode, &health, &sockets))
+}
+
+/// When the listener was drained (monotonic ns), if its drain is all that routes it upstream
+/// now: the cache holds its sockets and answers its probes, and the drain began the epoch they
+/// have not confirmed (`activity::explain_flip`).
+#[inline(always)]
+pub fn drained_at(listener: &ListenerConfig) -> Option<u64> {
+    let (mode, health, sockets) = route_inputs(listener.id)?;
+    let activity = CACHE_ACTIVITY.get_ptr(listener.id)?;
+    // SAFETY: as in `route_inputs`; the agent writes a drain's record field by field, so a copy
+    // torn by a flip meanwhile names no drain, or an older one, and grants no grace.
+    let activity = unsafe { context::snapshot(activity) };
+    let (_, reason) = explain(listener.liveness, &mode, &health, &sockets);
+    matches!(explain_flip(reason, &activity, &sockets), Reason::Drained).then_some(activity.flip_ns)
+}
+
+/// The listener's mode, its cache's verdict and its socket counts, copied.
+#[inline(always)]
+fn route_inputs(listener_id: u32) -> Option<(ListenerMode, CacheHealth, SocketCounts)> {
     let (Some(mode), Some(health), Some(sockets)) = (
-        LISTENER_MODE.get_ptr(listener.id),
-        CACHE_HEALTH.get_ptr(listener.id),
-        SOCKET_COUNTS.get_ptr(listener.id),
+        LISTENER_MODE.get_ptr(listener_id),
+        CACHE_HEALTH.get_ptr(listener_id),
+        SOCKET_COUNTS.get_ptr(listener_id),
     ) else {
         return None;
     };
     // SAFETY: array elements, valid for the program's lifetime; the CLI, the agent and the other
     // programs change them concurrently, so they are copied, never borrowed.
-    let (mode, health, sockets) = unsafe {
+    Some(unsafe {
         (
             context::snapshot(mode),
             context::snapshot(health),
             context::snapshot(sockets),
         )
-    };
-    Some(route(listener.liveness, &mode, &health, &sockets))
+    })
 }
 
 /// The upstream target for the socket with `cookie`, or `None` when the pool is empty.

@@ -256,7 +256,7 @@ pub fn program_runs(rig: &Rig, operation: usize) -> anyhow::Result<Vec<crate::pr
 }
 
 /// The timed operations: (name, mode, target, count).
-pub const HOOK_OPERATIONS: [(&str, &str, &str, &str); 5] = [
+pub const HOOK_OPERATIONS: [(&str, &str, &str, &str); 6] = [
     (
         "connect() of a UDP socket to a listener (steered to the cache)",
         "connect",
@@ -278,6 +278,12 @@ pub const HOOK_OPERATIONS: [(&str, &str, &str, &str); 5] = [
     (
         "the same from a fresh socket per query (each send the socket's first)",
         "fresh-roundtrip",
+        "",
+        "5000",
+    ),
+    (
+        "send() + recv() of a DNS query on a socket connected once (a kept socket, checked at egress)",
+        "connected-roundtrip",
         "",
         "5000",
     ),

@@ -7,6 +7,9 @@
 //!   through the sendmsg and recvmsg hooks.
 //! - `fresh-roundtrip`: the same from a fresh socket per query (socket, sendto, recvfrom, close),
 //!   so every send is the socket's first, as for a resolver that opens a socket per lookup.
+//! - `connected-roundtrip`: send and recv on one UDP socket connected once (steered at its
+//!   connect): a kept socket's queries (c-ares, nginx), each through the egress program's whole
+//!   check of a connected DNS socket against its listener's route.
 //! - `loopback`: a datagram back and forth between two UDP sockets on the target address (port
 //!   ignored): traffic that is no DNS, through every hook's early return.
 
@@ -25,6 +28,7 @@ enum Mode {
     Connect,
     Roundtrip,
     FreshRoundtrip,
+    ConnectedRoundtrip,
     Loopback,
 }
 
@@ -77,6 +81,18 @@ fn main() -> anyhow::Result<()> {
                 socket.set_read_timeout(Some(Duration::from_secs(2)))?;
                 socket.send_to(&request, args.target).context("sendto")?;
                 socket.recv_from(&mut reply).context("recvfrom")?;
+            }
+        }
+        Mode::ConnectedRoundtrip => {
+            let socket = UdpSocket::bind(local).context("bind")?;
+            socket.set_read_timeout(Some(Duration::from_secs(2)))?;
+            socket.connect(args.target).context("connect")?;
+            let request = query(0x4242, PROBE_NAME, RecordType::A)?;
+            let mut reply = [0u8; 512];
+            started = Instant::now();
+            for _ in 0..args.count {
+                socket.send(&request).context("send")?;
+                socket.recv(&mut reply).context("recv")?;
             }
         }
         Mode::Loopback => {

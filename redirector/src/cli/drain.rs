@@ -25,8 +25,9 @@ pub(crate) struct DrainArgs {
     #[arg(long)]
     pub(crate) listener: String,
     /// Wait until the cache has read every query it was handed and its receive queues are
-    /// empty, then `--settle-ms` for its last answers; fail if that takes longer than
-    /// `--timeout-ms` (the listener stays drained either way).
+    /// empty (no sooner than the drain's 250 ms grace, in which a socket that connected to the
+    /// cache the moment before may still send there), then `--settle-ms` for its last answers;
+    /// fail if that takes longer than `--timeout-ms` (the listener stays drained either way).
     #[arg(long)]
     pub(crate) wait: bool,
     /// How long `--wait` waits for the cache's queues to empty.

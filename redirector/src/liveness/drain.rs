@@ -4,8 +4,10 @@
 //! upstream from the next syscall, and the agent's probes do not confirm that epoch however well
 //! the cache answers. It ends when the cache's next life begins a new epoch (its last socket
 //! closes, or it is signalled to stop) and the probes confirm that life, or when an operator ends
-//! it. Waiting for a drain means waiting until the cache has read every query it was handed and
-//! its receive queues are empty, then for the answers it is still working on.
+//! it. A socket that connected to the cache the moment before the drain may still send there
+//! for the drain's grace (`stale::DRAIN_GRACE_NS`). Waiting for a drain means waiting out that
+//! grace and until the cache has read every query it was handed and its receive queues are
+//! empty, then for the answers it is still working on.
 
 use std::{
     path::Path,
@@ -14,7 +16,9 @@ use std::{
 
 use serde::{Deserialize, Serialize};
 
-use redirector_common::{activity::unread_since, counters::PROTOCOL_UDP, datapath::listener_bit};
+use redirector_common::{
+    activity::unread_since, counters::PROTOCOL_UDP, datapath::listener_bit, stale::DRAIN_GRACE_NS,
+};
 
 use super::{
     health::monotonic_ns,
@@ -165,7 +169,10 @@ pub struct Quiet {
 
 /// Waits until listener `id`'s cache has nothing left unread (the programs saw it read every
 /// query handed to it, and its UDP sockets' receive queues in `table` are empty), then `settle`
-/// more for the answers to the last ones; gives up after `timeout`.
+/// more for the answers to the last ones; gives up after `timeout`. Called as the drain begins,
+/// it never finds the cache quiet inside the drain's grace (`stale::DRAIN_GRACE_NS`), in which a
+/// socket that connected to the cache the moment before may still hand it a query, nor gives up
+/// before the grace is over.
 ///
 /// # Errors
 ///
@@ -179,16 +186,17 @@ pub fn wait_quiet(
     timeout: Duration,
 ) -> Result<Quiet, DrainError> {
     let started = Instant::now();
+    let grace = Duration::from_nanos(DRAIN_GRACE_NS);
     loop {
         let unread_bytes = unread_bytes(maps, table, id)?;
         let activity = maps.cache_activity(id)?;
         let handed_unread = unread_since(activity.first_unread_ns, activity.last_read_ns).is_some();
-        if unread_bytes == 0 && !handed_unread {
+        if unread_bytes == 0 && !handed_unread && started.elapsed() >= grace {
             let read_all_after = started.elapsed();
             std::thread::sleep(settle);
             return Ok(Quiet { read_all_after });
         }
-        if started.elapsed() >= timeout {
+        if started.elapsed() >= timeout.max(grace) {
             return Err(DrainError::Timeout {
                 waited: started.elapsed(),
                 unread_bytes,

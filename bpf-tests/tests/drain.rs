@@ -73,7 +73,7 @@ fn drain_and_wait_then_a_restart_loses_nothing() -> anyhow::Result<()> {
     // The wait outlasts the drain's grace, in which the kept socket may still send there.
     let quiet_after_ms: u64 = output
         .stdout
-        .split("handed after ")
+        .split("handed, seen after ")
         .nth(1)
         .and_then(|rest| rest.split(' ').next())
         .and_then(|ms| ms.parse().ok())

@@ -45,10 +45,9 @@ pub const FAILBACK_GRACE_NS: u64 = 1_000_000_000;
 /// How long after a drain a socket connected to the cache may still send there: 250 ms,
 /// CLOCK_MONOTONIC. A resolver that connected the moment before the drain sends within it (also
 /// from a CPU-throttled pod, held back for the rest of a 100 ms CFS period, the default), and a
-/// drain's wait outlasts it
-/// (`redirector drain --wait` never returns sooner), so what the cache is handed meanwhile is
-/// read and answered before it may be stopped. Short, because a socket kept on the cache
-/// goes on sending there for the grace.
+/// drain's wait outlasts it (`redirector drain --wait` never returns sooner), so what the cache
+/// is handed meanwhile is read and answered before it may be stopped. Short, because a socket
+/// kept on the cache goes on sending there for the grace.
 pub const DRAIN_GRACE_NS: u64 = 250_000_000;
 
 /// Where a connected socket's peer stands against its listener's route now.

@@ -170,8 +170,10 @@ pub fn current_route(listener: &ListenerConfig) -> Option<Route> {
 pub fn drained_at(listener: &ListenerConfig) -> Option<u64> {
     let (mode, health, sockets) = route_inputs(listener.id)?;
     let activity = CACHE_ACTIVITY.get_ptr(listener.id)?;
-    // SAFETY: as in `route_inputs`; the agent writes a drain's record field by field, so a copy
-    // torn by a flip meanwhile names no drain, or an older one, and grants no grace.
+    // SAFETY: as in `route_inputs`. The record is written field by field (the agent's drain,
+    // the programs' flips), so a copy may be torn: one that mixes a drain with the flip after it
+    // for the instant between their writes lets one send through to the cache that flip moved
+    // away from, as the send would have gone a moment earlier; any other mix names no drain.
     let activity = unsafe { context::snapshot(activity) };
     let (_, reason) = explain(listener.liveness, &mode, &health, &sockets);
     matches!(explain_flip(reason, &activity, &sockets), Reason::Drained).then_some(activity.flip_ns)

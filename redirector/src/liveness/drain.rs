@@ -111,9 +111,10 @@ pub fn handle(
         Duration::from_millis(request.timeout_ms),
     )?;
     Ok(format!(
-        "{drained}\nlistener {name}: the cache read everything it was handed after {} ms; it can \
-         be stopped",
-        quiet.read_all_after.as_millis()
+        "{drained}\nlistener {name}: the cache read everything it was handed, seen after {} ms \
+         (the drain's {} ms grace is waited out); it can be stopped",
+        quiet.read_all_after.as_millis(),
+        Duration::from_nanos(DRAIN_GRACE_NS).as_millis()
     ))
 }
 

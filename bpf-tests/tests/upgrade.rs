@@ -24,6 +24,7 @@ use bpf_tests::{
     },
     command::run,
     dns::now_ms,
+    harness::{NODE_ID, answered_by},
     pace::pause,
     sandbox::{CacheSpec, Ns, Sandbox},
     stream::{Stream, StreamReport},
@@ -32,7 +33,9 @@ use bpf_tests::{
 };
 use redirector::datapath::Maps;
 use redirector_common::{
-    LAYOUT_VERSION, names,
+    LAYOUT_VERSION,
+    activity::CacheActivity,
+    names,
     reverse::{ReverseKey, ReverseValue},
 };
 
@@ -174,6 +177,8 @@ struct Held {
     queries: Vec<u64>,
     skip_levels: u32,
     translations: Vec<(ReverseKey, ReverseValue)>,
+    /// The kernel's flip records (not compared: they say why an epoch moved).
+    flips: Vec<CacheActivity>,
 }
 
 fn held(sandbox: &Sandbox) -> anyhow::Result<Held> {
@@ -187,6 +192,7 @@ fn held(sandbox: &Sandbox) -> anyhow::Result<Held> {
         queries: Vec::new(),
         skip_levels: maps.datapath_config()?.skip_cgroup_levels,
         translations: maps.reverse_entries(),
+        flips: Vec::new(),
     };
     for id in 0..2 {
         state.modes.push(maps.mode(id)?.mode);
@@ -199,6 +205,7 @@ fn held(sandbox: &Sandbox) -> anyhow::Result<Held> {
             .counts
             .push((counts.udp, counts.tcp, counts.down_epoch));
         state.pools.push(maps.pool(id)?.len);
+        state.flips.push(maps.cache_activity(id)?);
         let totals = maps.counters(id)?.total();
         state.queries.push(totals.to_cache + totals.to_upstream);
     }
@@ -211,7 +218,11 @@ fn held(sandbox: &Sandbox) -> anyhow::Result<Held> {
 fn assert_migrated(before: &Held, after: &Held) {
     assert_eq!(after.modes, before.modes, "modes");
     assert_eq!(after.verdicts, before.verdicts, "verdicts and epochs");
-    assert_eq!(after.counts, before.counts, "socket counts");
+    assert_eq!(
+        after.counts, before.counts,
+        "socket counts (udp, tcp, down_epoch); the flips before: {:?}, after: {:?}",
+        before.flips, after.flips
+    );
     assert_eq!(
         after.counted_sockets, before.counted_sockets,
         "counted sockets"
@@ -363,6 +374,67 @@ fn an_upgrade_across_layouts_and_its_rollback_lose_no_query() -> anyhow::Result<
     assert!(state.stdout.contains("(was upstream)"), "{state:?}");
     drop(agent);
     uninstall(&first)?;
+    Ok(())
+}
+
+/// A start that migrates `CACHE_ACTIVITY` does not carry a query stamped unread into the new
+/// map: the running programs note the cache's read of that query in the old map only, so the
+/// copy would age while the start probes and attaches, and the new programs would take it for
+/// a stall of a cache that reads and move its DNS upstream (seen once in CI: a new epoch across
+/// the upgrade above, under its query streams). Here the stamp is written into the pinned map
+/// while no query comes to answer it, and the next release's load (every map migrated, nothing
+/// attached) is looked at before anything runs on it.
+#[test]
+fn an_upgrade_does_not_carry_an_unread_stamp_into_the_new_maps() -> anyhow::Result<()> {
+    use aya::maps::{Array, Map, MapData};
+    use redirector::datapath::{Datapath, LoadOptions, pins};
+    let mut sandbox = Sandbox::new(tools!())?;
+    sandbox.start_standard_servers()?;
+    let config = write_config(&sandbox, "first.toml", "")?;
+    let mut agent = start_agent(&config)?;
+    // The cache's read of this query is seen: the stamps have a last read.
+    assert_eq!(answered_by(&sandbox)?, "cache");
+    stop_agent(&mut agent)?;
+    let path = sandbox
+        .pin_dir()
+        .join("maps")
+        .join(names::MAP_CACHE_ACTIVITY);
+    let mut pinned: Array<MapData, CacheActivity> =
+        Array::try_from(Map::from_map_data(MapData::from_pin(&path)?)?)?;
+    let mut stamped = pinned.get(&NODE_ID, 0)?;
+    anyhow::ensure!(stamped.last_read_ns != 0, "no read seen: {stamped:?}");
+    stamped.first_unread_ns = stamped.last_read_ns + 1;
+    pinned.set(NODE_ID, stamped, 0)?;
+
+    let entries = u32::try_from(redirector_common::reverse::REVERSE_NAT_DEFAULT_ENTRIES)?;
+    let plan = pins::plan(&sandbox.pin_dir(), entries, true)?;
+    let options = LoadOptions {
+        reverse_nat_entries: entries,
+        pin_dir: sandbox.pin_dir(),
+        kernel_log: false,
+        set_retval: false,
+        measure_tick: false,
+        fail_after_load: false,
+    };
+    let (datapath, maps) = Datapath::load(&options, plan)?;
+    let copied = maps.cache_activity(NODE_ID)?;
+    assert_eq!(
+        copied,
+        CacheActivity {
+            first_unread_ns: 0,
+            ..stamped
+        },
+        "the migrated activity, from {stamped:?}"
+    );
+    // Not attached: dropping the load removes what it staged. (The running set's map still
+    // holds the stamp, where a query would take it for the stall it now is.)
+    drop(maps);
+    drop(datapath);
+    assert!(
+        !sandbox.pin_dir().join("maps-next").exists(),
+        "staged maps left"
+    );
+    uninstall(&config)?;
     Ok(())
 }
 

@@ -35,6 +35,22 @@ impl MappedArray<CacheActivity> {
         }
     }
 
+    /// Clears listener `id`'s stamp of a query handed to the cache and not read yet (as a stall's
+    /// flip does): the next query stamps afresh. For a copy of the running map made into a new
+    /// one before the new programs run, and only then: the running programs note the cache's
+    /// read of that query in the old map, so the copied stamp would age in the new one while the
+    /// start probes and attaches, and the new programs would take it for a stall of a cache that
+    /// reads. A cache that really stopped reading is moved one limit later than it would have
+    /// been, by the new programs' own stamp.
+    pub fn forget_unread(&self, id: u32) {
+        let Some(element) = self.element(id) else {
+            return;
+        };
+        // SAFETY: a valid, aligned field of the mapping, written whole.
+        unsafe { AtomicU64::from_ptr(&raw mut (*element).first_unread_ns) }
+            .store(0, Ordering::Relaxed);
+    }
+
     /// Records a drain of listener `id` that began `epoch` at `now_ns` (monotonic), as the
     /// programs record their flips.
     pub fn record_drain(&self, id: u32, epoch: u64, now_ns: u64) {

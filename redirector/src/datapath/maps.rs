@@ -449,6 +449,14 @@ impl Maps {
         Ok(self.cache_activity.get(checked_id(id)?))
     }
 
+    /// Clears every listener's stamp of a query left unread, in a `CACHE_ACTIVITY` this start
+    /// filled from the running one (`MappedArray::forget_unread` has why).
+    pub fn forget_copied_unread_stamps(&self) {
+        for id in 0..MAX_LISTENERS as u32 {
+            self.cache_activity.forget_unread(id);
+        }
+    }
+
     /// Asks the programs for every cache's next read (`CACHE_PENDING`): a stamp the programs of
     /// an earlier agent left unanswered is answered by it, as one they make themselves is.
     pub fn want_next_reads(&mut self) -> Result<(), DatapathError> {

@@ -503,6 +503,19 @@ impl Sandbox {
         self.bpffs.path().join("redirector")
     }
 
+    /// The pinned array map `name` (of `names`), opened for a test to read or set by hand what
+    /// the programs or an earlier agent would have left there.
+    pub fn pinned_array<V: aya::Pod>(
+        &self,
+        name: &str,
+    ) -> anyhow::Result<aya::maps::Array<aya::maps::MapData, V>> {
+        use aya::maps::{Array, Map, MapData};
+        let path = self.pin_dir().join("maps").join(name);
+        let data =
+            MapData::from_pin(&path).with_context(|| format!("opening {}", path.display()))?;
+        Ok(Array::try_from(Map::from_map_data(data)?)?)
+    }
+
     /// The layout version the pinned maps record (`DATAPATH_CONFIG`).
     pub fn pinned_layout(&self) -> anyhow::Result<u32> {
         Ok(redirector::datapath::Maps::open_pinned(&self.pin_dir())?

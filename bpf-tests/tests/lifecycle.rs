@@ -149,10 +149,9 @@ fn one_agent_per_node_and_only_pins_from_before_the_layout_rule_are_refused() ->
     first.signal(Signal::SIGTERM)?;
     first.wait_exit(Duration::from_secs(10))?;
     let set_layout = |layout: u32| -> anyhow::Result<()> {
-        use aya::maps::{Array, Map, MapData};
-        let path = sandbox.pin_dir().join("maps/DATAPATH_CONFIG");
-        let mut map: Array<MapData, redirector_common::datapath::DatapathConfig> =
-            Array::try_from(Map::from_map_data(MapData::from_pin(&path)?)?)?;
+        let mut map = sandbox.pinned_array::<redirector_common::datapath::DatapathConfig>(
+            redirector_common::names::MAP_DATAPATH_CONFIG,
+        )?;
         let mut value = map.get(&0, 0)?;
         value.layout_version = layout;
         map.set(0, value, 0)?;

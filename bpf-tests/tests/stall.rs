@@ -20,7 +20,10 @@ use bpf_tests::{
 };
 use nix::sys::signal::Signal;
 use redirector::{datapath::Maps, sys::kernel_support};
-use redirector_common::activity::{CacheActivity, FLIP_STALLED};
+use redirector_common::{
+    activity::{CacheActivity, FLIP_STALLED},
+    names,
+};
 
 /// The node listener's activity and epoch, and its reason as `status` gives it.
 fn node_state(sandbox: &Sandbox) -> anyhow::Result<(CacheActivity, u64, &'static str)> {
@@ -376,14 +379,8 @@ fn a_stamp_left_by_earlier_programs_is_answered_not_taken_for_a_stall() -> anyho
     let mut sandbox = Sandbox::new(tools!())?;
     sandbox.start_standard_servers()?;
     let config = serving_without_agent(&mut sandbox)?;
-    let maps_dir = sandbox.pin_dir().join("maps");
-    let mut activity: aya::maps::Array<_, CacheActivity> =
-        aya::maps::Array::try_from(aya::maps::Map::Array(aya::maps::MapData::from_pin(
-            maps_dir.join("CACHE_ACTIVITY"),
-        )?))?;
-    let mut pending: aya::maps::Array<_, u64> = aya::maps::Array::try_from(aya::maps::Map::Array(
-        aya::maps::MapData::from_pin(maps_dir.join("CACHE_PENDING"))?,
-    ))?;
+    let mut activity = sandbox.pinned_array::<CacheActivity>(names::MAP_CACHE_ACTIVITY)?;
+    let mut pending = sandbox.pinned_array::<u64>(names::MAP_CACHE_PENDING)?;
     let (_, epoch, _) = node_state(&sandbox)?;
     let now = coarse_ns()?;
     let mut left = activity.get(&NODE_ID, 0)?;

@@ -45,6 +45,9 @@ pub struct DrainRequest {
     pub settle_ms: u64,
 }
 
+/// The drain's grace (`stale::DRAIN_GRACE_NS`), which a wait outlasts.
+const GRACE: Duration = Duration::from_nanos(DRAIN_GRACE_NS);
+
 /// `DrainRequest::timeout_ms` unless given.
 pub const DEFAULT_TIMEOUT_MS: u64 = 10_000;
 /// `DrainRequest::settle_ms` unless given.
@@ -114,7 +117,7 @@ pub fn handle(
         "{drained}\nlistener {name}: the cache read everything it was handed, seen after {} ms \
          (the drain's {} ms grace is waited out); it can be stopped",
         quiet.read_all_after.as_millis(),
-        Duration::from_nanos(DRAIN_GRACE_NS).as_millis()
+        GRACE.as_millis()
     ))
 }
 
@@ -187,17 +190,16 @@ pub fn wait_quiet(
     timeout: Duration,
 ) -> Result<Quiet, DrainError> {
     let started = Instant::now();
-    let grace = Duration::from_nanos(DRAIN_GRACE_NS);
     loop {
         let unread_bytes = unread_bytes(maps, table, id)?;
         let activity = maps.cache_activity(id)?;
         let handed_unread = unread_since(activity.first_unread_ns, activity.last_read_ns).is_some();
-        if unread_bytes == 0 && !handed_unread && started.elapsed() >= grace {
+        if unread_bytes == 0 && !handed_unread && started.elapsed() >= GRACE {
             let read_all_after = started.elapsed();
             std::thread::sleep(settle);
             return Ok(Quiet { read_all_after });
         }
-        if started.elapsed() >= timeout.max(grace) {
+        if started.elapsed() >= timeout.max(GRACE) {
             return Err(DrainError::Timeout {
                 waited: started.elapsed(),
                 unread_bytes,

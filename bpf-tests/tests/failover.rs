@@ -679,7 +679,7 @@ fn a_miscount_heals_on_the_next_reconciles() -> anyhow::Result<()> {
 
     // Lose the count of a live socket: the listener falls over, then the reconcile finds the
     // socket again and the probes bring the cache back.
-    assert!(harness.maps.uncount_cache_socket(cookie)?);
+    assert!(harness.maps.uncount_cache_socket(cookie, u64::MAX)?);
     assert_eq!(harness.sockets(NODE_ID)?.udp, 0);
     assert!(answered_by(&harness.sandbox)?.starts_with("upstream"));
     harness.wait_until(

@@ -7,11 +7,12 @@ use std::{net::IpAddr, time::Duration};
 
 use anyhow::Context as _;
 use bpf_tests::{
-    cli::{redirector, set_state, start_agent, stop_agent, uninstall},
+    cli::{redirector, redirector_with_env, set_state, start_agent, stop_agent, uninstall},
     command::run,
     dns::now_ms,
     harness::{
-        Harness, NODE_ID, answered_by, node_reason, standard_listeners, write_standard_config,
+        Harness, NODE_ID, answered_by, node_reason, standard_listeners, wait_for_cache,
+        write_standard_config,
     },
     pace::{paced, paced_ms, pause, wait_until},
     sandbox::{CacheSpec, Ns, Query, Sandbox, Transport},
@@ -744,6 +745,103 @@ fn a_failed_first_start_takes_back_its_table_and_addresses() -> anyhow::Result<(
     assert_eq!(sandbox.attached_programs()?, "");
     drop(taken);
     Ok(())
+}
+
+/// A start that fails (here: on its metrics port) after it planned to drop a listener changes
+/// nothing the running programs read: with no agent, the dropped listener is still steered as
+/// before, so when its cache dies its DNS moves upstream instead of being refused.
+#[test]
+fn a_failed_start_changes_nothing_the_running_programs_read() -> anyhow::Result<()> {
+    let mut sandbox = Sandbox::new(tools!())?;
+    sandbox.start_standard_servers()?;
+    let listeners = |names: &[&str]| -> String {
+        names
+            .iter()
+            .map(|name| match *name {
+                "node" => "[[listener]]\nname = \"node\"\naddress = \"169.254.10.10\"\nupstreams = [\"198.18.2.2\"]\n",
+                _ => "[[listener]]\nname = \"cluster\"\naddress = \"169.254.10.11\"\nupstreams = [\"198.18.2.3\"]\n",
+            })
+            .collect()
+    };
+    let config = sandbox.write_file(
+        "config.toml",
+        &sandbox.config_toml(&listeners(&["node", "cluster"])),
+    )?;
+    let mut agent = start_agent(&config)?;
+    wait_for_cache(&sandbox, "the agent confirms the cache")?;
+    agent.signal(Signal::SIGTERM)?;
+    agent.wait_exit(Duration::from_secs(10))?;
+    let before = redirector(&["status", "--config", &config.display().to_string()])?;
+
+    let taken = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let port = taken.local_addr()?.port();
+    let text = sandbox.config_toml(&listeners(&["node"])).replace(
+        "address = \"127.0.0.1:0\"",
+        &format!("address = \"127.0.0.1:{port}\""),
+    );
+    assert!(text.contains(&format!("127.0.0.1:{port}")), "{text}");
+    let failing = sandbox.write_file("failing.toml", &text)?;
+    let refused = redirector(&["run", "--config", &failing.display().to_string()])?;
+    assert_eq!(refused.code, 1, "{refused:?}");
+    drop(taken);
+    let unchanged = |start: &bpf_tests::cli::CliOutput| -> anyhow::Result<()> {
+        let after = redirector(&["status", "--config", &config.display().to_string()])?;
+        assert_eq!(
+            (after.code, status_listeners(&after.stdout)),
+            (0, status_listeners(&before.stdout)),
+            "the failed start changed what the programs read:\nbefore: {before:?}\nafter: {after:?}\nthe start: {start:?}"
+        );
+        Ok(())
+    };
+    unchanged(&refused)?;
+
+    // A start that fails after it wrote the shared maps puts back what it found.
+    let late = sandbox.write_file("late.toml", &sandbox.config_toml(&listeners(&["node"])))?;
+    let refused = redirector_with_env(
+        &["run", "--config", &late.display().to_string()],
+        &[("REDIRECTOR_TEST_FAIL_BEFORE_ATTACH", "1")],
+    )?;
+    assert!(
+        refused.code == 1
+            && refused
+                .stderr
+                .contains("put back the listeners, pools, verdicts"),
+        "{refused:?}"
+    );
+    unchanged(&refused)?;
+    let cluster = |sandbox: &Sandbox| -> anyhow::Result<&'static str> {
+        let query = Query::new(dns(bpf_tests::topology::CLUSTER_LISTENER), Transport::Udp);
+        Ok(who(sandbox.query(Ns::Pod, query)?.answer()))
+    };
+    assert_eq!(
+        cluster(&sandbox)?,
+        "cache",
+        "{:?}",
+        redirector(&["status", "--config", &config.display().to_string()])?
+    );
+    sandbox.stop_server("cache")?;
+    assert_eq!(
+        (answered_by(&sandbox)?, cluster(&sandbox)?),
+        ("upstream A", "upstream B"),
+        "with no agent after the failed start, the dead cache's listeners must fail over as before; the start: {refused:?}"
+    );
+    uninstall(&config)?;
+    Ok(())
+}
+
+/// The listener lines of `status` (name, address, route and reason), without counters that
+/// change with every query.
+fn status_listeners(status: &str) -> Vec<String> {
+    status
+        .lines()
+        .filter(|line| line.contains("169.254.10."))
+        .map(|line| {
+            line.split_whitespace()
+                .take(4)
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
+        .collect()
 }
 
 #[test]

@@ -54,6 +54,12 @@ use crate::{
 /// names, `path`, `dir` and `pin_dir` the file or directory it names.
 #[derive(Debug, thiserror::Error)]
 pub enum AgentError {
+    /// A failure a test asked for (`REDIRECTOR_TEST_FAIL_BEFORE_ATTACH`).
+    #[error(
+        "failing the start after its maps were written, before the swap, as \
+         REDIRECTOR_TEST_FAIL_BEFORE_ATTACH asks (tests only)"
+    )]
+    InjectedFailure,
     /// The kernel lacks a feature the programs need.
     #[error(transparent)]
     KernelLacks(#[from] KernelLacks),
@@ -230,6 +236,9 @@ pub struct StartOptions {
     pub layout_bump: bool,
     /// Fail after the load and the migration, before anything runs (tests only).
     pub fail_after_load: bool,
+    /// Fail after the maps the running programs share were written, before the swap (tests
+    /// only): what a failed start puts back.
+    pub fail_before_attach: bool,
     /// Kernel features to take as absent whatever the probes say (`kernel_support`'s ids;
     /// `REDIRECTOR_TEST_ABSENT_FEATURES`): for tests of the degraded paths only.
     pub absent_features: Vec<&'static str>,

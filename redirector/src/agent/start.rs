@@ -28,7 +28,9 @@ use super::{
 use crate::{
     config::{Config, UpstreamSource},
     conntrack_bypass::{self, BypassStatus, ConntrackBypass, nft::Nft, ruleset::Ruleset},
-    datapath::{self, Datapath, ListenerEntry, LoadOptions, MapAction, Maps, Plan, Verdict},
+    datapath::{
+        self, Datapath, Journal, ListenerEntry, LoadOptions, MapAction, Maps, Plan, Verdict,
+    },
     liveness::{
         binds::{TrackedCache, cache_binds},
         health::{self, HealthTracker, Hysteresis, Probe},
@@ -203,11 +205,10 @@ impl Agent {
             .map(|listener| listener.name.as_str())
             .collect();
         let (ids, removed) = ids::assign(&names, &pinned);
-        for id in removed {
-            info!(listener_id = id, "removing a listener no longer configured");
-            maps.remove_listener(id)?;
-        }
 
+        // Everything that can fail without touching what the running programs read comes
+        // first: the listener interface (it only adds), the probe names, the first probes, the
+        // ports this agent serves. The maps the running programs share are written only after.
         let addresses: Vec<IpAddr> = config
             .listeners
             .iter()
@@ -223,10 +224,38 @@ impl Agent {
             .await?;
         }
         phases.end("interface");
+        let (probers, alive) = probe_caches(config, &worker).await?;
+        phases.end("first_probes");
+        let metrics_socket = if config.metrics.enabled {
+            Some(telemetry::http::bind(config.metrics.address)?)
+        } else {
+            None
+        };
+        let drains = match &config.drain_socket {
+            Some(path) => Some(TaskGuard(Some(drain_socket::serve(
+                path,
+                config.pin_dir.clone(),
+                config.cache_netns.clone(),
+                Arc::new(
+                    config
+                        .listeners
+                        .iter()
+                        .zip(&probers)
+                        .map(|(listener, prober)| (listener.name.clone(), prober.clone()))
+                        .collect(),
+                ),
+            )?))),
+            None => None,
+        };
+        if options.layout_bump {
+            // The stand-in for the state a newer layout adds, which a rollback must retire.
+            datapath::pin_next_layout_map(&config.pin_dir, NEXT_LAYOUT_MAP)?;
+        }
+        phases.end("telemetry");
 
-        let skips = environment::skip_entries(&skip_cgroups, &ids, &attach);
-        let layout_version = redirector_common::LAYOUT_VERSION + u32::from(options.layout_bump);
-        maps.configure(&skips, netns_cookie, layout_version)?;
+        // The commit: from the first write on, a failure puts back what the running programs
+        // read (`Journal`), and counts the caches' sockets by the binds it found again.
+        let journal = maps.journal()?;
         let tracked: Vec<TrackedCache> = config
             .listeners
             .iter()
@@ -238,58 +267,38 @@ impl Agent {
             })
             .collect();
         let binds = cache_binds(&tracked);
-        maps.set_cache_binds(&binds)?;
-        for (listener, id) in config.listeners.iter().zip(&ids) {
-            let entry = ListenerEntry {
-                id: *id,
-                name: &listener.name,
-                address: listener.address,
-                cache: listener.cache,
-                empty_pool: listener.empty_pool,
-                liveness: listener.liveness,
-            };
-            let pool: Option<Vec<Target>> =
-                static_pool(listener).map(|pool| pool.iter().map(Upstream::target).collect());
-            maps.install_listener(&entry, pool.as_deref())?;
-            maps.set_stall_limit(
-                *id,
-                config.probe.stall_after,
-                datapath.tick_clock(),
-                listener.cache.port(),
-            )?;
-        }
-        maps.want_next_reads()?;
-
-        phases.end("maps");
-        // Count the sockets that existed before the programs (or that moved between listeners)
-        // before the programs see any traffic, so a running cache is alive from the first
-        // steered syscall.
-        let mut reconciler = Reconciler::new(socket_table, binds);
-        reconciler
-            .reconcile(&mut maps, true)
+        let mut reconciler = Reconciler::new(socket_table, binds.clone());
+        let commit = Commit {
+            config,
+            ids: &ids,
+            removed: &removed,
+            binds: &binds,
+            netns_cookie,
+            layout_version: redirector_common::LAYOUT_VERSION + u32::from(options.layout_bump),
+            skips: environment::skip_entries(&skip_cgroups, &ids, &attach),
+            fail_before_attach: options.fail_before_attach,
+        };
+        let listeners = match commit
+            .run(
+                &mut datapath,
+                &mut maps,
+                &mut reconciler,
+                probers,
+                &alive,
+                &attach.path,
+                &mut phases,
+            )
             .await
-            .map_err(AgentError::Seed)?;
-        phases.end("seed");
-        let listeners = first_verdicts(config, &ids, &worker, &mut maps).await?;
+        {
+            Ok(listeners) => listeners,
+            Err(error) => {
+                put_back(&mut maps, &journal, &mut reconciler).await;
+                return Err(error);
+            }
+        };
         for listener in &listeners {
             stats.record_pool_source(&listener.name, listener.source);
         }
-        phases.end("first_probes");
-
-        // Bound before attaching, so a port in use stops the start with the running set (if
-        // any) untouched; served once this start's maps are the pinned ones.
-        let metrics_socket = if config.metrics.enabled {
-            Some(telemetry::http::bind(config.metrics.address)?)
-        } else {
-            None
-        };
-        if options.layout_bump {
-            // The stand-in for the state a newer layout adds, which a rollback must retire.
-            datapath::pin_next_layout_map(&config.pin_dir, NEXT_LAYOUT_MAP)?;
-        }
-
-        phases.end("telemetry");
-        datapath.attach(&attach.path)?;
         if config.interface.manage {
             // Only now: until this set steered, the running one may still have sent DNS there.
             if let Err(error) = interface::remove_unconfigured(
@@ -309,20 +318,6 @@ impl Agent {
         phases.end("attach");
         let telemetry = match metrics_socket {
             Some(listener) => Some(serve_telemetry(listener, config, &stats)?),
-            None => None,
-        };
-        let drains = match &config.drain_socket {
-            Some(path) => Some(drain_socket::serve(
-                path,
-                config.pin_dir.clone(),
-                config.cache_netns.clone(),
-                Arc::new(
-                    listeners
-                        .iter()
-                        .map(|listener| (listener.name.clone(), listener.prober.clone()))
-                        .collect(),
-                ),
-            )?),
             None => None,
         };
         // Binds and releases that raced the attach are caught here, or by the next pass.
@@ -345,7 +340,7 @@ impl Agent {
             events,
             sources,
             bypass: bypass.keep(),
-            drains,
+            drains: drains.and_then(TaskGuard::keep),
             telemetry,
             lock,
             node,
@@ -626,18 +621,12 @@ fn static_pool(listener: &crate::config::Listener) -> Option<Vec<Upstream>> {
     })
 }
 
-/// Probes every cache once and sets the first verdicts: a cache is up when it answered (and, when
-/// its sockets are tracked, has some).
-async fn first_verdicts(
+/// Makes each listener's prober (refusing a probe name that is no DNS name) and probes every
+/// cache once, concurrently: whether each answered. Writes nothing.
+async fn probe_caches(
     config: &Config,
-    ids: &[u32],
     worker: &NetnsWorker,
-    maps: &mut Maps,
-) -> Result<Vec<ListenerRuntime>, AgentError> {
-    let hysteresis = Hysteresis {
-        failures_to_fail_over: config.probe.failures_to_fail_over,
-        successes_to_fail_back: config.probe.successes_to_fail_back,
-    };
+) -> Result<(Vec<Prober>, Vec<bool>), AgentError> {
     let mut probers = Vec::with_capacity(config.listeners.len());
     for (position, listener) in config.listeners.iter().enumerate() {
         let prober = Prober::new(
@@ -662,6 +651,22 @@ async fn first_verdicts(
     while let Some(Ok((index, outcome))) = first_probes.join_next().await {
         alive[index] = outcome.is_alive();
     }
+    Ok((probers, alive))
+}
+
+/// Sets the first verdicts from the first probes (`alive`, in the configuration's order): a
+/// cache is up when it answered (and, when its sockets are tracked, has some).
+fn first_verdicts(
+    config: &Config,
+    ids: &[u32],
+    probers: Vec<Prober>,
+    alive: &[bool],
+    maps: &mut Maps,
+) -> Result<Vec<ListenerRuntime>, AgentError> {
+    let hysteresis = Hysteresis {
+        failures_to_fail_over: config.probe.failures_to_fail_over,
+        successes_to_fail_back: config.probe.successes_to_fail_back,
+    };
     let mut listeners = Vec::with_capacity(config.listeners.len());
     for (((listener, id), prober), alive) in
         config.listeners.iter().zip(ids).zip(probers).zip(alive)
@@ -681,7 +686,7 @@ async fn first_verdicts(
             maps.health(*id)?,
             counts.down_epoch,
             listener.liveness == Liveness::Probes || counts.udp > 0,
-            Probe::new(alive, held),
+            Probe::new(*alive, held),
         );
         maps.set_health(*id, tracker.health())?;
         listeners.push(ListenerRuntime {
@@ -697,6 +702,101 @@ async fn first_verdicts(
         });
     }
     Ok(listeners)
+}
+
+/// What a start writes into the maps the running programs share, and the swap: the part of a
+/// start that a failure must take back (`put_back`).
+struct Commit<'a> {
+    config: &'a Config,
+    ids: &'a [u32],
+    removed: &'a [u32],
+    binds: &'a HashMap<redirector_common::binds::BindKey, u64>,
+    netns_cookie: u64,
+    layout_version: u32,
+    skips: Vec<datapath::SkipEntry>,
+    fail_before_attach: bool,
+}
+
+impl Commit<'_> {
+    /// Writes every listener, counts the caches' sockets that existed before the programs, sets
+    /// the first verdicts and swaps the programs in.
+    #[expect(
+        clippy::too_many_arguments,
+        reason = "the start's parts that the commit borrows, each once"
+    )]
+    async fn run(
+        self,
+        datapath: &mut Datapath,
+        maps: &mut Maps,
+        reconciler: &mut Reconciler,
+        probers: Vec<Prober>,
+        alive: &[bool],
+        cgroup: &Path,
+        phases: &mut StartPhases,
+    ) -> Result<Vec<ListenerRuntime>, AgentError> {
+        let config = self.config;
+        for id in self.removed {
+            info!(listener_id = id, "removing a listener no longer configured");
+            maps.remove_listener(*id)?;
+        }
+        maps.configure(&self.skips, self.netns_cookie, self.layout_version)?;
+        maps.set_cache_binds(self.binds)?;
+        for (listener, id) in config.listeners.iter().zip(self.ids) {
+            let entry = ListenerEntry {
+                id: *id,
+                name: &listener.name,
+                address: listener.address,
+                cache: listener.cache,
+                empty_pool: listener.empty_pool,
+                liveness: listener.liveness,
+            };
+            let pool: Option<Vec<Target>> =
+                static_pool(listener).map(|pool| pool.iter().map(Upstream::target).collect());
+            maps.install_listener(&entry, pool.as_deref())?;
+            maps.set_stall_limit(
+                *id,
+                config.probe.stall_after,
+                datapath.tick_clock(),
+                listener.cache.port(),
+            )?;
+        }
+        maps.want_next_reads()?;
+        phases.end("maps");
+        // Count the sockets that existed before the programs (or that moved between listeners)
+        // before the programs see any traffic, so a running cache is alive from the first
+        // steered syscall.
+        reconciler
+            .reconcile(maps, true)
+            .await
+            .map_err(AgentError::Seed)?;
+        phases.end("seed");
+        let listeners = first_verdicts(config, self.ids, probers, alive, maps)?;
+        phases.end("verdicts");
+        if self.fail_before_attach {
+            return Err(AgentError::InjectedFailure);
+        }
+        datapath.attach(cgroup)?;
+        Ok(listeners)
+    }
+}
+
+/// Puts back what a failed start changed in the maps the running programs read, and counts the
+/// caches' sockets by the binds it found. Says what it did: the programs that run now (the
+/// earlier agent's, or this start's where the swap had begun) steer on that state.
+async fn put_back(maps: &mut Maps, journal: &Journal, reconciler: &mut Reconciler) {
+    if let Err(error) = maps.restore(journal) {
+        warn!(error = %crate::error_chain(&error), "cannot put back the listeners, pools and verdicts this failed start changed; start the agent again (its next start writes them whole)");
+        return;
+    }
+    reconciler.restore_binds(journal.cache_binds());
+    match reconciler.reconcile(maps, true).await {
+        Ok(_) => info!(
+            "put back the listeners, pools, verdicts and socket counts this failed start changed"
+        ),
+        Err(error) => {
+            warn!(error = %crate::error_chain(&error), "put back the listeners, pools and verdicts this failed start changed, but cannot re-count the caches' sockets; start the agent again")
+        }
+    }
 }
 
 /// A Kubernetes client when some listener follows kube-dns.

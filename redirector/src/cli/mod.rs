@@ -64,7 +64,8 @@ pub(crate) fn init_logging(filter: &str, format: LogFormat) -> anyhow::Result<()
 /// Whether the test-only switch `variable` is set to 1: `REDIRECTOR_TEST_LAYOUT_BUMP` (start as a
 /// release whose layout differs: every map migrates, the pins record the next layout and hold a
 /// map this release does not know) or `REDIRECTOR_TEST_FAIL_AFTER_LOAD` (fail the start after
-/// the load and the migration, before anything runs).
+/// the load and the migration, before anything runs) or `REDIRECTOR_TEST_FAIL_BEFORE_ATTACH`
+/// (fail the start after it wrote the maps the running programs share, before the swap).
 pub(crate) fn test_switch(variable: &str) -> bool {
     std::env::var_os(variable).is_some_and(|value| value == "1")
 }

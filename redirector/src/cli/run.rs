@@ -67,6 +67,7 @@ pub(crate) fn run(args: RunArgs) -> anyhow::Result<()> {
             absent_features: absent_features_for_tests()?,
             layout_bump: super::test_switch("REDIRECTOR_TEST_LAYOUT_BUMP"),
             fail_after_load: super::test_switch("REDIRECTOR_TEST_FAIL_AFTER_LOAD"),
+            fail_before_attach: super::test_switch("REDIRECTOR_TEST_FAIL_BEFORE_ATTACH"),
         };
         let mut agent = Agent::start(&config, options).await?;
         let ran = agent

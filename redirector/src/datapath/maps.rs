@@ -33,6 +33,10 @@ use super::{
     pins::MAPS_DIR,
 };
 
+mod journal;
+
+pub use journal::Journal;
+
 /// `BPF_NOEXIST`: insert only if the key is absent.
 const BPF_NOEXIST: u64 = 1;
 /// `BPF_EXIST`: update only if the key is present.
@@ -561,11 +565,16 @@ impl Maps {
         }
     }
 
-    /// Uncounts a cache socket that is gone without the programs seeing it close: removes its
-    /// entry and, unless the programs removed it first, takes it off its listeners' counts (a
-    /// listener left without UDP sockets enters a new epoch, as in the kernel). Returns whether
-    /// it was uncounted here.
-    pub fn uncount_cache_socket(&mut self, cookie: u64) -> Result<bool, DatapathError> {
+    /// Uncounts a cache socket that is gone without the programs seeing it close (or that is no
+    /// cache's socket any more): removes its entry and, unless the programs removed it first,
+    /// takes it off its listeners' counts (`take_off_counts`: a listener of `tracked` left
+    /// without UDP sockets enters a new epoch, as in the kernel). Returns whether it was
+    /// uncounted here.
+    pub fn uncount_cache_socket(
+        &mut self,
+        cookie: u64,
+        tracked: u64,
+    ) -> Result<bool, DatapathError> {
         let entry = match self.cache_sockets.get(&cookie, 0) {
             Ok(entry) => entry,
             Err(MapError::KeyNotFound) => return Ok(false),
@@ -573,7 +582,7 @@ impl Maps {
         };
         match self.cache_sockets.remove(&cookie) {
             Ok(()) => {
-                self.add_to_counts(&entry, -1, true);
+                self.take_off_counts(&entry, tracked);
                 // A socket still open but no longer counted must stop noting reads.
                 self.renew_readers()?;
                 Ok(true)
@@ -588,13 +597,14 @@ impl Maps {
     }
 
     /// Moves a counted cache socket to other listeners (the configuration changed which caches a
-    /// bind belongs to): rewrites its entry if it still exists, then moves the counts. Returns
-    /// whether it was moved here.
+    /// bind belongs to): rewrites its entry if it still exists, then moves the counts
+    /// (`take_off_counts` for the old ones). Returns whether it was moved here.
     pub fn reassign_cache_socket(
         &mut self,
         cookie: u64,
         old: CacheSocket,
         new: CacheSocket,
+        tracked: u64,
     ) -> Result<bool, DatapathError> {
         // The socket keeps whatever mark it carries.
         let new = CacheSocket {
@@ -604,7 +614,7 @@ impl Maps {
         match self.cache_sockets.insert(cookie, new, BPF_EXIST) {
             Ok(()) => {
                 self.add_to_counts(&new, 1, false);
-                self.add_to_counts(&old, -1, true);
+                self.take_off_counts(&old, tracked);
                 self.renew_readers()?;
                 Ok(true)
             }
@@ -656,6 +666,30 @@ impl Maps {
         self.datapath_config
             .get(&0, 0)
             .map_err(read(names::MAP_DATAPATH_CONFIG))
+    }
+
+    /// Takes `entry` off its listeners' counts. A listener of `tracked` (the bits of the
+    /// listeners whose caches the agent counts now) left with no UDP socket enters a new epoch,
+    /// as in the kernel; one no longer tracked (removed, or no longer judged by its sockets) does
+    /// not: its verdict is no longer the sockets', and a start that fails puts it back as it was.
+    fn take_off_counts(&self, entry: &CacheSocket, tracked: u64) {
+        let (still, gone) = (entry.listeners & tracked, entry.listeners & !tracked);
+        self.add_to_counts(
+            &CacheSocket {
+                listeners: still,
+                ..*entry
+            },
+            -1,
+            true,
+        );
+        self.add_to_counts(
+            &CacheSocket {
+                listeners: gone,
+                ..*entry
+            },
+            -1,
+            false,
+        );
     }
 
     /// Adds `delta` to the counts of `entry`'s listeners; with `record_death`, a listener left

@@ -36,7 +36,7 @@ use aya::{
 };
 pub use clock::{TickClock, TickError};
 pub use error::DatapathError;
-pub use maps::{ListenerEntry, ListenerTotals, Maps, SkipEntry, target_of};
+pub use maps::{Journal, ListenerEntry, ListenerTotals, Maps, SkipEntry, target_of};
 pub use migrate::Copied;
 use pins::{
     LINKS_DIR, MAPS_DIR, STAGED_MAPS_DIR, link_slots, pinned_names, remove_dir_if_empty,
@@ -118,6 +118,17 @@ impl Drop for Staged {
             }
         }
     }
+}
+
+/// How one program was put in place.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Swap {
+    /// Its pinned link now runs it (`BPF_LINK_UPDATE`).
+    Updated,
+    /// A new link runs it, and the old link was unpinned.
+    Replaced,
+    /// A new link runs it; there was none before.
+    Added,
 }
 
 /// The loaded object. Its attachments are pinned: dropping it (or the agent dying) leaves them
@@ -325,37 +336,27 @@ impl Datapath {
             path: links_dir.clone(),
             source,
         })?;
-        let (mut updated, mut replaced) = (0, 0);
+        let (mut updated, mut replaced, mut added) = (0, 0, 0);
         for name in ALL_PROGRAMS {
-            let slots = link_slots(&self.pin_dir, name);
-            let pinned = slots.iter().find(|slot| slot.exists()).cloned();
-            let loaded = program(&mut self.ebpf, name)?;
-            if let Some(pinned) = &pinned
-                && update_in_place(name, loaded, pinned, cgroup_id)?
-            {
-                updated += 1;
-                continue;
+            let swapped = self.attach_program(name, &cgroup_dir, cgroup, cgroup_id);
+            match swapped {
+                Ok(Swap::Updated) => updated += 1,
+                Ok(Swap::Replaced) => replaced += 1,
+                Ok(Swap::Added) => added += 1,
+                Err(error) if updated + replaced + added > 0 => {
+                    warn!(
+                        swapped = updated + replaced + added,
+                        programs = ALL_PROGRAMS.len(),
+                        failed = name,
+                        "the swap stopped part way: the programs swapped in run on this start's maps (kept pinned), the others as an earlier agent left them; start the agent again to finish the swap"
+                    );
+                    return Err(error);
+                }
+                Err(error) => return Err(error),
             }
-            let link = attach_one(name, loaded, &cgroup_dir, cgroup)?;
-            let [first, second] = slots;
-            let (new, old) = if first.exists() {
-                (second, first)
-            } else {
-                (first, second)
-            };
-            remove_file_if_present(&new)?;
-            let pinned: PinnedLink = link.pin(&new).map_err(|source| DatapathError::PinLink {
-                name,
-                path: new.clone(),
-                source,
-            })?;
-            // The pin keeps the attachment; this process's descriptor is not needed.
-            drop(pinned);
-            if old.exists() {
-                replaced += 1;
-                // The new program runs: the old one may go.
-                remove_file_if_present(&old)?;
-            }
+            // A program of this start runs on the staged maps from here on: a failure must not
+            // remove them (the next start moves what is left into place).
+            self.staged.keep();
         }
         if updated + replaced > 0 {
             info!(
@@ -364,11 +365,48 @@ impl Datapath {
             );
         }
         self.attached_to = Some(cgroup.to_owned());
-        // The new programs run on the staged maps: from here on they are the maps in use, which
-        // a failure must not remove (the next start moves what is left into place).
-        self.staged.keep();
         self.put_staged_maps_in_place()?;
         self.retire_unknown()
+    }
+
+    /// Puts program `name` in place on `cgroup` (see [`Datapath::attach`]): updates its pinned
+    /// link in place, or attaches and pins a new link and then unpins the old one.
+    fn attach_program(
+        &mut self,
+        name: &'static str,
+        cgroup_dir: &File,
+        cgroup: &Path,
+        cgroup_id: Option<u64>,
+    ) -> Result<Swap, DatapathError> {
+        let slots = link_slots(&self.pin_dir, name);
+        let pinned = slots.iter().find(|slot| slot.exists()).cloned();
+        let loaded = program(&mut self.ebpf, name)?;
+        if let Some(pinned) = &pinned
+            && update_in_place(name, loaded, pinned, cgroup_id)?
+        {
+            return Ok(Swap::Updated);
+        }
+        let link = attach_one(name, loaded, cgroup_dir, cgroup)?;
+        let [first, second] = slots;
+        let (new, old) = if first.exists() {
+            (second, first)
+        } else {
+            (first, second)
+        };
+        remove_file_if_present(&new)?;
+        let pinned: PinnedLink = link.pin(&new).map_err(|source| DatapathError::PinLink {
+            name,
+            path: new.clone(),
+            source,
+        })?;
+        // The pin keeps the attachment; this process's descriptor is not needed.
+        drop(pinned);
+        if old.exists() {
+            // The new program runs: the old one may go.
+            remove_file_if_present(&old)?;
+            return Ok(Swap::Replaced);
+        }
+        Ok(Swap::Added)
     }
 
     /// Copies again what the old programs added to a migrated map since the first copy, then

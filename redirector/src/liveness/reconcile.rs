@@ -60,6 +60,12 @@ impl Reconciler {
         }
     }
 
+    /// Counts by `binds` again (a start that failed puts back the binds it found): the next
+    /// pass moves every counted socket to the listeners they give it.
+    pub fn restore_binds(&mut self, binds: HashMap<BindKey, u64>) {
+        self.binds = binds;
+    }
+
     /// One pass. With `seed` (start-up), a counted socket that is gone is uncounted at once: the
     /// programs either never saw it (not attached yet) or already removed it, in which case the
     /// removal here finds nothing and changes nothing.
@@ -70,6 +76,10 @@ impl Reconciler {
     ) -> Result<ReconcileReport, ReconcileError> {
         let counted: HashMap<u64, CacheSocket> = maps.cache_sockets().into_iter().collect();
         let live = self.live_cache_sockets().await?;
+        let tracked = self
+            .binds
+            .values()
+            .fold(0, |bits, listeners| bits | listeners);
 
         let mut report = ReconcileReport::default();
         let mut inserted = Vec::new();
@@ -82,7 +92,7 @@ impl Reconciler {
                 }
                 // Counted for other listeners than the configuration now says (it changed).
                 Some(old) if !old.counts_like(entry) => {
-                    if maps.reassign_cache_socket(*cookie, *old, *entry)? {
+                    if maps.reassign_cache_socket(*cookie, *old, *entry, tracked)? {
                         report.reassigned += 1;
                     }
                 }
@@ -97,7 +107,7 @@ impl Reconciler {
                 if still_live.contains_key(&cookie) {
                     report.counted += 1;
                 } else {
-                    maps.uncount_cache_socket(cookie)?;
+                    maps.uncount_cache_socket(cookie, tracked)?;
                 }
             }
         }
@@ -105,7 +115,7 @@ impl Reconciler {
         let mut still_missing = HashSet::new();
         for cookie in counted.keys().filter(|cookie| !live.contains_key(cookie)) {
             if seed || self.missing_once.contains(cookie) {
-                if maps.uncount_cache_socket(*cookie)? {
+                if maps.uncount_cache_socket(*cookie, tracked)? {
                     report.uncounted += 1;
                 }
             } else {

@@ -598,3 +598,96 @@ fn a_newer_cli_on_an_older_releases_pins_names_both_layouts_and_changes_nothing(
     uninstall(&config)?;
     Ok(())
 }
+
+/// The maps the release before the signal program knew (its `names::ALL_MAPS`): its `uninstall`
+/// removes these pins and no others.
+const OLDER_RELEASE_MAPS: [&str; 15] = [
+    names::MAP_LISTENERS,
+    names::MAP_LISTENER_MODE,
+    names::MAP_CACHE_HEALTH,
+    names::MAP_LISTENER_INFO,
+    names::MAP_SOCKET_COUNTS,
+    names::MAP_CACHE_BINDS,
+    names::MAP_CACHE_SOCKETS,
+    names::MAP_CACHE_MARKS,
+    names::MAP_POOLS,
+    names::MAP_REVERSE_NAT,
+    names::MAP_STEERED_SOCKS,
+    names::MAP_REPLY_PORTS,
+    names::MAP_COUNTERS,
+    names::MAP_SKIP_CGROUPS,
+    names::MAP_DATAPATH_CONFIG,
+];
+
+/// A rollback to the release before the signal program, then its `uninstall`, then this
+/// release's start: the older uninstall removes only the pins it knows (its twelve programs'
+/// links and fifteen maps), so this release's signal link and newer maps stay behind, with no
+/// layout to read. No program steers through them: `status` says so, and the next start removes
+/// them and steers from its first moment.
+#[test]
+fn pins_an_older_releases_uninstall_leaves_behind_never_stop_a_reinstall() -> anyhow::Result<()> {
+    let mut sandbox = Sandbox::new(tools!())?;
+    sandbox.start_standard_servers()?;
+    let config = write_config(&sandbox, "config.toml", "")?;
+    let mut agent = start_agent(&config)?;
+    stop_agent(&mut agent)?;
+
+    // The older release's uninstall, pin by pin as it removes them.
+    let pin_dir = sandbox.pin_dir();
+    for program in names::SOCK_ADDR_PROGRAMS
+        .iter()
+        .chain(&names::SOCK_PROGRAMS)
+        .chain(&names::SKB_PROGRAMS)
+    {
+        for slot in 0..2 {
+            let _ = std::fs::remove_file(pin_dir.join("links").join(format!("{program}-{slot}")));
+        }
+    }
+    for map in OLDER_RELEASE_MAPS {
+        std::fs::remove_file(pin_dir.join("maps").join(map))?;
+    }
+    let left: Vec<String> = std::fs::read_dir(pin_dir.join("links"))?
+        .filter_map(|entry| entry.ok()?.file_name().into_string().ok())
+        .collect();
+    assert!(
+        left.iter().any(|link| link.starts_with(names::PROG_SIGNAL))
+            && !pinned_maps(&sandbox).is_empty(),
+        "the premise: the older uninstall leaves this release's signal link and newer maps ({left:?}, {:?})",
+        pinned_maps(&sandbox)
+    );
+    let status = redirector_with_env(&["status", "--config", &config.display().to_string()], &[])?;
+    assert!(
+        status.code == 1 && status.stderr.contains("no program is attached to a cgroup"),
+        "`status` must say from the links that nothing steers: {status:?}"
+    );
+
+    let agent = start_agent(&config)?;
+    let nodelocal = Stream::start_with(
+        &sandbox,
+        Ns::Pod,
+        SocketAddr::new(NODELOCAL_LISTENER.into(), 53),
+        Duration::from_secs(60),
+        &["--kinds", "fresh,connected,long"],
+    )?;
+    let started = now_ms();
+    let nodelocal = nodelocal.stop_once("queries", Duration::from_secs(20), |report| {
+        report
+            .records
+            .iter()
+            .filter(|record| record.begun_ms > started)
+            .count()
+            > 30
+    })?;
+    println!("nodelocal: {}", nodelocal.summary());
+    assert_eq!(
+        nodelocal.failures_between(0, u64::MAX),
+        0,
+        "a query failed after the reinstall: {}",
+        nodelocal.summary()
+    );
+    let status = redirector_with_env(&["status", "--config", &config.display().to_string()], &[])?;
+    assert!(status.stdout.contains("13 of 13 attached"), "{status:?}");
+    drop(agent);
+    uninstall(&config)?;
+    Ok(())
+}

@@ -2,10 +2,12 @@
 
 use std::path::PathBuf;
 
+use anyhow::Context as _;
+
 use redirector::{
     config::{Config, ConntrackSettings, DEFAULT_CONFIG_PATH, DEFAULT_LOCK_FILE, DEFAULT_PIN_DIR},
     conntrack_bypass::nft::Nft,
-    datapath::Maps,
+    datapath::{self, Maps},
     sys::{kernel_support, netns::NetnsWorker},
     telemetry,
 };
@@ -46,7 +48,23 @@ pub(crate) fn status(args: &StatusArgs) -> anyhow::Result<()> {
     };
     let pin_dir = args.pin_dir.clone().unwrap_or(pin_dir);
     let runtime = runtime()?;
-    let maps = Maps::open_pinned(&pin_dir)?;
+    let maps = match Maps::open_pinned(&pin_dir) {
+        Ok(maps) => maps,
+        // Incomplete pins with no program on a cgroup (another release's `uninstall` removes
+        // only the pins it knows): said from the links themselves, so nobody takes them for a
+        // set that steers.
+        Err(error) if !datapath::has_pinned_attachments(&pin_dir) => {
+            return Err(error).context(format!(
+                "no program is attached to a cgroup from {}, so nothing steers DNS: DNS to the \
+                 listeners goes where it was sent; the pins there are what an uninstall left \
+                 (another release's removes only the pins it knows): start the agent \
+                 (`redirector run`), which removes them, or remove them: rm -r {}",
+                pin_dir.display(),
+                pin_dir.display()
+            ));
+        }
+        Err(error) => return Err(error.into()),
+    };
     let kernel = kernel_support::KernelSupport::probe(&absent_features_for_tests()?);
     let report = runtime.block_on(async {
         // The table is looked at in the caches' namespace; not being able to is no reason to

@@ -297,10 +297,19 @@ pub(super) fn link_slots(pin_dir: &Path, program: &str) -> [PathBuf; 2] {
     ]
 }
 
-/// True when attachments are pinned under `pin_dir`.
+/// True when a link pinned under `pin_dir` attaches a program to a cgroup: programs steer (or
+/// count) DNS through these pins. Read from the links themselves (their fdinfo's cgroup, 5.8),
+/// never from their names: a tracing link (the signal program's) steers nothing, and another
+/// release's uninstall may leave one behind; a cgroup link whose cgroup is gone shows 0.
 #[must_use]
 pub fn has_pinned_attachments(pin_dir: &Path) -> bool {
-    !pinned_names(&pin_dir.join(LINKS_DIR)).is_empty()
+    let links = pin_dir.join(LINKS_DIR);
+    pinned_names(&links).iter().any(|name| {
+        super::raw::open_pinned(&links.join(name))
+            .ok()
+            .and_then(super::raw::link_cgroup_id)
+            .is_some_and(|cgroup| cgroup != 0)
+    })
 }
 
 /// How deep below its bpf filesystem's root another set of pins is looked for.

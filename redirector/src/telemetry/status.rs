@@ -49,6 +49,10 @@ pub struct ProgramState {
     pub attached: Vec<(String, u32)>,
     /// How many there are in all.
     pub expected: usize,
+    /// Whether a pinned link attaches a program to a cgroup: read from the links themselves,
+    /// so that what `status` says of steering is what is attached (a tracing link left behind,
+    /// such as the signal program's, steers nothing).
+    pub steering: bool,
     /// Other redirector pin sets on the same bpf filesystem whose programs are attached (a
     /// changed `pin_dir` leaves the old set steering on state no agent updates).
     pub other_sets: Vec<String>,
@@ -159,6 +163,7 @@ pub async fn gather(
                 .map(|(name, id)| (name.to_owned(), id))
                 .collect(),
             expected: datapath::ALL_PROGRAMS.len(),
+            steering: datapath::has_pinned_attachments(pin_dir),
             other_sets: datapath::other_attached_sets(pin_dir)
                 .iter()
                 .map(|dir| dir.display().to_string())
@@ -205,6 +210,13 @@ pub fn render_table(report: &StatusReport) -> String {
     match (&report.agent.running, &report.agent.pid) {
         (true, Some(pid)) => {
             let _ = writeln!(text, "agent:     running (pid {pid})");
+        }
+        _ if !report.programs.steering => {
+            let _ = writeln!(
+                text,
+                "agent:     NOT RUNNING, and no program is attached to a cgroup: DNS to the \
+                 listeners goes where it was sent, unsteered; start the agent"
+            );
         }
         _ => {
             let _ = writeln!(
@@ -391,6 +403,7 @@ mod tests {
                 pin_dir: "/sys/fs/bpf/redirector".to_owned(),
                 attached: vec![("dns_connect4".to_owned(), 17)],
                 expected: 13,
+                steering: true,
                 other_sets: Vec::new(),
                 layout: Some(redirector_common::LAYOUT_VERSION),
                 reads_layout: redirector_common::LAYOUT_VERSION,

@@ -23,7 +23,7 @@
 //! average. A fleet fails over together (a bad cache rollout): so that its nodes do not check in
 //! step, the first round of checks after a node starts routing upstream comes at a point drawn
 //! uniformly within one interval, and each wait between two rounds is the interval ± 20 %
-//! (`CheckSchedule`).
+//! (`CheckSchedule`). The unit test `fleet_model` runs 5,000 nodes through it.
 
 use std::{
     collections::{HashMap, HashSet},
@@ -35,6 +35,9 @@ use std::{
 use hickory_proto::op::ResponseCode;
 
 use crate::sources::Upstream;
+
+#[cfg(test)]
+mod fleet_model;
 
 /// How far each wait between two rounds of checks strays from the interval, either way, as a
 /// fraction (`JITTER_PERCENT` / 100): a fifth decorrelates nodes that failed over together within

@@ -538,8 +538,8 @@ impl Sandbox {
     /// An agent configuration for this sandbox: its cgroup, pin directory, lock file and node
     /// namespace, probes every 250 ms with a 200 ms timeout (the defaults' hysteresis), the
     /// default stall limit, a signal hold of 1.5 s (the default's 6 s would only slow the tests
-    /// that wait it out), socket
-    /// counts reconciled every 500 ms (all three stretched by [`crate::pace`]), metrics on a free
+    /// that wait it out), the upstream checks' default interval and timeout, socket
+    /// counts reconciled every 500 ms (all stretched by [`crate::pace`]), metrics on a free
     /// loopback port, the listener addresses left to the sandbox (they are on the node's
     /// loopback), then `listeners` (TOML `[[listener]]` sections).
     #[must_use]
@@ -574,14 +574,15 @@ impl Sandbox {
             tables,
             &format!(
                 "interval_ms = {}\ntimeout_ms = {}\nstall_after_ms = {}\nsignal_hold_ms = {}\n\
-                 upstream_interval_ms = {}\n",
+                 upstream_interval_ms = {}\nupstream_timeout_ms = {}\n",
                 interval.as_millis(),
                 timeout.as_millis(),
                 paced_ms(redirector::config::DEFAULT_STALL_AFTER_MS),
                 paced_ms(1500),
-                // The upstream checks share the probes' timeout: stretched with it, so that a
-                // slower machine checks each target as often per timeout as the host does.
+                // The upstream checks' defaults, stretched together, so that a slower machine
+                // checks each target as often per timeout as the host does.
                 paced_ms(redirector::config::DEFAULT_UPSTREAM_INTERVAL_MS),
+                paced_ms(redirector::config::DEFAULT_UPSTREAM_TIMEOUT_MS),
             ),
         )
     }
@@ -706,22 +707,46 @@ impl Sandbox {
 
     /// Starts "upstream A" on its IPv4 and IPv6 addresses (again, after `stop_server`).
     pub fn start_upstream_a(&mut self) -> anyhow::Result<()> {
-        self.start_server(
-            "upstream A",
-            Ns::Upstream,
-            &[dns(topology::UPSTREAM_A_V4), dns(topology::UPSTREAM_A_V6)],
-            UPSTREAM_A,
-        )
+        self.start_upstream_a_with(&[])
     }
 
     /// Starts "upstream B" on its IPv4 and IPv6 addresses (again, after `stop_server`).
     pub fn start_upstream_b(&mut self) -> anyhow::Result<()> {
-        self.start_server(
+        self.start_upstream_b_with(&[])
+    }
+
+    /// Starts "upstream A" with more `dns-server` flags (`--mute-ms N`: a hung server that
+    /// answers nothing; `--answer-delay-ms N`: a slow one).
+    pub fn start_upstream_a_with(&mut self, flags: &[&str]) -> anyhow::Result<()> {
+        self.start_upstream(
+            "upstream A",
+            &[dns(topology::UPSTREAM_A_V4), dns(topology::UPSTREAM_A_V6)],
+            UPSTREAM_A,
+            flags,
+        )
+    }
+
+    /// Starts "upstream B" with more `dns-server` flags, as [`Self::start_upstream_a_with`].
+    pub fn start_upstream_b_with(&mut self, flags: &[&str]) -> anyhow::Result<()> {
+        self.start_upstream(
             "upstream B",
-            Ns::Upstream,
             &[dns(topology::UPSTREAM_B_V4), dns(topology::UPSTREAM_B_V6)],
             UPSTREAM_B,
+            flags,
         )
+    }
+
+    fn start_upstream(
+        &mut self,
+        name: &str,
+        listen: &[SocketAddr],
+        identity: Identity,
+        flags: &[&str],
+    ) -> anyhow::Result<()> {
+        let program = self.tools.dns_server.display().to_string();
+        let mut args = server_args(listen, identity);
+        args.extend(flags.iter().map(|flag| (*flag).to_owned()));
+        self.start_process(name, Some(Ns::Upstream), None, &program, &args, "ready")
     }
 
     /// Stops (SIGKILL) the server started as `name`.

@@ -933,3 +933,82 @@ fn a_dead_upstream_leaves_the_pool_and_returns_when_it_answers() -> anyhow::Resu
     })?;
     Ok(())
 }
+
+/// The node listener's checks of its upstream targets so far that were answered (`true`) or not.
+fn node_checks(harness: &Harness, answered: bool) -> u64 {
+    harness
+        .agent
+        .stats
+        .upstream_checks()
+        .into_iter()
+        .filter(|(listener, ok, _)| listener == "node" && *ok == answered)
+        .map(|(_, _, count)| count)
+        .sum()
+}
+
+/// Slow is not dead: upstream B answers every query 300 ms late, later than the cache probe's
+/// timeout (200 ms here), as a kube-dns pod slowed by a fleet's failover does, and stays in the
+/// kernel's pool round after round; upstream A, bound but answering nothing (hung: no ICMP
+/// refusal, each check waited out), leaves it.
+#[test]
+fn a_slow_upstream_stays_in_the_pool_while_a_hung_one_leaves() -> anyhow::Result<()> {
+    use bpf_tests::topology::{UPSTREAM_A_V4, UPSTREAM_B_V4};
+    let slow_ms = paced_ms(300).to_string();
+    let mut harness = Harness::start(
+        tools!(),
+        |sandbox| {
+            sandbox.start_cache("cache", &CacheSpec::standard())?;
+            // Silent for far longer than the test.
+            sandbox.start_upstream_a_with(&["--mute-ms", "600000"])?;
+            // Each of four sockets answers late: checks from fresh sockets are spread over
+            // them, not queued behind one another's delay.
+            sandbox.start_upstream_b_with(&["--answer-delay-ms", &slow_ms, "--udp-sockets", "4"])
+        },
+        standard_listeners,
+    )?;
+    let (a, b) = (
+        std::net::IpAddr::V4(UPSTREAM_A_V4),
+        std::net::IpAddr::V4(UPSTREAM_B_V4),
+    );
+    assert_eq!(node_pool(&harness)?, [a, b]);
+    harness.set_mode(NODE_ID, redirector_common::settings::Mode::Upstream)?;
+    harness.wait_for_route(NODE_ID, "upstream")?;
+    let failed_over = now_ms();
+    // A pool whose every target failed would keep both: [B] alone says B passes its checks.
+    harness.wait_until(
+        "the hung A leaves the pool",
+        Duration::from_secs(10),
+        |harness| Ok(node_pool(harness)? == [b]),
+    )?;
+    println!(
+        "A out of the pool {} ms after the failover",
+        now_ms() - failed_over
+    );
+
+    let answered_before = node_checks(&harness, true);
+    // Six rounds of checks on average, each of B's answered 300 ms late.
+    for _ in 0..30 {
+        pause(100);
+        assert_eq!(
+            node_pool(&harness)?,
+            [b],
+            "the slow B stays in the pool and the hung A stays out"
+        );
+    }
+    let answered = node_checks(&harness, true) - answered_before;
+    println!(
+        "B answered {answered} checks in 3 s; {} checks unanswered in all",
+        node_checks(&harness, false)
+    );
+    assert!(answered >= 3, "{answered} of B's checks answered in 3 s");
+    let states = harness.agent.stats.upstream_states();
+    let up = |target: std::net::IpAddr| {
+        states
+            .iter()
+            .find(|(listener, address, _)| listener == "node" && address == &format!("{target}:53"))
+            .map(|(_, _, up)| *up)
+    };
+    assert_eq!((up(a), up(b)), (Some(false), Some(true)), "{states:?}");
+    assert_eq!(answered_by(&harness.sandbox)?, "upstream B");
+    Ok(())
+}

@@ -11,6 +11,7 @@ use std::{
     time::{Duration, SystemTime},
 };
 
+use hickory_proto::op::ResponseCode;
 use tokio::{
     task::JoinSet,
     time::{Instant, MissedTickBehavior, sleep_until},
@@ -27,7 +28,7 @@ use crate::{
     liveness::{
         health::{self, Probe},
         probe::ProbeOutcome,
-        upstreams::checked_address,
+        upstreams::{CheckOutcome, CheckSchedule, checked_address},
     },
     sources::{STATIC_SOURCE, SourceEvent, SourceKind, Upstream, plausible::Rejection, subset},
     sys::sd_notify,
@@ -51,8 +52,8 @@ struct UpstreamCheck {
     index: usize,
     /// The target's UDP address.
     target: SocketAddr,
-    /// Whether it answered.
-    answered: bool,
+    /// What came back.
+    outcome: CheckOutcome,
 }
 
 /// A probe's outcome, with what it was sent for.
@@ -85,11 +86,11 @@ impl Agent {
         // timeouts. Outcomes are folded in as they complete.
         let mut probes: JoinSet<SentProbe> = JoinSet::new();
         // Checks of the upstream targets of listeners that route upstream (none while every
-        // listener is on its cache).
-        let upstream_interval = self.config.probe.upstream_interval;
-        let mut upstream_tick =
-            tokio::time::interval(upstream_interval.unwrap_or(Duration::from_secs(3600)));
-        upstream_tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        // listener is on its cache), in rounds drawn so that a fleet that failed over together
+        // does not check its targets in step (`CheckSchedule`). Like probes, a round is sent
+        // whether or not the earlier ones answered.
+        let mut upstream_schedule: Option<CheckSchedule<Instant>> =
+            self.config.probe.upstream_interval.map(CheckSchedule::new);
         let mut upstream_checks: JoinSet<UpstreamCheck> = JoinSet::new();
         let mut dirty: HashSet<u32> = HashSet::new();
         let mut write_at: Option<Instant> = None;
@@ -106,6 +107,10 @@ impl Agent {
         }
         self.announce_readiness();
         loop {
+            let upstream_due = upstream_schedule.as_mut().and_then(|schedule| {
+                schedule.follow(self.routes_upstream(), Instant::now());
+                schedule.due()
+            });
             tokio::select! {
                 () = &mut shutdown => return Ok(()),
                 Some(event) = self.events.recv() => {
@@ -128,8 +133,11 @@ impl Agent {
                     write_at.get_or_insert_with(Instant::now);
                 }
                 _ = probe_tick.tick() => self.send_probes(&mut probes),
-                _ = upstream_tick.tick(), if upstream_interval.is_some() => {
+                () = sleep_until(upstream_due.unwrap_or_else(Instant::now)), if upstream_due.is_some() => {
                     self.send_upstream_checks(&mut upstream_checks);
+                    if let Some(schedule) = &mut upstream_schedule {
+                        schedule.sent(Instant::now());
+                    }
                 }
                 Some(done) = upstream_checks.join_next(), if !upstream_checks.is_empty() => {
                     if let Ok(check) = done
@@ -358,9 +366,17 @@ impl Agent {
         }
     }
 
+    /// Whether a listener routes upstream, as last observed: its targets are checked then.
+    fn routes_upstream(&self) -> bool {
+        self.listeners
+            .iter()
+            .any(|listener| listener.observed.0 == Route::Upstream)
+    }
+
     /// Sends one check to every upstream target of every listener that routes upstream: the
     /// targets of the kernel's subset of its desired pool, those out for failing too (their
-    /// first answer brings them back).
+    /// first answer brings them back). Each waits `probe.upstream_timeout_ms`, not the cache
+    /// probe's timeout.
     fn send_upstream_checks(&self, checks: &mut JoinSet<UpstreamCheck>) {
         for (index, listener) in self.listeners.iter().enumerate() {
             if listener.observed.0 != Route::Upstream {
@@ -372,12 +388,14 @@ impl Agent {
             let (subset, _) = subset::for_node(desired, &self.node, MAX_POOL_TARGETS);
             for upstream in &subset {
                 let target = checked_address(upstream);
-                let prober = listener.prober.of(target);
+                let prober = listener
+                    .prober
+                    .of(target, self.config.probe.upstream_timeout);
                 checks.spawn(async move {
                     UpstreamCheck {
                         index,
                         target,
-                        answered: prober.probe().await.is_alive(),
+                        outcome: CheckOutcome::of(prober.exchange().await),
                     }
                 });
             }
@@ -388,8 +406,21 @@ impl Agent {
     /// written again when the target left it or came back.
     fn record_upstream_check(&mut self, check: &UpstreamCheck) -> Option<u32> {
         let listener = self.listeners.get(check.index)?;
-        self.stats
-            .record_upstream_check(&listener.name, check.answered);
+        let answered = check.outcome.is_proof_of_life();
+        self.stats.record_upstream_check(&listener.name, answered);
+        match &check.outcome {
+            // Proof of life all the same: a loaded CoreDNS sheds with REFUSED and answers
+            // SERVFAIL when its own upstreams time out (see `liveness::upstreams`).
+            CheckOutcome::Answered { latency, code }
+                if *code != ResponseCode::NoError && *code != ResponseCode::NXDomain =>
+            {
+                debug!(listener = %listener.name, target = %check.target, code = %code, latency = ?latency, "an upstream target answered its check with an error code: it answers, so it stays");
+            }
+            CheckOutcome::Answered { .. } => {}
+            CheckOutcome::Silent { reason } => {
+                debug!(listener = %listener.name, target = %check.target, reason, "an upstream target did not answer its check");
+            }
+        }
         // A target that left the pool while its check was out: its verdict is not brought back.
         let (subset, _) =
             subset::for_node(listener.desired.as_ref()?, &self.node, MAX_POOL_TARGETS);
@@ -402,7 +433,7 @@ impl Agent {
         let target = check.target.to_string();
         let Some(down) = self
             .upstream_checks
-            .record(listener.id, check.target, check.answered)
+            .record(listener.id, check.target, answered)
         else {
             if !self.upstream_checks.is_down(listener.id, check.target) {
                 self.stats
@@ -411,7 +442,7 @@ impl Agent {
             return None;
         };
         if down {
-            warn!(listener = %listener.name, target = %target, failures = self.config.probe.failures_to_fail_over, "an upstream target fails its checks: out of the kernel's pool until it answers");
+            warn!(listener = %listener.name, target = %target, failures = self.config.probe.failures_to_fail_over, timeout = ?self.config.probe.upstream_timeout, "an upstream target does not answer its checks: out of the kernel's pool until it answers");
         } else {
             info!(listener = %listener.name, target = %target, "an upstream target answers again: back in the kernel's pool");
         }

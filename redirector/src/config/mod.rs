@@ -93,6 +93,11 @@ pub const DEFAULT_UPSTREAM_INTERVAL_MS: u64 = 500;
 /// The shortest `probe.upstream_interval_ms` accepted: every node that routes upstream checks
 /// every target of its pool at this pace.
 const MIN_UPSTREAM_INTERVAL_MS: u64 = 100;
+/// `probe.upstream_timeout_ms` unless configured: a check fails only when nothing answers, and a
+/// kube-dns pod loaded by a fleet's failover can take hundreds of milliseconds to answer while it
+/// serves. 2 s is well above that, and below the 5 s a glibc client waits for an answer: a target
+/// silent that long fails its clients too.
+pub const DEFAULT_UPSTREAM_TIMEOUT_MS: u64 = 2000;
 
 /// How the agent probes caches with real DNS queries, and how the kernel's own judgements of a
 /// cache (a stall, a signal) are weighed.
@@ -114,9 +119,12 @@ pub struct ProbeSettings {
     /// How long after a terminating signal to the cache its probes' answers are not trusted to
     /// bring DNS back (a cache shutting down answers until it closes its sockets).
     pub signal_hold: Duration,
-    /// Time between checks of each upstream target of a listener while it routes upstream
-    /// (`None`: never checked).
+    /// Time between checks of each upstream target of a listener while it routes upstream, on
+    /// average: each wait is drawn within ± 20 % of it (`None`: never checked).
     pub upstream_interval: Option<Duration>,
+    /// How long a check of an upstream target waits for its answer: any answer by then keeps the
+    /// target (slow is not dead), none fails the check.
+    pub upstream_timeout: Duration,
 }
 
 impl Default for ProbeSettings {
@@ -138,6 +146,7 @@ impl Default for ProbeSettings {
             // With `failures_to_fail_over` failures in a row, a dead target leaves the kernel's
             // pool within about a second of the first check that finds it.
             upstream_interval: Some(Duration::from_millis(DEFAULT_UPSTREAM_INTERVAL_MS)),
+            upstream_timeout: Duration::from_millis(DEFAULT_UPSTREAM_TIMEOUT_MS),
         }
     }
 }
@@ -283,7 +292,8 @@ pub struct Listener {
 /// Smallest accepted `reverse_nat_entries`.
 const REVERSE_NAT_MIN_ENTRIES: u32 = 1024;
 /// A probe is sent every `probe.interval_ms` whether or not the earlier ones answered: at most
-/// this many of one cache may wait for their answer at once.
+/// this many of one cache may wait for their answer at once. The same bound holds for the checks
+/// of one upstream target (`probe.upstream_timeout_ms` against `probe.upstream_interval_ms`).
 const MAX_PROBES_IN_FLIGHT: u32 = 10;
 
 impl Config {
@@ -570,6 +580,33 @@ fn validate_probe(raw: RawProbe) -> Result<ProbeSettings, ConfigError> {
         }
         Some(ms) => Some(Duration::from_millis(ms)),
     };
+    let upstream_timeout = raw
+        .upstream_timeout_ms
+        .map_or(defaults.upstream_timeout, Duration::from_millis);
+    if upstream_timeout.is_zero() {
+        return Err(ConfigError::BadTiming {
+            key: "probe.upstream_timeout_ms",
+            problem: format!(
+                "0 would fail every check and take every answering target out; give \
+                 milliseconds above the slowest answer of a serving upstream (the default is \
+                 {DEFAULT_UPSTREAM_TIMEOUT_MS})"
+            ),
+        });
+    }
+    if let Some(upstream_interval) = upstream_interval
+        && upstream_timeout > upstream_interval * MAX_PROBES_IN_FLIGHT
+    {
+        return Err(ConfigError::BadTiming {
+            key: "probe.upstream_timeout_ms",
+            problem: format!(
+                "{} ms would keep more than {MAX_PROBES_IN_FLIGHT} checks of a target in flight \
+                 (one is sent about every upstream_interval_ms, {} ms): shorten it or lengthen \
+                 upstream_interval_ms",
+                upstream_timeout.as_millis(),
+                upstream_interval.as_millis()
+            ),
+        });
+    }
     Ok(ProbeSettings {
         name,
         interval,
@@ -577,6 +614,7 @@ fn validate_probe(raw: RawProbe) -> Result<ProbeSettings, ConfigError> {
         stall_after,
         signal_hold,
         upstream_interval,
+        upstream_timeout,
         failures_to_fail_over,
         successes_to_fail_back,
     })

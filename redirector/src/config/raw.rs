@@ -75,6 +75,7 @@ pub(super) struct RawProbe {
     pub(super) stall_after_ms: Option<u64>,
     pub(super) signal_hold_ms: Option<u64>,
     pub(super) upstream_interval_ms: Option<u64>,
+    pub(super) upstream_timeout_ms: Option<u64>,
 }
 
 #[derive(Deserialize)]

@@ -588,3 +588,41 @@ fn upstream_checks_have_a_default_an_off_switch_and_a_floor() {
         "{refused}"
     );
 }
+
+#[test]
+fn upstream_checks_wait_for_slow_answers_on_their_own_timeout() {
+    let config = Config::parse(AKS).unwrap();
+    assert_eq!(
+        config.probe.upstream_timeout,
+        Duration::from_millis(DEFAULT_UPSTREAM_TIMEOUT_MS)
+    );
+    assert!(
+        config.probe.upstream_timeout >= 4 * config.probe.timeout,
+        "an upstream is given far longer than the local cache"
+    );
+    let with = |probe: &str| {
+        let (head, listeners) = AKS.split_once("[[listener]]").unwrap();
+        format!("{head}\n[probe]\n{probe}\n[[listener]]{listeners}")
+    };
+    let set = Config::parse(&with("upstream_timeout_ms = 1500\ntimeout_ms = 100")).unwrap();
+    assert_eq!(
+        (set.probe.upstream_timeout, set.probe.timeout),
+        (Duration::from_millis(1500), Duration::from_millis(100)),
+        "each has its own setting"
+    );
+    let zero = refusal(&with("upstream_timeout_ms = 0"));
+    assert!(zero.contains("probe.upstream_timeout_ms"), "{zero}");
+    let piled = refusal(&with(
+        "upstream_interval_ms = 100\nupstream_timeout_ms = 1500",
+    ));
+    assert!(
+        piled.contains("probe.upstream_timeout_ms") && piled.contains("more than 10 checks"),
+        "{piled}"
+    );
+    // Checks off: their timeout is never used, so it is not held to their interval.
+    let off = Config::parse(&with(
+        "upstream_interval_ms = 0\nupstream_timeout_ms = 5000",
+    ))
+    .unwrap();
+    assert_eq!(off.probe.upstream_interval, None);
+}

@@ -115,37 +115,46 @@ impl Prober {
         self.target
     }
 
-    /// A prober of another server (an upstream target) asking the same name, with the same
-    /// timeout, from the same namespace.
+    /// A prober of another server (an upstream target) asking the same name from the same
+    /// namespace, waiting `timeout` for each answer (an upstream's own, not the cache's: see
+    /// `liveness::upstreams`).
     #[must_use]
-    pub fn of(&self, target: SocketAddr) -> Self {
+    pub fn of(&self, target: SocketAddr, timeout: Duration) -> Self {
         Self {
             target,
+            timeout,
             ..self.clone()
         }
     }
 
     /// Sends one query and judges the answer.
     pub async fn probe(&self) -> ProbeOutcome {
-        let started = Instant::now();
-        match tokio::time::timeout(self.timeout, self.ask()).await {
-            Err(_) => ProbeOutcome::Failed {
-                reason: "timeout".to_owned(),
-            },
-            Ok(Err(reason)) => ProbeOutcome::Failed { reason },
-            Ok(Ok(code))
+        match self.exchange().await {
+            Err(reason) => ProbeOutcome::Failed { reason },
+            Ok((code, latency))
                 if code == ResponseCode::NoError
                     || code == ResponseCode::NXDomain
                     || code == ResponseCode::ServFail =>
             {
                 ProbeOutcome::Alive {
-                    latency: started.elapsed(),
+                    latency,
                     servfail: code == ResponseCode::ServFail,
                 }
             }
-            Ok(Ok(code)) => ProbeOutcome::Failed {
+            Ok((code, _)) => ProbeOutcome::Failed {
                 reason: code.to_string(),
             },
+        }
+    }
+
+    /// Sends one query: the response's code and the time to it, whatever the code; why there was
+    /// none within the timeout ("timeout", "refused (nothing listens)", a socket error).
+    pub async fn exchange(&self) -> Result<(ResponseCode, Duration), String> {
+        let started = Instant::now();
+        match tokio::time::timeout(self.timeout, self.ask()).await {
+            Err(_) => Err("timeout".to_owned()),
+            Ok(Err(reason)) => Err(reason),
+            Ok(Ok(code)) => Ok((code, started.elapsed())),
         }
     }
 

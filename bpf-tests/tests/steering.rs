@@ -9,7 +9,10 @@ use std::{
 use anyhow::Context as _;
 use bpf_tests::{
     cli,
-    harness::{CLUSTER_ID, Harness, NODE_ID, V6_ID, mapped, socket_addr, write_standard_config},
+    harness::{
+        CLUSTER_ID, Harness, NODE_ID, V6_ID, answered_by, mapped, socket_addr, wait_for_cache,
+        write_standard_config,
+    },
     pace::{paced, pause},
     sandbox::{Ns, Query, Sandbox, Transport},
     tools,
@@ -410,6 +413,8 @@ fn an_empty_pool_obeys_its_policy() -> anyhow::Result<()> {
     // The probe found the helper on this kernel, so the call is in the verified program (the
     // degraded test below shows it gone when the probe says otherwise).
     assert!(set_retval_calls(&harness.sandbox, names::PROG_CONNECT4)? >= 1);
+    // Likewise the fetching atomics, where the probe found the JIT compiles them.
+    assert!(fetching_atomics(&harness.sandbox, names::PROG_SOCK_RELEASE)? >= 1);
 
     // `node` with its pool emptied and policy `pass`: DNS reaches the listener address as sent.
     harness.set_mode(NODE_ID, Mode::Upstream)?;
@@ -650,9 +655,113 @@ fn long_lived_sockets_keep_their_translation_when_the_lru_churns() -> anyhow::Re
     Ok(())
 }
 
-/// The calls to `bpf_set_retval` in the program `name` as the kernel holds it (the verifier's
-/// output, `bpftool prog dump xlated`).
+/// The calls to `bpf_set_retval` in the program `name` as the kernel holds it.
 fn set_retval_calls(sandbox: &Sandbox, name: &str) -> anyhow::Result<usize> {
+    Ok(xlated(sandbox, name)?
+        .matches("call bpf_set_retval")
+        .count())
+}
+
+/// The fetching atomic instructions (`BPF_FETCH`, `BPF_CMPXCHG`) in the program `name` as the
+/// kernel holds it (`bpftool prog dump xlated`).
+fn fetching_atomics(sandbox: &Sandbox, name: &str) -> anyhow::Result<usize> {
+    let text = xlated(sandbox, name)?;
+    Ok(text
+        .lines()
+        .filter(|line| line.contains("_fetch_") || line.contains("cmpxchg"))
+        .count())
+}
+
+/// On a kernel whose JIT cannot compile the fetching atomics (arm64 before 5.18, with
+/// `CONFIG_BPF_JIT_ALWAYS_ON`: its load would be refused), the agent loads with them switched
+/// off and the verifier removes every one; the programs still steer, count the cache's sockets
+/// and fail over at its last close and at its stop signal with no agent, and the agent, `status`
+/// and the metrics say what runs degraded. The probe's answer is forced
+/// (`REDIRECTOR_TEST_ABSENT_FEATURES`): every kernel the tests boot has them
+/// (`an_empty_pool_obeys_its_policy` shows them there without the override).
+#[test]
+fn without_fetching_atomics_the_programs_load_count_and_fail_over_and_say_so() -> anyhow::Result<()>
+{
+    let mut sandbox = Sandbox::new(tools!())?;
+    sandbox.start_standard_servers()?;
+    let config = write_standard_config(&sandbox)?;
+    let absent = std::ffi::OsStr::new(kernel_support::ATOMIC_FETCH);
+    let env = [(kernel_support::ABSENT_FOR_TESTS_VARIABLE, absent)];
+    let mut agent = cli::start_agent_with(&config, &[], &env)?;
+    assert!(
+        agent
+            .printed()
+            .iter()
+            .any(|line| line.contains("runs degraded") && line.contains("stalled cache")),
+        "the agent logs what it runs without: {:?}",
+        agent.printed()
+    );
+    for name in redirector::datapath::ALL_PROGRAMS {
+        assert_eq!(
+            fetching_atomics(&sandbox, name)?,
+            0,
+            "{name}: the verifier removed every switched-off fetching atomic:\n{}",
+            xlated(&sandbox, name)?
+        );
+    }
+    let metrics = bpf_tests::http::get(cli::logged_metrics_address(&mut agent)?, "/metrics")?;
+    assert_eq!(
+        bpf_tests::http::sample(
+            &metrics.body,
+            "redirector_kernel_degraded{feature=\"atomic_fetch\"}"
+        ),
+        Some(1.0),
+        "{}",
+        metrics.body
+    );
+    wait_for_cache(&sandbox, "the agent confirms the cache")?;
+    let status = std::process::Command::new(bpf_tests::sandbox::redirector_bin())
+        .args(["status", "--config", &config.display().to_string()])
+        .env(kernel_support::ABSENT_FOR_TESTS_VARIABLE, absent)
+        .output()?;
+    let text = String::from_utf8_lossy(&status.stdout);
+    assert!(
+        status.status.success() && text.contains("DEGRADED without BPF_ATOMIC with BPF_FETCH"),
+        "{status:?}"
+    );
+    cli::stop_agent(&mut agent)?;
+
+    // With no agent: a cache's last close moves the listener (a plain add, then a read).
+    let pin_dir = sandbox.pin_dir();
+    let epoch = || -> anyhow::Result<u64> {
+        Ok(redirector::datapath::Maps::open_pinned(&pin_dir)?
+            .socket_counts(NODE_ID)?
+            .down_epoch)
+    };
+    let before = epoch()?;
+    sandbox.stop_server("cache")?;
+    let answered = answered_by(&sandbox)?;
+    assert!(answered.starts_with("upstream"), "{answered}");
+    assert_eq!(epoch()?, before + 1, "the last close recorded the death");
+    // Its next life binds under the programs, so its stop signal moves the listener too (a new
+    // epoch while its sockets stand), and its last close once more.
+    sandbox.start_cache("cache", &bpf_tests::sandbox::CacheSpec::standard())?;
+    let restarted = epoch()?;
+    sandbox
+        .process("cache")?
+        .signal(nix::sys::signal::Signal::SIGTERM)?;
+    bpf_tests::pace::wait_until(
+        "the cache's stop signal and last close move the listener",
+        Duration::from_secs(5),
+        Duration::from_millis(10),
+        || Ok(epoch()? >= restarted + 2),
+    )?;
+    let activity = redirector::datapath::Maps::open_pinned(&pin_dir)?.cache_activity(NODE_ID)?;
+    assert!(activity.signalled >= 1, "{activity:?}");
+    let answered = answered_by(&sandbox)?;
+    assert!(answered.starts_with("upstream"), "{answered}");
+    cli::uninstall(&config)?;
+    Ok(())
+}
+
+/// The program `name` as the kernel holds it (the verifier's output, `bpftool prog dump
+/// xlated`).
+fn xlated(sandbox: &Sandbox, name: &str) -> anyhow::Result<String> {
     let (_, id) = redirector::datapath::pinned_program_ids(&sandbox.pin_dir())
         .into_iter()
         .find(|(program, _)| *program == name)
@@ -662,9 +771,9 @@ fn set_retval_calls(sandbox: &Sandbox, name: &str) -> anyhow::Result<usize> {
         .output()
         .context("running bpftool (install it: apt-get install bpftool)")?;
     anyhow::ensure!(output.status.success(), "bpftool: {output:?}");
-    let text = String::from_utf8_lossy(&output.stdout);
+    let text = String::from_utf8_lossy(&output.stdout).into_owned();
     anyhow::ensure!(text.contains("exit"), "not a program dump: {text}");
-    Ok(text.matches("call bpf_set_retval").count())
+    Ok(text)
 }
 
 /// On a kernel whose sock_addr programs cannot call `bpf_set_retval` (before 6.1: the 5.15 LTS

@@ -407,6 +407,7 @@ fn an_upgrade_does_not_carry_an_unread_stamp_into_the_new_maps() -> anyhow::Resu
         pin_dir: sandbox.pin_dir(),
         kernel_log: false,
         set_retval: false,
+        atomic_fetch: true,
         measure_tick: false,
         fail_after_load: false,
     };

@@ -143,6 +143,14 @@ pub const PROG_TICKS: &str = "dns_ticks";
 /// removes the call as dead code, so the programs load on kernels without the helper and the
 /// `fail` policy's syscalls fail with the plain rejection's `EPERM`.
 pub const GLOBAL_SET_RETVAL: &str = "SET_RETVAL_OK";
+/// The programs' read-only global: 1 where the kernel runs atomic instructions that return the
+/// old value (`BPF_FETCH`: `atomic_fetch_add`, `_or`, `_and`, `cmpxchg`; the x86_64 JIT from
+/// 5.12, arm64's from 5.18). The agent sets it from its probe (it loads a program with each);
+/// at 0 the verifier removes every such instruction as dead code before the JIT sees it, so the
+/// programs load where the JIT cannot compile them (arm64 before 5.18 with
+/// `CONFIG_BPF_JIT_ALWAYS_ON`): counts and epochs are then kept with plain atomic adds, and the
+/// kernel's stall detection is off.
+pub const GLOBAL_ATOMIC_FETCH: &str = "ATOMIC_FETCH_OK";
 
 #[cfg(test)]
 mod tests {

@@ -14,7 +14,7 @@
 //! for it (`CACHE_PENDING`), about once a tick.
 //!
 //! Kernel features: the tick count (`clock`; a tick is fine for a limit of tens of ms),
-//! `BPF_CMPXCHG` 5.12, mmapable arrays 5.5, `bpf_sock_addr.sk` 5.3 (the reading socket's bound
+//! `BPF_CMPXCHG` 5.12 (arm64's JIT 5.18; without it the stall detection is off: `fetching`), mmapable arrays 5.5, `bpf_sock_addr.sk` 5.3 (the reading socket's bound
 //! port), socket-local storage from sock_addr programs 5.3.
 
 use core::ptr::{addr_of, addr_of_mut, read_volatile, write_volatile};
@@ -29,7 +29,10 @@ use redirector_common::{
 };
 
 use crate::{
-    atomic::{add_u64, compare_exchange_u64, fetch_add_i64, fetch_clear_u64, fetch_or_u64},
+    atomic::{
+        add_then_read_i64, add_u64, compare_exchange_u64, fetch_add_i64, fetch_clear_u64,
+        fetch_or_u64, fetching,
+    },
     clock::coarse_now,
     context,
     maps::{
@@ -54,6 +57,11 @@ pub enum Handing {
 /// leaves and a store at most once a tick (`activity::unread_since` has why).
 #[inline(always)]
 pub fn cache_stalled(listener_id: u32, handing: Handing) -> bool {
+    // Without fetching atomics the stamps cannot be taken back by one CPU alone: the kernel's
+    // stall detection is off, and the agent's probes catch a hung cache.
+    if !fetching() {
+        return false;
+    }
     let Some(timing) = STALL_TIMING.get(listener_id) else {
         return false;
     };
@@ -113,6 +121,10 @@ pub fn cache_stalled(listener_id: u32, handing: Handing) -> bool {
 /// but about one a tick under load) after one more load.
 #[inline(always)]
 pub fn note_cache_read(ctx: &SockAddrContext) {
+    // Reads matter only to the stall detection (see `cache_stalled`).
+    if !fetching() {
+        return;
+    }
     // SAFETY: `sk` is always set in sock_addr programs (a full socket, readable as `bpf_sock`);
     // `src_port` is its bound port in host byte order.
     let port = unsafe {
@@ -233,8 +245,12 @@ pub unsafe fn flip(listener_id: u32, activity: *mut CacheActivity, reason: u32, 
     // mmap: the epoch is changed by an atomic add only, the record field by field.
     unsafe {
         let epoch = addr_of_mut!((*counts).down_epoch);
-        let before = fetch_add_i64(epoch.cast(), 1);
-        write_volatile(addr_of_mut!((*activity).flip_epoch), before as u64 + 1);
+        let epoch = if fetching() {
+            fetch_add_i64(epoch.cast(), 1) + 1
+        } else {
+            add_then_read_i64(epoch.cast(), 1)
+        };
+        write_volatile(addr_of_mut!((*activity).flip_epoch), epoch as u64);
         write_volatile(addr_of_mut!((*activity).flip_ns), now_ns);
         write_volatile(addr_of_mut!((*activity).flip_reason), reason);
         let tally = if reason == FLIP_SIGNALLED {

@@ -9,6 +9,35 @@
 
 use core::intrinsics::{AtomicOrdering, atomic_xadd};
 
+use crate::maps::ATOMIC_FETCH_OK;
+
+/// Whether the kernel runs the fetching atomics (`ATOMIC_FETCH_OK`, a constant to the verifier):
+/// every caller of `fetch_*` and `compare_exchange_u64` asks first and has a path without them,
+/// which is all that remains of the program on a kernel whose JIT cannot compile them (arm64
+/// before 5.18).
+#[inline(always)]
+pub fn fetching() -> bool {
+    ATOMIC_FETCH_OK.load() != 0
+}
+
+/// Adds `delta` to `*target` with a plain atomic add (`BPF_ADD` without `BPF_FETCH`, which every
+/// JIT compiles), then reads the sum back: the fetching add's answer where that cannot be had.
+/// Not one decision: an add on another CPU between the two may be seen in the sum, so two
+/// closes may both see zero (an epoch twice: harmless) and a bind just after a last close may
+/// hide it (the agent's reconcile pass records what the kernel missed).
+///
+/// # Safety
+///
+/// `target` must point to a live, 8-byte aligned `i64` in map memory.
+#[inline(always)]
+pub unsafe fn add_then_read_i64(target: *mut i64, delta: i64) -> i64 {
+    // SAFETY: the caller guarantees a valid, aligned target.
+    unsafe {
+        add_u64(target.cast(), delta as u64);
+        core::ptr::read_volatile(target)
+    }
+}
+
 /// `BPF_ATOMIC | BPF_FETCH` of operation `$op` with operand `$operand` on the 8 bytes at
 /// `$target`; evaluates to the value they held. The instruction reads and writes only
 /// `*$target` and its operand's register. Needs an `unsafe` block whose caller guarantees a

@@ -28,7 +28,7 @@ use redirector_common::{
 };
 
 use crate::{
-    atomic::{add_u64, fetch_add_i64},
+    atomic::{add_then_read_i64, add_u64, fetch_add_i64, fetching},
     maps::{CACHE_BINDS, CACHE_MARKS, CACHE_SOCKETS, CACHE_TASKS, DATAPATH_CONFIG, SOCKET_COUNTS},
 };
 
@@ -200,12 +200,17 @@ fn add_to_counts(ctx: &SockContext, entry: &CacheSocket, delta: i64) {
                 } else {
                     addr_of_mut!((*counts).tcp)
                 };
-                let before = fetch_add_i64(count, delta);
-                if delta < 0 && entry.protocol == PROTOCOL_UDP && before + delta <= 0 {
+                let after = if fetching() {
+                    fetch_add_i64(count, delta) + delta
+                } else {
+                    add_then_read_i64(count, delta)
+                };
+                if delta < 0 && entry.protocol == PROTOCOL_UDP && after <= 0 {
                     // This release took the last UDP socket: from the next syscall on the
                     // listener is in failover, and only a probe-confirmed verdict in this new
                     // epoch brings it back. Decided on the value the add itself returned, so a
-                    // bind racing in right after cannot hide the death.
+                    // bind racing in right after cannot hide the death (without fetching
+                    // atomics, on the sum read just after it: `add_then_read_i64`).
                     add_u64(addr_of_mut!((*counts).down_epoch), 1);
                     info!(
                         ctx,

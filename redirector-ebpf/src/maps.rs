@@ -143,3 +143,11 @@ pub static DATAPATH_CONFIG: Array<DatapathConfig, 1> = Array::new();
 /// 0 unless the agent says otherwise: a load that forgot it still works, with `EPERM`.
 #[unsafe(no_mangle)]
 pub static SET_RETVAL_OK: Global<u8> = Global::new(0);
+
+/// `names::GLOBAL_ATOMIC_FETCH`: 1 where the running kernel's JIT compiles the fetching atomics
+/// (`BPF_FETCH`, `BPF_CMPXCHG`), as the agent probed it. A read-only global like
+/// `SET_RETVAL_OK`: at 0 the verifier removes every path that uses one before the JIT runs
+/// (`atomic::fetching`). 0 unless the agent says otherwise: a load that forgot it runs degraded,
+/// never refused.
+#[unsafe(no_mangle)]
+pub static ATOMIC_FETCH_OK: Global<u8> = Global::new(0);

@@ -167,6 +167,7 @@ impl Agent {
                 pin_dir: config.pin_dir.clone(),
                 kernel_log: config.kernel_log,
                 set_retval: kernel.has(kernel_support::SET_RETVAL),
+                atomic_fetch: kernel.has(kernel_support::ATOMIC_FETCH),
                 measure_tick: kernel.has(kernel_support::TICK_TEST_RUN),
                 fail_after_load: options.fail_after_load,
             };
@@ -174,6 +175,12 @@ impl Agent {
         };
         let node = sources::node_name();
         let stats = Arc::new(AgentStats::for_node(node.clone()));
+        stats.record_kernel_degraded(
+            kernel
+                .degraded()
+                .map(|finding| finding.feature.id)
+                .collect(),
+        );
         // Ends with a failed start (a failed load included): a table it keeps would outlive the
         // revert.
         let bypass = start_conntrack_bypass(config, netns, &stats)

@@ -174,6 +174,9 @@ pub struct LoadOptions {
     /// it the read-only switch stays 0, the verifier removes the call, and the `fail` policy's
     /// syscalls fail with `EPERM`.
     pub set_retval: bool,
+    /// The kernel runs the fetching atomics (probed by the caller); without them the programs
+    /// keep counts with plain adds and leave stall detection to the agent's probes.
+    pub atomic_fetch: bool,
     /// The kernel runs raw tracepoint programs on request (`BPF_PROG_TEST_RUN`, 5.10), so the
     /// tick can be measured when no pinned `STALL_TIMING` holds it; without it the programs read
     /// the coarse clock helper.
@@ -209,6 +212,8 @@ impl Datapath {
         loader.override_global(aya_log::LEVEL, &log_level, true);
         let set_retval = u8::from(options.set_retval);
         loader.override_global(names::GLOBAL_SET_RETVAL, &set_retval, true);
+        let atomic_fetch = u8::from(options.atomic_fetch);
+        loader.override_global(names::GLOBAL_ATOMIC_FETCH, &atomic_fetch, true);
         for (name, path) in &paths {
             // Opens the pinned map when there is one, else creates and pins it.
             loader.map_pin_path(name, path.as_path());

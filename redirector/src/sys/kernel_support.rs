@@ -13,6 +13,8 @@
 //! reads the embedded object and checks every helper call and fetching atomic in it against this
 //! table: a new one cannot land without its row, nor one newer than [`FLOOR`] without a switch.
 
+mod atomics;
+
 use aya::{
     maps::MapType,
     programs::{ProgramError, ProgramType},
@@ -73,6 +75,9 @@ pub enum Probe {
     Release,
     /// Decided where it is used, at run time (`nft` installing the table).
     AtUse,
+    /// Loading a program with every fetching atomic (`atomics::probe`): the JIT decides, not the
+    /// release (arm64's compiles them only from 5.18).
+    AtomicFetch,
 }
 
 /// What in the eBPF object depends on a feature, for the audit of the object.
@@ -128,6 +133,8 @@ const ALL_TYPES: &[ProgramType] = &[
 
 /// [`KernelFeature::id`] of `bpf_set_retval` in sock_addr programs.
 pub const SET_RETVAL: &str = "set_retval";
+/// [`KernelFeature::id`] of the fetching atomics.
+pub const ATOMIC_FETCH: &str = "atomic_fetch";
 /// [`KernelFeature::id`] of `BPF_PROG_TEST_RUN` of raw tracepoint programs (the tick's
 /// measurement).
 pub const TICK_TEST_RUN: &str = "raw_tracepoint_test_run";
@@ -422,13 +429,20 @@ pub const FEATURES: &[KernelFeature] = &[
         },
     },
     KernelFeature {
-        id: "atomic_fetch",
-        name: "`BPF_ATOMIC` with `BPF_FETCH` (`atomic_fetch_add`, `_or`, `_and`, `cmpxchg`)",
+        id: ATOMIC_FETCH,
+        name: "`BPF_ATOMIC` with `BPF_FETCH` (`atomic_fetch_add`, `_or`, `_and`, `cmpxchg`), compiled by the JIT (arm64: 5.18)",
         used_for: "the close that takes a cache's socket count to zero, and the query that finds a \
                    cache stalled, decided atomically; a waiting stamp shown to the cache's reads",
         since: KernelVersion::new(5, 12, 0),
-        need: Need::Required,
-        probe: Probe::Release,
+        need: Need::Optional {
+            without: "the kernel does not detect a stalled cache (the agent's probes still move a \
+                      hung one, after `failures_to_fail_over` probes), and socket counts and \
+                      epochs are kept with plain atomic adds (a cache's last close and its next \
+                      life's first bind, racing, may be taken for one life: the new one is \
+                      trusted without its probes' confirmation)",
+            switch: Some(names::GLOBAL_ATOMIC_FETCH),
+        },
+        probe: Probe::AtomicFetch,
         uses: Uses::AtomicFetch,
     },
     KernelFeature {
@@ -652,6 +666,12 @@ fn probe_feature(feature: &KernelFeature) -> Result<bool, ProgramError> {
             }
             Ok(true)
         }
+        (Probe::AtomicFetch, _) => atomics::probe().map_err(|io_error| {
+            ProgramError::SyscallError(aya::sys::SyscallError {
+                call: "bpf_prog_load",
+                io_error,
+            })
+        }),
         // Rows without a probe never reach here; a `Helpers` probe without helpers has nothing
         // to ask (the table test refuses such a row).
         _ => Ok(true),
@@ -781,11 +801,30 @@ mod tests {
         assert_eq!(
             require(&support).unwrap_err().to_string(),
             "Linux 5.10.240-238.955.amzn2.x86_64 lacks bpf_ktime_get_coarse_ns in sock_addr and \
-             cgroup_skb programs (5.11, probed), BPF_ATOMIC with BPF_FETCH (atomic_fetch_add, \
-             _or, _and, cmpxchg) (5.12, by release), SO_NETNS_COOKIE (agent) (5.14, by release), which \
+             cgroup_skb programs (5.11, probed), SO_NETNS_COOKIE (agent) (5.14, by release), which \
              redirector needs: run it on Linux 5.15 or later (or on a kernel with these \
              backported) (nothing was loaded or attached)"
         );
+    }
+
+    /// An arm64 node on 5.15 (Ubuntu 22.04, `CONFIG_BPF_JIT_ALWAYS_ON`): its JIT compiles the
+    /// fetching atomics only from 5.18, so the probe's load fails and the agent runs without
+    /// them, switched off, instead of crash-looping on the programs' load.
+    #[test]
+    fn an_arm64_5_15_without_the_fetching_atomics_in_its_jit_runs_degraded() {
+        let support = KernelSupport::decide(
+            "5.15.0-1064-azure",
+            Some(KernelVersion::new(5, 15, 0)),
+            &[],
+            |feature| Ok(feature.since <= FLOOR && feature.id != ATOMIC_FETCH),
+        );
+        assert!(require(&support).is_ok());
+        let degraded: Vec<&str> = support
+            .degraded()
+            .map(|finding| finding.feature.id)
+            .collect();
+        assert_eq!(degraded, [ATOMIC_FETCH, SET_RETVAL]);
+        assert!(!support.has(ATOMIC_FETCH));
     }
 
     #[test]
@@ -835,7 +874,7 @@ mod tests {
         for expected in [
             "cgroup v2 sock_release (5.9, by release)",
             "BPF_F_MMAPABLE array (5.5, by release)",
-            "BPF_ATOMIC with BPF_FETCH (atomic_fetch_add, _or, _and, cmpxchg) (5.12, by release)",
+            "SO_NETNS_COOKIE (agent) (5.14, by release)",
         ] {
             assert!(error.missing.contains(expected), "{}", error.missing);
         }
@@ -1079,11 +1118,22 @@ mod tests {
                 }
             }
             if found.atomic_fetch {
+                // Above the floor on arm64 (5.18): behind its switch, which the object has.
+                let switch = FEATURES
+                    .iter()
+                    .find(|feature| feature.uses == Uses::AtomicFetch)
+                    .and_then(|feature| match feature.need {
+                        Need::Optional { switch, .. } => switch,
+                        Need::Required => None,
+                    })
+                    .unwrap_or_else(|| {
+                        panic!("{name} uses a fetching atomic without its switched row")
+                    });
                 assert!(
-                    FEATURES
-                        .iter()
-                        .any(|feature| feature.uses == Uses::AtomicFetch && feature.since <= FLOOR),
-                    "{name} uses a fetching atomic without its row"
+                    crate::datapath::OBJECT
+                        .windows(switch.len())
+                        .any(|window| window == switch.as_bytes()),
+                    "the switch {switch} of the fetching atomics is not in the object"
                 );
             }
         }
@@ -1138,6 +1188,7 @@ mod tests {
                         Probe::Helpers => "probe: helper",
                         Probe::Release => "release",
                         Probe::AtUse => "at use",
+                        Probe::AtomicFetch => "probe: loads them",
                     }
                     .to_owned(),
                     match feature.need {

@@ -272,6 +272,20 @@ fn register_agent(registry: &mut Registry, stats: &AgentStats, now: SystemTime) 
         "Probes of a listener's cache, by result",
         probes.clone(),
     );
+    let degraded = GaugeFamily::default();
+    registry.register(
+        "kernel_degraded",
+        "1 for an optional kernel feature the agent runs without (docs/kernels.md says what is lost), 0 for one it has",
+        degraded.clone(),
+    );
+    let missing = stats.kernel_degraded();
+    for feature in crate::sys::kernel_support::FEATURES {
+        if let crate::sys::kernel_support::Need::Optional { .. } = feature.need {
+            degraded
+                .get_or_create(&labels(&[("feature", feature.id)]))
+                .set(i64::from(missing.contains(&feature.id)));
+        }
+    }
     let upstream_up = GaugeFamily::default();
     registry.register(
         "upstream_up",

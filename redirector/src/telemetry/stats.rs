@@ -101,6 +101,8 @@ struct Observations {
     /// the current one lasts.
     failover: HashMap<String, (Duration, Option<Instant>)>,
     conntrack_bypass: (BypassStatus, u64),
+    /// The optional kernel features the agent runs without (`kernel_support` ids).
+    kernel_degraded: Vec<&'static str>,
 }
 
 /// Counters and logs of one agent.
@@ -353,6 +355,17 @@ impl AgentStats {
     pub fn record_conntrack_bypass(&self, status: BypassStatus, restorations: u64) {
         let mut observations = self.observations();
         observations.conntrack_bypass = (status, restorations);
+    }
+
+    /// Records the optional kernel features the agent runs without (`kernel_support` ids).
+    pub fn record_kernel_degraded(&self, features: Vec<&'static str>) {
+        self.observations().kernel_degraded = features;
+    }
+
+    /// The optional kernel features the agent runs without.
+    #[must_use]
+    pub fn kernel_degraded(&self) -> Vec<&'static str> {
+        self.observations().kernel_degraded.clone()
     }
 
     /// Marks the agent ready: programs attached and every pool synced once.

@@ -21,8 +21,11 @@ use bpf_tests::{
     topology::{NODE_LISTENER, UPSTREAM_A_V4, UPSTREAM_B_V4, dns, who},
 };
 use nix::sys::signal::Signal;
+use redirector::datapath::Maps;
 use redirector::datapath::layout::MIN_ADOPTABLE_LAYOUT;
-use redirector_common::{LAYOUT_VERSION, addr::port_from_be};
+use redirector_common::{
+    LAYOUT_VERSION, activity::CacheActivity, addr::port_from_be, binds::CacheTask, names,
+};
 
 #[test]
 fn restarts_under_a_query_stream_lose_no_query_and_keep_state() -> anyhow::Result<()> {
@@ -151,7 +154,7 @@ fn one_agent_per_node_and_only_pins_from_before_the_layout_rule_are_refused() ->
     first.wait_exit(Duration::from_secs(10))?;
     let set_layout = |layout: u32| -> anyhow::Result<()> {
         let mut map = sandbox.pinned_array::<redirector_common::datapath::DatapathConfig>(
-            redirector_common::names::MAP_DATAPATH_CONFIG,
+            names::MAP_DATAPATH_CONFIG,
         )?;
         let mut value = map.get(&0, 0)?;
         value.layout_version = layout;
@@ -1018,7 +1021,7 @@ fn with_the_cache_socket_table_full_a_restarted_cache_is_served_upstream_until_e
     )?;
     let pin_dir = sandbox.pin_dir();
     let counted = |name: &str| -> anyhow::Result<i64> {
-        let maps = redirector::datapath::Maps::open_pinned(&pin_dir)?;
+        let maps = Maps::open_pinned(&pin_dir)?;
         let listener = redirector::telemetry::snapshot::listeners(&maps)?
             .into_iter()
             .find(|listener| listener.name == name)
@@ -1060,5 +1063,105 @@ fn with_the_cache_socket_table_full_a_restarted_cache_is_served_upstream_until_e
     assert!(counted("node")? > 0);
     drop(agent);
     uninstall(&config)?;
+    Ok(())
+}
+
+/// A listener that is not what its id held starts clean, and so does every unread stamp: the id
+/// of a removed listener keeps no activity or flip tallies and no process as its cache; a
+/// listener whose liveness changed starts its stamps over and is no process's cache any more;
+/// an unchanged listener keeps its tallies, and a stamp no read of the new programs would
+/// answer (one carried across a rollback in a reused map) is forgotten.
+#[test]
+fn a_listener_that_is_not_what_its_id_held_starts_clean() -> anyhow::Result<()> {
+    let mut sandbox = Sandbox::new(tools!())?;
+    sandbox.start_upstreams()?;
+    let config = write_standard_config(&sandbox)?;
+    let mut agent = start_agent(&config)?;
+    // The cache starts under the programs, so its binder is known as the cache of all three.
+    sandbox.start_cache("cache", &CacheSpec::standard())?;
+    wait_for_cache(&sandbox, "the agent confirms the cache")?;
+    stop_agent(&mut agent)?;
+    let pinned = Maps::open_pinned(&sandbox.pin_dir())?;
+    let id = |name: &str| -> anyhow::Result<u32> { Ok(pinned.listener_named(name)?.0) };
+    let (node, cluster, v6) = (id("node")?, id("cluster")?, id("v6")?);
+    let tasks = || -> anyhow::Result<u64> {
+        let map = aya::maps::Map::from_map_data(aya::maps::MapData::from_pin(
+            sandbox.pin_dir().join("maps").join(names::MAP_CACHE_TASKS),
+        )?)?;
+        let map = aya::maps::HashMap::<_, u32, CacheTask>::try_from(map)?;
+        Ok(map
+            .iter()
+            .filter_map(Result::ok)
+            .fold(0, |bits, (_, task)| bits | task.listeners))
+    };
+    let bit = |id: u32| 1u64 << id;
+    assert_eq!(
+        tasks()? & (bit(node) | bit(cluster) | bit(v6)),
+        bit(node) | bit(cluster) | bit(v6),
+        "the premise: the cache's binder is known as the cache of every listener"
+    );
+    // What the programs (or a release before a rollback) left: an unread stamp and tallies.
+    let mut activity = sandbox.pinned_array::<CacheActivity>(names::MAP_CACHE_ACTIVITY)?;
+    for id in [node, cluster, v6] {
+        let left = CacheActivity {
+            first_unread_ns: 2_000,
+            last_read_ns: 1_000,
+            signalled: 5,
+            stalled: 5,
+            ..CacheActivity::default()
+        };
+        activity.set(id, left, 0)?;
+    }
+    drop(pinned);
+
+    // `cluster` removed, `v6` judged by probes alone.
+    let text = sandbox
+        .config_toml(&standard_listeners(&sandbox))
+        .replace(
+            "name = \"cluster\"\naddress = \"169.254.10.11\"\nempty_pool = \"fail\"\n",
+            "name = \"gone\"\naddress = \"198.18.3.11\"\nempty_pool = \"fail\"\n",
+        )
+        .replace("name = \"v6\"\n", "name = \"v6\"\nliveness = \"probes\"\n");
+    assert!(
+        text.contains("\"gone\"") && text.contains("\"probes\""),
+        "{text}"
+    );
+    let changed = sandbox.write_file("changed.toml", &text)?;
+    let mut agent = start_agent(&changed)?;
+    let now = |id: u32| -> anyhow::Result<CacheActivity> {
+        Ok(Maps::open_pinned(&sandbox.pin_dir())?.cache_activity(id)?)
+    };
+    let (node_now, cluster_now, v6_now) = (now(node)?, now(cluster)?, now(v6)?);
+    assert_eq!(
+        (
+            node_now.first_unread_ns,
+            node_now.signalled,
+            node_now.stalled
+        ),
+        (0, 5, 5),
+        "the unchanged listener keeps its tallies, not its unread stamp: {node_now:?}"
+    );
+    assert_eq!(
+        (
+            cluster_now.signalled,
+            cluster_now.stalled,
+            cluster_now.first_unread_ns
+        ),
+        (0, 0, 0),
+        "the removed listener's id starts clean: {cluster_now:?}"
+    );
+    assert_eq!(
+        (v6_now.first_unread_ns, v6_now.signalled),
+        (0, 5),
+        "the listener whose liveness changed starts its stamps over: {v6_now:?}"
+    );
+    let known = tasks()?;
+    assert_eq!(
+        (known & bit(node), known & (bit(cluster) | bit(v6))),
+        (bit(node), 0),
+        "only the unchanged listener keeps its cache's process"
+    );
+    stop_agent(&mut agent)?;
+    uninstall(&changed)?;
     Ok(())
 }

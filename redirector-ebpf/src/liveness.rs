@@ -7,7 +7,7 @@
 //! `bpf_sk_storage_get` since 5.9 (f7c6cb1d9728), `bpf_get_current_pid_tgid` and
 //! `bpf_get_current_cgroup_id` since 5.7 (the binding process, for the signal program).
 
-use core::ptr::{self, addr_of, addr_of_mut, read_volatile};
+use core::ptr::{self, addr_of, addr_of_mut, read_volatile, write_volatile};
 
 use aya_ebpf::{
     EbpfContext as _,
@@ -28,7 +28,7 @@ use redirector_common::{
 };
 
 use crate::{
-    atomic::{add_then_read_i64, add_u64, fetch_add_i64, fetching},
+    atomic::{add_then_read_i64, add_u64, fetch_add_i64, fetch_or_u64, fetching},
     maps::{CACHE_BINDS, CACHE_MARKS, CACHE_SOCKETS, CACHE_TASKS, DATAPATH_CONFIG, SOCKET_COUNTS},
 };
 
@@ -116,23 +116,51 @@ pub fn try_count_bind(ctx: &SockContext, family: BindFamily) -> Option<()> {
 
 /// Remembers the binding process as a cache of `listeners`, so that a terminating signal
 /// delivered to it fails them over (`signal.rs`). Binds are in process context: the current task
-/// is the binder.
+/// is the binder. Two binds of one process on two CPUs (a cache opening its listeners from
+/// several threads) must both leave their bits: the entry is created whole only when absent
+/// (`BPF_NOEXIST`), and an existing one of the same process gains bits by an atomic OR. A pid
+/// reused by another cgroup's process is overwritten. Without fetching atomics (`fetching`),
+/// a read then a write: two binds that race may leave one listener's bit unset (the socket count
+/// still moves that listener at the cache's last close).
 #[inline(always)]
 fn record_task(listeners: u64) {
     // SAFETY: plain helper calls.
     let (pid_tgid, cgroup_id) =
         unsafe { (bpf_get_current_pid_tgid(), bpf_get_current_cgroup_id()) };
     let tgid = (pid_tgid >> 32) as u32;
-    // SAFETY: entries are written whole.
-    let known = unsafe { CACHE_TASKS.get(tgid) }
-        .filter(|task| task.cgroup_id == cgroup_id)
-        .map_or(0, |task| task.listeners);
     let task = CacheTask {
-        listeners: known | listeners,
+        listeners,
         cgroup_id,
     };
     // A full LRU evicts the oldest process; a failed update leaves the socket count as backstop.
-    let _ = CACHE_TASKS.insert(tgid, task, 0);
+    if CACHE_TASKS
+        .insert(tgid, task, u64::from(BPF_NOEXIST))
+        .is_ok()
+    {
+        return;
+    }
+    let Some(known) = CACHE_TASKS.get_ptr_mut(tgid) else {
+        // Evicted or removed since: this bind's entry is the one to keep.
+        let _ = CACHE_TASKS.insert(tgid, task, 0);
+        return;
+    };
+    // SAFETY: a live entry of a preallocated LRU map, 8-byte aligned; its fields are changed by
+    // whole stores and by the atomic OR below only.
+    unsafe {
+        if read_volatile(addr_of!((*known).cgroup_id)) != cgroup_id {
+            let _ = CACHE_TASKS.insert(tgid, task, 0);
+            return;
+        }
+        let bits = addr_of_mut!((*known).listeners);
+        if read_volatile(bits) & listeners == listeners {
+            return;
+        }
+        if fetching() {
+            fetch_or_u64(bits, listeners);
+        } else {
+            write_volatile(bits, read_volatile(bits) | listeners);
+        }
+    }
 }
 
 /// `sock_release`: uncounts a counted cache socket; when it was a listener's last UDP socket, the

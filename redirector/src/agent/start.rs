@@ -277,6 +277,7 @@ impl Agent {
         let mut reconciler = Reconciler::new(socket_table, binds.clone());
         let commit = Commit {
             config,
+            journal: &journal,
             ids: &ids,
             removed: &removed,
             binds: &binds,
@@ -715,6 +716,8 @@ fn first_verdicts(
 /// start that a failure must take back (`put_back`).
 struct Commit<'a> {
     config: &'a Config,
+    /// What the ids held before: a listener that is not what its id held starts clean.
+    journal: &'a Journal,
     ids: &'a [u32],
     removed: &'a [u32],
     binds: &'a HashMap<redirector_common::binds::BindKey, u64>,
@@ -759,6 +762,14 @@ impl Commit<'_> {
             };
             let pool: Option<Vec<Target>> =
                 static_pool(listener).map(|pool| pool.iter().map(Upstream::target).collect());
+            let previous = self.journal.listener(*id);
+            let other =
+                previous.is_none_or(|(info, _)| info.name() != Some(listener.name.as_str()));
+            let moved = previous.is_some_and(|(_, was)| {
+                was.cache != datapath::target_of(listener.cache)
+                    || was.liveness != listener.liveness.value()
+            });
+            maps.start_clean(*id, other, moved)?;
             maps.install_listener(&entry, pool.as_deref())?;
             maps.set_stall_limit(
                 *id,
@@ -767,6 +778,7 @@ impl Commit<'_> {
                 listener.cache.port(),
             )?;
         }
+        maps.forget_unread_stamps();
         maps.want_next_reads()?;
         phases.end("maps");
         // Count the sockets that existed before the programs (or that moved between listeners)

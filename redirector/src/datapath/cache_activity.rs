@@ -51,6 +51,43 @@ impl MappedArray<CacheActivity> {
             .store(0, Ordering::Relaxed);
     }
 
+    /// Starts listener `id`'s stamps over: no query unread, no read seen (the cache's next read
+    /// is its first). For a listener whose cache or liveness changed, and where a stamp may have
+    /// been made on another clock.
+    pub fn forget_reads(&self, id: u32) {
+        let Some(element) = self.element(id) else {
+            return;
+        };
+        // SAFETY: valid, aligned fields of the mapping, each written whole.
+        unsafe {
+            AtomicU64::from_ptr(&raw mut (*element).first_unread_ns).store(0, Ordering::Relaxed);
+            AtomicU64::from_ptr(&raw mut (*element).last_read_ns).store(0, Ordering::Relaxed);
+        }
+    }
+
+    /// Clears everything of listener `id`: its stamps, its latest flip and its tallies (the id
+    /// goes to another listener, or to none).
+    pub fn clear(&self, id: u32) {
+        self.forget_reads(id);
+        let Some(element) = self.element(id) else {
+            return;
+        };
+        // SAFETY: valid, aligned fields of the mapping, each written whole.
+        unsafe {
+            for field in [
+                &raw mut (*element).flip_epoch,
+                &raw mut (*element).flip_ns,
+                &raw mut (*element).signalled,
+                &raw mut (*element).stalled,
+                &raw mut (*element).drained,
+            ] {
+                AtomicU64::from_ptr(field).store(0, Ordering::Relaxed);
+            }
+            AtomicU32::from_ptr(&raw mut (*element).flip_reason)
+                .store(FLIP_NONE, Ordering::Relaxed);
+        }
+    }
+
     /// Records a drain of listener `id` that began `epoch` at `now_ns` (monotonic), as the
     /// programs record their flips.
     pub fn record_drain(&self, id: u32, epoch: u64, now_ns: u64) {

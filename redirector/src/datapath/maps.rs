@@ -13,7 +13,7 @@ use aya::{
 use redirector_common::{
     activity::{CacheActivity, StallTiming, explain_flip},
     addr::{NetAddr, port_be},
-    binds::{BindKey, BindListeners, CacheSocket, UNMARKED},
+    binds::{BindKey, BindListeners, CacheSocket, CacheTask, UNMARKED},
     counters::{ListenerCounters, PROTOCOL_TCP, PROTOCOL_UDP, counter_index},
     datapath::listener_bit,
     datapath::{DatapathConfig, SkipCgroup, level_mask},
@@ -61,6 +61,7 @@ pub struct Maps {
     counters: PerCpuArray<MapData, ListenerCounters>,
     skip_cgroups: HashMap<MapData, u64, SkipCgroup>,
     datapath_config: Array<MapData, DatapathConfig>,
+    cache_tasks: HashMap<MapData, u32, CacheTask>,
 }
 
 impl std::fmt::Debug for Maps {
@@ -231,6 +232,7 @@ impl Maps {
             counters: typed(open, names::MAP_COUNTERS)?,
             skip_cgroups: typed(open, names::MAP_SKIP_CGROUPS)?,
             datapath_config: typed(open, names::MAP_DATAPATH_CONFIG)?,
+            cache_tasks: typed(open, names::MAP_CACHE_TASKS)?,
         })
     }
 
@@ -309,6 +311,8 @@ impl Maps {
             .map_err(write(names::MAP_LISTENER_INFO))?;
         self.set_mode(id, Mode::default())?;
         self.set_health(id, CacheHealth::default())?;
+        self.cache_activity.clear(id);
+        self.forget_cache_tasks(listener_bit(id))?;
         match self.pools.remove(&id) {
             Ok(()) => Ok(()),
             Err(MapError::SyscallError(error))
@@ -453,12 +457,63 @@ impl Maps {
         Ok(self.cache_activity.get(checked_id(id)?))
     }
 
-    /// Clears every listener's stamp of a query left unread, in a `CACHE_ACTIVITY` this start
-    /// filled from the running one (`MappedArray::forget_unread` has why).
-    pub fn forget_copied_unread_stamps(&self) {
+    /// Clears every listener's stamp of a query left unread: a start's `CACHE_ACTIVITY` may hold
+    /// one that no read of the programs it replaces will answer (copied by a migration, or kept
+    /// in a map an older release reused across a rollback and back: `MappedArray::forget_unread`
+    /// has why). A real stall stamps again at the next query.
+    pub fn forget_unread_stamps(&self) {
         for id in 0..MAX_LISTENERS as u32 {
             self.cache_activity.forget_unread(id);
         }
+    }
+
+    /// Starts listener `id` clean where it is not the listener its id held before: `other`
+    /// (another listener took the id) clears its activity, stamps, flip and tallies alike;
+    /// `moved` (the same listener with another cache or another liveness) starts its stamps over.
+    /// Either way no process stays known as its cache (`forget_cache_tasks`): the signal program
+    /// must not move it when the old cache is told to stop.
+    pub fn start_clean(&mut self, id: u32, other: bool, moved: bool) -> Result<(), DatapathError> {
+        let id = checked_id(id)?;
+        if other {
+            self.cache_activity.clear(id);
+        } else if moved {
+            self.cache_activity.forget_reads(id);
+        }
+        if other || moved {
+            self.forget_cache_tasks(listener_bit(id))?;
+        }
+        Ok(())
+    }
+
+    /// Takes the listener bits `bits` off every process known as a cache (`CACHE_TASKS`), and
+    /// removes the entries left with none. An entry is rewritten whole: a bind of that very
+    /// process between the read and the write may lose its bit (its socket count still moves the
+    /// listener at its last close), which only a start that moves listeners risks.
+    pub fn forget_cache_tasks(&mut self, bits: u64) -> Result<(), DatapathError> {
+        let tasks: Vec<(u32, CacheTask)> = self
+            .cache_tasks
+            .iter()
+            .filter_map(Result::ok)
+            .filter(|(_, task)| task.listeners & bits != 0)
+            .collect();
+        for (tgid, task) in tasks {
+            let left = CacheTask {
+                listeners: task.listeners & !bits,
+                ..task
+            };
+            let written = if left.listeners == 0 {
+                self.cache_tasks.remove(&tgid)
+            } else {
+                self.cache_tasks.insert(tgid, left, BPF_EXIST)
+            };
+            match written {
+                Ok(()) | Err(MapError::KeyNotFound) => {}
+                Err(MapError::SyscallError(error))
+                    if error.io_error.raw_os_error() == Some(libc::ENOENT) => {}
+                Err(source) => return Err(write(names::MAP_CACHE_TASKS)(source)),
+            }
+        }
+        Ok(())
     }
 
     /// Asks the programs for every cache's next read (`CACHE_PENDING`): a stamp the programs of
@@ -517,8 +572,41 @@ impl Maps {
         let stall_after_ns = limit.map_or(0, |limit| {
             u64::try_from(limit.as_nanos()).unwrap_or(u64::MAX)
         });
+        let wanted = super::TickClock::timing(tick, stall_after_ns);
+        let current = self
+            .stall_timing
+            .get(&id, 0)
+            .map_err(read(names::MAP_STALL_TIMING))?;
+        if current == wanted {
+            return Ok(());
+        }
+        // The programs read the element's fields while it is rewritten, and an update copies it
+        // with no ordering between its words: a limit of one write read with the clock of
+        // another could flip a serving cache. So the limit goes to 0 (no stall is decided, none
+        // stamped) while the clock changes, the stamps made meanwhile start over, and the new
+        // limit comes last: a torn read then mixes two states that agree.
+        if current.stall_after_ns != 0 {
+            let paused = StallTiming {
+                stall_after_ns: 0,
+                ..current
+            };
+            self.stall_timing
+                .set(id, paused, 0)
+                .map_err(write(names::MAP_STALL_TIMING))?;
+        }
+        let clock = StallTiming {
+            stall_after_ns: 0,
+            ..wanted
+        };
         self.stall_timing
-            .set(id, super::TickClock::timing(tick, stall_after_ns), 0)
+            .set(id, clock, 0)
+            .map_err(write(names::MAP_STALL_TIMING))?;
+        let clock_of = |timing: &StallTiming| (timing.tick_ns, timing.base_ticks, timing.base_ns);
+        if clock_of(&wanted) != clock_of(&current) {
+            self.cache_activity.forget_reads(id);
+        }
+        self.stall_timing
+            .set(id, wanted, 0)
             .map_err(write(names::MAP_STALL_TIMING))
     }
 

@@ -259,11 +259,6 @@ impl Datapath {
             migrate: started.elapsed() - verified,
         };
         let maps = Maps::take(&mut ebpf)?;
-        if plan.maps.iter().any(|(name, action)| {
-            *name == names::MAP_CACHE_ACTIVITY && matches!(action, MapAction::Migrate { .. })
-        }) {
-            maps.forget_copied_unread_stamps();
-        }
         Ok((
             Self {
                 ebpf,

@@ -84,6 +84,17 @@ fn elements<V: aya::Pod>(
 }
 
 impl Journal {
+    /// What id `id` held when the start began: its name and configuration, if a listener.
+    #[must_use]
+    pub fn listener(&self, id: u32) -> Option<(&ListenerInfo, &ListenerConfig)> {
+        let info = self
+            .listener_info
+            .get(usize::try_from(id).ok()?)
+            .filter(|info| info.in_use != 0)?;
+        let (_, config) = self.listeners.iter().find(|(_, config)| config.id == id)?;
+        Some((info, config))
+    }
+
     /// The cache binds as they were: what the socket counts must follow again after a restore.
     #[must_use]
     pub fn cache_binds(&self) -> std::collections::HashMap<BindKey, u64> {

@@ -30,18 +30,64 @@ fn a_cache_told_to_stop_moves_dns_before_it_closes_its_sockets_with_no_agent() -
     let mut agent = start_agent(&config)?;
     // A cache that binds while the programs run (its process is recorded at its binds), and that
     // goes on serving for a while after SIGTERM.
-    let linger_ms = paced_ms(600);
     sandbox.stop_server("cache")?;
+    sandbox.start_cache("cache", &lingering_cache())?;
+    wait_for_cache(&sandbox, "the agent confirms the new cache")?;
+    stop_agent(&mut agent)?;
+    signal_moves_dns_with_nothing_lost(&mut sandbox)?;
+    uninstall(&config)?;
+    Ok(())
+}
+
+/// A cache that was running before the programs were attached (every node at first install, and
+/// at an upgrade from a release before the signal program) is known as the cache from the
+/// agent's start: its first SIGTERM moves DNS before it closes a socket, as a cache that bound
+/// under the programs does.
+#[test]
+fn a_cache_running_before_the_agent_is_known_from_its_start() -> anyhow::Result<()> {
+    let mut sandbox = Sandbox::new(tools!())?;
+    sandbox.start_upstreams()?;
+    sandbox.start_cache("cache", &lingering_cache())?;
+    let config = write_standard_config(&sandbox)?;
+    let mut agent = start_agent(&config)?;
+    wait_for_cache(&sandbox, "the agent confirms the cache")?;
+    let pid = sandbox.process("cache")?.pid();
+    let known = cache_task(&sandbox, pid)?;
+    assert!(
+        known.is_some_and(|task| task.listeners & listener_bit(NODE_ID) != 0),
+        "the cache that predates the programs is not known as the node listener's: {known:?}"
+    );
+    stop_agent(&mut agent)?;
+    signal_moves_dns_with_nothing_lost(&mut sandbox)?;
+    uninstall(&config)?;
+    Ok(())
+}
+
+/// The test cache, answering for a while after SIGTERM before it closes its sockets (as unbound
+/// under load or CoreDNS in `lameduck` do).
+fn lingering_cache() -> CacheSpec {
     let mut cache = CacheSpec::standard();
     cache
         .extra_args
-        .extend(["--term-linger-ms".to_owned(), linger_ms.to_string()]);
-    sandbox.start_cache("cache", &cache)?;
-    wait_for_cache(&sandbox, "the agent confirms the new cache")?;
-    stop_agent(&mut agent)?;
+        .extend(["--term-linger-ms".to_owned(), paced_ms(600).to_string()]);
+    cache
+}
 
+/// `CACHE_TASKS`' entry for process `pid`.
+fn cache_task(sandbox: &Sandbox, pid: u32) -> anyhow::Result<Option<CacheTask>> {
+    let map = aya::maps::Map::from_map_data(aya::maps::MapData::from_pin(
+        sandbox.pin_dir().join("maps").join(names::MAP_CACHE_TASKS),
+    )?)?;
+    let map = aya::maps::HashMap::<_, u32, CacheTask>::try_from(map)?;
+    Ok(map.get(&pid, 0).ok())
+}
+
+/// With no agent, under a stream of queries from fresh, kept connected and kept unconnected
+/// sockets: SIGTERM to the lingering cache moves every query sent while it still holds its
+/// sockets upstream, and none is lost after the signal.
+fn signal_moves_dns_with_nothing_lost(sandbox: &mut Sandbox) -> anyhow::Result<()> {
     let stream = Stream::start_with(
-        &sandbox,
+        sandbox,
         Ns::Pod,
         dns(NODE_LISTENER),
         Duration::from_secs(120),
@@ -106,7 +152,6 @@ fn a_cache_told_to_stop_moves_dns_before_it_closes_its_sockets_with_no_agent() -
         "{}",
         report.summary()
     );
-    uninstall(&config)?;
     Ok(())
 }
 

@@ -274,7 +274,8 @@ impl Agent {
             })
             .collect();
         let binds = cache_binds(&tracked);
-        let mut reconciler = Reconciler::new(socket_table, binds.clone());
+        let mut reconciler =
+            Reconciler::new(socket_table, binds.clone(), config.cache_netns.clone());
         let commit = Commit {
             config,
             journal: &journal,

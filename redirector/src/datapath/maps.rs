@@ -485,6 +485,33 @@ impl Maps {
         Ok(())
     }
 
+    /// Records process `tgid` (in cgroup `cgroup_id`) as a cache of `listeners`, as `post_bind`
+    /// records a binder: its bits are added to an entry of the same process, and replace one of
+    /// another cgroup's (a reused pid). Returns whether the entry changed.
+    pub fn know_cache_task(
+        &mut self,
+        tgid: u32,
+        cgroup_id: u64,
+        listeners: u64,
+    ) -> Result<bool, DatapathError> {
+        let known = match self.cache_tasks.get(&tgid, 0) {
+            Ok(task) if task.cgroup_id == cgroup_id => task.listeners,
+            Ok(_) | Err(MapError::KeyNotFound) => 0,
+            Err(source) => return Err(read(names::MAP_CACHE_TASKS)(source)),
+        };
+        if known & listeners == listeners {
+            return Ok(false);
+        }
+        let task = CacheTask {
+            listeners: known | listeners,
+            cgroup_id,
+        };
+        self.cache_tasks
+            .insert(tgid, task, 0)
+            .map_err(write(names::MAP_CACHE_TASKS))?;
+        Ok(true)
+    }
+
     /// Takes the listener bits `bits` off every process known as a cache (`CACHE_TASKS`), and
     /// removes the entries left with none. An entry is rewritten whole: a bind of that very
     /// process between the read and the write may lose its bit (its socket count still moves the

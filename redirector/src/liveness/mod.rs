@@ -3,6 +3,7 @@
 //! to alive (`upstreams`)?
 
 pub mod binds;
+pub mod cache_tasks;
 pub mod drain;
 pub mod health;
 pub mod probe;

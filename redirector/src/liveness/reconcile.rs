@@ -4,7 +4,10 @@
 //! (the cache started before the agent), and uncounts sockets gone without the programs seeing
 //! them close, but only once absent on two passes in a row, never on a single observation.
 
-use std::collections::{HashMap, HashSet};
+use std::{
+    collections::{BTreeSet, HashMap, HashSet},
+    path::PathBuf,
+};
 
 use redirector_common::{
     addr::port_be,
@@ -47,16 +50,33 @@ pub struct Reconciler {
     table: Option<SocketTable>,
     binds: HashMap<BindKey, u64>,
     missing_once: HashSet<u64>,
+    /// The caches' network namespace (`None`: the agent's), where their holders are looked for.
+    netns: Option<PathBuf>,
+    /// The inode of each live cache socket of the last dump, by cookie.
+    inodes: HashMap<u64, u32>,
+    /// The live cache sockets' cookies at the last two passes: holders are looked for while
+    /// they change (a new life of a cache, which may daemonize or fork its workers just after).
+    recent: [BTreeSet<u64>; 2],
+    /// Passes since holders were last looked for.
+    since_holders: u32,
 }
+
+/// Passes between two looks for the caches' holders while nothing changes (what the LRU may
+/// have evicted): with the default 5 s pass, every 2.5 minutes.
+const HOLDERS_EVERY: u32 = 30;
 
 impl Reconciler {
     /// A reconciler for the caches `binds` describes.
     #[must_use]
-    pub fn new(table: SocketTable, binds: HashMap<BindKey, u64>) -> Self {
+    pub fn new(table: SocketTable, binds: HashMap<BindKey, u64>, netns: Option<PathBuf>) -> Self {
         Self {
             table: Some(table),
             binds,
             missing_once: HashSet::new(),
+            netns,
+            inodes: HashMap::new(),
+            recent: [BTreeSet::new(), BTreeSet::new()],
+            since_holders: 0,
         }
     }
 
@@ -124,6 +144,7 @@ impl Reconciler {
         }
         self.missing_once = still_missing;
         maps.settle_unmarked_cache_sockets()?;
+        self.learn_holders(maps, &live, seed).await?;
 
         if report.reassigned > 0 {
             info!(
@@ -146,6 +167,50 @@ impl Reconciler {
         Ok(report)
     }
 
+    /// Records the processes that hold the live cache sockets as caches (`cache_tasks`): at a
+    /// seed, while the sockets change, and every `HOLDERS_EVERY` passes.
+    async fn learn_holders(
+        &mut self,
+        maps: &mut Maps,
+        live: &HashMap<u64, CacheSocket>,
+        seed: bool,
+    ) -> Result<(), ReconcileError> {
+        let cookies: BTreeSet<u64> = live.keys().copied().collect();
+        let changing = self.recent.iter().any(|earlier| *earlier != cookies);
+        self.recent = [self.recent[1].clone(), cookies];
+        self.since_holders += 1;
+        if !(seed || changing || self.since_holders >= HOLDERS_EVERY) {
+            return Ok(());
+        }
+        self.since_holders = 0;
+        let sockets: HashMap<u64, u64> = live
+            .iter()
+            .filter_map(|(cookie, entry)| {
+                let inode = self.inodes.get(cookie)?;
+                Some((u64::from(*inode), entry.listeners))
+            })
+            .collect();
+        let netns = self.netns.clone();
+        let holders = tokio::task::spawn_blocking(move || {
+            super::cache_tasks::holders(&sockets, netns.as_deref())
+        })
+        .await
+        .map_err(ReconcileError::Task)?;
+        let mut learned = 0;
+        for holder in holders {
+            if maps.know_cache_task(holder.tgid, holder.cgroup_id, holder.listeners)? {
+                learned += 1;
+            }
+        }
+        if learned > 0 {
+            info!(
+                processes = learned,
+                "learned processes that hold the caches' sockets (their stop signals move DNS)"
+            );
+        }
+        Ok(())
+    }
+
     /// The live sockets that are some listener's cache, by cookie. The dump runs on a blocking
     /// thread: a node has many sockets, and the control loop must keep probing meanwhile.
     async fn live_cache_sockets(&mut self) -> Result<HashMap<u64, CacheSocket>, ReconcileError> {
@@ -159,10 +224,17 @@ impl Reconciler {
         .await
         .map_err(ReconcileError::Task)?;
         self.table = Some(table);
-        Ok(sockets?
-            .into_iter()
-            .filter_map(|socket| self.cache_socket(&socket))
-            .collect())
+        let sockets = sockets?;
+        let live: HashMap<u64, CacheSocket> = sockets
+            .iter()
+            .filter_map(|socket| self.cache_socket(socket))
+            .collect();
+        self.inodes = sockets
+            .iter()
+            .filter(|socket| live.contains_key(&socket.cookie))
+            .map(|socket| (socket.cookie, socket.inode))
+            .collect();
+        Ok(live)
     }
 
     fn cache_socket(&self, socket: &BoundSocket) -> Option<(u64, CacheSocket)> {

@@ -33,6 +33,8 @@ pub struct BoundSocket {
     pub cookie: u64,
     /// Bytes waiting in its receive queue (for UDP: datagrams not read yet).
     pub recv_queue: u32,
+    /// Its inode (what a holder's `/proc/PID/fd` link names: `socket:[INODE]`).
+    pub inode: u32,
 }
 
 /// Why the socket tables could not be read.
@@ -238,6 +240,7 @@ impl SocketTable {
                                 port: id.source_port,
                                 cookie: u64::from_ne_bytes(id.cookie),
                                 recv_queue: response.header.recv_queue,
+                                inode: response.header.inode,
                             });
                         }
                     }

@@ -174,6 +174,31 @@ pub fn own_cgroup() -> Result<Cgroup, CgroupError> {
     Cgroup::resolve_with("the agent's own cgroup", &path, &mounts)
 }
 
+/// The cgroup v2 id of process `pid` (the inode of its cgroup's directory, which
+/// `bpf_get_current_cgroup_id` returns in its context), from `/proc/PID/cgroup` on the
+/// hierarchy the agent sees; a process listed elsewhere (the agent in a cgroup namespace of its
+/// own) is looked for below the mount. `None` when it cannot be told (the process is gone).
+#[must_use]
+pub fn id_of_process(pid: u32) -> Option<u64> {
+    use std::os::unix::fs::MetadataExt as _;
+    let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
+    let relative = text.lines().find_map(|line| line.strip_prefix("0::"))?;
+    let mounts = mounts().ok()?;
+    let mount = mounts
+        .iter()
+        .find(|mount| mount.root == Path::new("/"))
+        .or_else(|| mounts.first())?;
+    let path = mount
+        .mount_point
+        .join(relative.trim().trim_start_matches('/'));
+    let path = if lists(&path, pid) {
+        path
+    } else {
+        find_listing(&mount.mount_point, pid)?
+    };
+    std::fs::metadata(path).ok().map(|metadata| metadata.ino())
+}
+
 /// Whether the cgroup at `path` lists process `pid` in `cgroup.procs`.
 fn lists(path: &Path, pid: u32) -> bool {
     std::fs::read_to_string(path.join("cgroup.procs"))

@@ -1,0 +1,133 @@
+//! Which processes hold the caches' sockets, so that the signal program knows a cache however
+//! and whenever it started. `post_bind` records the process that binds a cache socket, which
+//! misses a cache that was running before the programs (every node at first install, and at an
+//! upgrade from a release before the signal program), the child of a cache that daemonizes after
+//! binding (the binder exits, its child serves), worker processes that inherit a listener's
+//! sockets, and processes the LRU evicted. Here the agent finds every process that holds a
+//! counted cache socket (by the socket's inode, in `/proc/PID/fd`) and records it in
+//! `CACHE_TASKS` as the programs would: at its start, before the programs are attached, and at
+//! the socket reconcile passes that follow a change of the caches' sockets (a new life), with a
+//! full look now and then for what else the table lost.
+//!
+//! Only processes in the caches' network namespace are looked into (a socket belongs to the
+//! namespace it was made in; one passed to a process of another namespace is missed). A cache
+//! that takes its stop signals through `signalfd` or `sigwaitinfo` is never seen by the signal
+//! program, known or not: its sockets' last close moves it.
+
+use std::{
+    collections::HashMap,
+    os::unix::fs::MetadataExt as _,
+    path::{Path, PathBuf},
+};
+
+use crate::sys::cgroup;
+
+/// A process that holds cache sockets.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Holder {
+    /// Its pid (the thread group's).
+    pub tgid: u32,
+    /// Its cgroup v2 id, as `bpf_get_current_cgroup_id` gives it.
+    pub cgroup_id: u64,
+    /// The listeners whose cache sockets it holds (`listener_bit`s).
+    pub listeners: u64,
+}
+
+/// The processes of the network namespace at `netns` (`None`: the agent's own) that hold a
+/// socket of `sockets` (socket inode → the listeners it is a cache of). Blocking: run it off the
+/// control loop.
+#[must_use]
+pub fn holders(sockets: &HashMap<u64, u64>, netns: Option<&Path>) -> Vec<Holder> {
+    if sockets.is_empty() {
+        return Vec::new();
+    }
+    let netns = netns.map_or_else(|| PathBuf::from("/proc/self/ns/net"), Path::to_owned);
+    let Ok(namespace) = std::fs::metadata(&netns).map(|metadata| metadata.ino()) else {
+        return Vec::new();
+    };
+    let Ok(processes) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    let mut found = Vec::new();
+    for entry in processes.filter_map(Result::ok) {
+        let Some(tgid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|name| name.parse().ok())
+        else {
+            continue;
+        };
+        let process = entry.path();
+        // One stat a process; only those of the caches' namespace have their descriptors read.
+        if std::fs::metadata(process.join("ns/net"))
+            .map(|metadata| metadata.ino())
+            .ok()
+            != Some(namespace)
+        {
+            continue;
+        }
+        let listeners = held(&process, sockets);
+        if listeners == 0 {
+            continue;
+        }
+        // A process gone meanwhile has no cgroup left to name: nothing to record.
+        if let Some(cgroup_id) = cgroup::id_of_process(tgid) {
+            found.push(Holder {
+                tgid,
+                cgroup_id,
+                listeners,
+            });
+        }
+    }
+    found
+}
+
+/// The listeners of the cache sockets among the descriptors of `process` (`/proc/PID`).
+fn held(process: &Path, sockets: &HashMap<u64, u64>) -> u64 {
+    let Ok(descriptors) = std::fs::read_dir(process.join("fd")) else {
+        return 0;
+    };
+    descriptors
+        .filter_map(Result::ok)
+        .filter_map(|descriptor| std::fs::read_link(descriptor.path()).ok())
+        .filter_map(|target| socket_inode(&target.to_string_lossy()))
+        .filter_map(|inode| sockets.get(&inode))
+        .fold(0, |bits, listeners| bits | listeners)
+}
+
+/// The inode of a descriptor's link text `socket:[INODE]`.
+fn socket_inode(link: &str) -> Option<u64> {
+    link.strip_prefix("socket:[")?
+        .strip_suffix(']')?
+        .parse()
+        .ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::fd::AsRawFd as _;
+
+    use super::*;
+
+    #[test]
+    fn a_descriptors_link_names_its_socket() {
+        assert_eq!(socket_inode("socket:[123456]"), Some(123_456));
+        assert_eq!(socket_inode("pipe:[123456]"), None);
+        assert_eq!(socket_inode("/dev/null"), None);
+    }
+
+    #[test]
+    fn this_process_is_found_holding_its_own_socket() {
+        let socket = std::net::UdpSocket::bind("127.0.0.1:0").expect("a loopback socket");
+        let link = std::fs::read_link(format!("/proc/self/fd/{}", socket.as_raw_fd()))
+            .expect("its descriptor");
+        let inode = socket_inode(&link.to_string_lossy()).expect("a socket link");
+        let found = holders(&HashMap::from([(inode, 0b101)]), None);
+        let me = found
+            .iter()
+            .find(|holder| holder.tgid == std::process::id())
+            .unwrap_or_else(|| panic!("this process is not among {found:?}"));
+        assert_eq!(me.listeners, 0b101);
+        assert!(me.cgroup_id != 0);
+    }
+}

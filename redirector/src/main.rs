@@ -32,8 +32,8 @@ enum Command {
     },
     /// Force a listener to the cache or to its upstreams, or give it back to automatic failover.
     State(StateArgs),
-    /// Move a listener upstream before planned work on its cache (until the cache's next life
-    /// is confirmed), optionally waiting until the cache has answered what it was handed.
+    /// Move a cache's listeners, every one, upstream before planned work on the cache (until its
+    /// next life is confirmed), optionally waiting until it has answered what it was handed.
     Drain(DrainArgs),
     /// Ask a listener's cache whether it serves, through the running agent, whose sockets the
     /// programs never steer (a `dig` to the cache's address may be steered upstream).

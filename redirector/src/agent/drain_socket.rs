@@ -1,5 +1,5 @@
 //! The drain socket: a unix socket on which a cache's stop hook (a DaemonSet's `preStop`, a
-//! unit's `ExecStop`) asks the agent to drain its listener (`redirector drain --socket`), with
+//! unit's `ExecStop`) asks the agent to drain its cache (`redirector drain --socket`), with
 //! neither the pins nor CAP_BPF of its own, and on which an operator asks the agent to probe a
 //! listener's cache (`redirector probe`): the agent's sockets are never steered, so its probe
 //! reaches the cache whatever the listener's route, which a `dig` to the cache's address (a
@@ -105,7 +105,7 @@ async fn answer(
     let reply = match read {
         Ok(Ok(_)) => match serde_json::from_str::<DrainRequest>(&line) {
             Ok(request) => {
-                info!(listener = %request.listener, cancel = request.cancel, wait = request.wait, "drain requested");
+                info!(selection = %request.selection, cancel = request.cancel, wait = request.wait, "drain requested");
                 let done = tokio::task::spawn_blocking(move || {
                     drain::handle(&pin_dir, cache_netns.as_deref(), &request)
                 })

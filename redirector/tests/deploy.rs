@@ -1594,16 +1594,184 @@ fn the_cache_drain_examples_run_the_drain_the_cli_has() {
         "{said}"
     );
 
-    let unit = read(&format!("{dir}/systemd-drop-in.conf"));
+    let mut unit_args = cache_drain_unit_args();
+    unit_args.extend(["--pin-dir".to_owned(), nobody.display().to_string()]);
+    run(&unit_args);
+}
+
+/// The arguments of the cache-drain example's drain container (node-local-dns.yaml).
+fn cache_drain_container_args() -> Vec<String> {
+    let daemonset: DaemonSet = typed_from(
+        "node-local-dns.yaml",
+        &read("deploy/examples/cache-drain/node-local-dns.yaml"),
+    )
+    .unwrap_or_else(|error| panic!("{error}"));
+    daemonset
+        .spec
+        .and_then(|spec| spec.template.spec)
+        .and_then(|spec| {
+            spec.containers
+                .into_iter()
+                .find(|container| container.name == "redirector-drain")
+        })
+        .and_then(|container| container.args)
+        .expect("the drain container's arguments")
+}
+
+/// The arguments of the cache-drain systemd drop-in's `ExecStop` (after the program).
+fn cache_drain_unit_args() -> Vec<String> {
+    let unit = read("deploy/examples/cache-drain/systemd-drop-in.conf");
     let exec_stop = unit
         .lines()
         .find_map(|line| line.strip_prefix("ExecStop="))
         .expect("an ExecStop line");
     let mut words = exec_stop.trim_start_matches(['-', '+']).split_whitespace();
     assert_eq!(words.next(), Some("/usr/local/bin/redirector"));
-    let mut unit_args: Vec<String> = words.map(str::to_owned).collect();
-    unit_args.extend(["--pin-dir".to_owned(), nobody.display().to_string()]);
-    run(&unit_args);
+    words.map(str::to_owned).collect()
+}
+
+/// A drain covers the cache, not one of its listeners (issue 39): each cache-drain example goes
+/// with an example configuration, which it names, whose listeners one cache serves (NodeLocal
+/// DNSCache: `local` and `cluster-ip`, one cache address; AKS LocalDNS: `node` and `cluster`,
+/// one process on two cache addresses). Every `--listener` the example passes is a listener of
+/// that configuration, and what it drains, grouped by cache address alone (as a drain groups
+/// when it cannot see the cache's processes, and as `--dry-run` does), is every listener that
+/// shares a cache address with one named, and so every listener of the configuration. The CLI's
+/// `--dry-run` on the example's arguments and configuration says the same.
+#[test]
+fn each_cache_drain_example_drains_every_listener_its_configuration_gives_the_cache() {
+    let examples = [
+        (
+            "deploy/examples/cache-drain/node-local-dns.yaml",
+            cache_drain_container_args(),
+            "deploy/examples/nodelocal-dnscache.toml",
+        ),
+        (
+            "deploy/examples/cache-drain/systemd-drop-in.conf",
+            cache_drain_unit_args(),
+            "deploy/examples/aks.toml",
+        ),
+    ];
+    for (example, args, paired) in examples {
+        assert!(
+            read(example).contains(paired),
+            "{example} does not say which configuration it goes with ({paired})"
+        );
+        let config = parse_config(paired, &read(paired));
+        let defined: Vec<&str> = config
+            .listeners
+            .iter()
+            .map(|listener| listener.name.as_str())
+            .collect();
+        let named: Vec<String> = args
+            .windows(2)
+            .filter(|pair| pair[0] == "--listener")
+            .map(|pair| pair[1].clone())
+            .collect();
+        let all = args.iter().any(|arg| arg == "--all");
+        assert!(
+            all || !named.is_empty(),
+            "{example} names no listener and not --all: {args:?}"
+        );
+        for name in &named {
+            assert!(
+                defined.contains(&name.as_str()),
+                "{example} drains --listener {name}, which {paired} does not define (it defines \
+                 {defined:?})"
+            );
+        }
+        // Every listener sharing a cache address with one named, by hand.
+        let cache_of = |name: &str| {
+            config
+                .listeners
+                .iter()
+                .find(|listener| listener.name == name)
+                .map(|listener| {
+                    SocketAddr::new(listener.cache.ip().to_canonical(), listener.cache.port())
+                })
+        };
+        let sharing: BTreeSet<&str> = config
+            .listeners
+            .iter()
+            .filter(|listener| {
+                let cache =
+                    SocketAddr::new(listener.cache.ip().to_canonical(), listener.cache.port());
+                all || named.iter().any(|name| cache_of(name) == Some(cache))
+            })
+            .map(|listener| listener.name.as_str())
+            .collect();
+        // The drain's own grouping, by address alone.
+        let members: Vec<redirector::liveness::drain::Member> = config
+            .listeners
+            .iter()
+            .zip(0..)
+            .map(|(listener, id)| redirector::liveness::drain::Member {
+                id,
+                name: listener.name.clone(),
+                cache: listener.cache,
+            })
+            .collect();
+        let selection = redirector::liveness::drain::Selection {
+            listeners: named.clone(),
+            all,
+        };
+        let drained: BTreeSet<&str> = selection
+            .resolve(&members, &[])
+            .unwrap_or_else(|error| panic!("{example}: {error}"))
+            .iter()
+            .flat_map(|cache| &cache.listeners)
+            .filter_map(|member| defined.iter().copied().find(|name| *name == member.name))
+            .collect();
+        assert_eq!(
+            drained, sharing,
+            "{example}: the drain and the shared addresses differ"
+        );
+        let every: BTreeSet<&str> = defined.iter().copied().collect();
+        assert_eq!(
+            drained, every,
+            "{example} leaves listeners of {paired}'s one cache on it when the cache stops"
+        );
+
+        let mut dry_run: Vec<String> = args
+            .iter()
+            .filter(|arg| *arg != "--on-sigterm")
+            .cloned()
+            .collect();
+        dry_run.extend([
+            "--dry-run".to_owned(),
+            "--config".to_owned(),
+            repo().join(paired).display().to_string(),
+        ]);
+        let output = Command::new(env!("CARGO_BIN_EXE_redirector"))
+            .args(&dry_run)
+            .output()
+            .expect("running redirector");
+        let said = String::from_utf8_lossy(&output.stdout).into_owned();
+        assert!(
+            output.status.success(),
+            "{example}: `redirector {}` failed: {}{said}",
+            dry_run.join(" "),
+            String::from_utf8_lossy(&output.stderr)
+        );
+        let would: Vec<&str> = said
+            .lines()
+            .filter_map(|line| line.strip_prefix("would drain "))
+            .collect();
+        for name in &every {
+            assert!(
+                would.iter().any(|line| {
+                    line.split_once(": ").is_some_and(|(_, listeners)| {
+                        listeners
+                            .trim_start_matches("listeners ")
+                            .trim_start_matches("listener ")
+                            .split(", ")
+                            .any(|listener| listener == *name)
+                    })
+                }),
+                "{example}: the dry run does not drain {name}: {said}"
+            );
+        }
+    }
 }
 
 /// The sample in docs/configuration.md: a copy starts under the shipped unit. It parses; every

@@ -2,21 +2,23 @@
 //! listener upstream, waits until the cache has read what it was handed, and returns; the cache
 //! can then be stopped without losing a query, and its next life, confirmed by the probes, gets
 //! the DNS back. Without `--wait` it returns at once; `--cancel` ends a drain. A cache's pod asks
-//! the agent over its drain socket; on the node the CLI uses the pins itself.
+//! the agent over its drain socket; on the node the CLI uses the pins itself. A drain covers the
+//! cache, not one of its listeners (issue 39): every listener whose `cache` is the same address,
+//! or whose cache sockets the same process holds, goes with the one named.
 
 use std::time::Duration;
 
 use anyhow::Context as _;
 
 use bpf_tests::{
-    cli::{CliOutput, redirector, set_state, uninstall},
+    cli::{CliOutput, redirector, set_state, start_agent, uninstall},
     dns::now_ms,
     harness::{NODE_ID, agent_serving_from_cache, answered_by, node_reason, wait_for_cache},
-    pace::{paced_ms, pause},
-    sandbox::{CacheSpec, Sandbox},
+    pace::{paced_ms, pause, wait_until},
+    sandbox::{CacheSpec, Ns, Query, Sandbox, Transport},
     stream::{Stream, StreamReport},
     tools,
-    topology::{NODE_LISTENER, dns},
+    topology::{CLUSTER_LISTENER, NODE_LISTENER, dns, who},
 };
 use nix::sys::signal::Signal;
 use redirector::datapath::Maps;
@@ -267,6 +269,277 @@ fn a_probe_asks_the_cache_itself_whatever_the_route() -> anyhow::Result<()> {
         "{output:?}"
     );
     assert_eq!(set_state(&sandbox, "node", "auto")?.code, 0);
+    drop(agent);
+    uninstall(&config)?;
+    Ok(())
+}
+
+/// Two listeners with upstreams A and B, the cache's own queries skipped: `node`
+/// (169.254.10.10) and `cluster` (169.254.10.11), whose cache is `cluster_cache`.
+fn two_listeners(sandbox: &Sandbox, cluster_cache: &str) -> String {
+    let skipped = sandbox.skipped_cgroup().path().display().to_string();
+    format!(
+        r#"
+[[listener]]
+name = "node"
+address = "169.254.10.10"
+upstreams = ["198.18.2.2", "198.18.2.3:53"]
+skip_cgroups = [{skipped:?}]
+
+[[listener]]
+name = "cluster"
+address = "169.254.10.11"
+cache = "{cluster_cache}"
+upstreams = ["198.18.2.2", "198.18.2.3:53"]
+skip_cgroups = [{skipped:?}]
+"#
+    )
+}
+
+/// Who answered a UDP query from the pod to `listener`: `cache`, `upstream A`, ...
+fn answered_at(sandbox: &Sandbox, listener: std::net::Ipv4Addr) -> anyhow::Result<&'static str> {
+    let query = Query::new(dns(listener), Transport::Udp);
+    Ok(who(sandbox.query(Ns::Pod, query)?.answer()))
+}
+
+/// Listener `id`'s reason, as `status` gives it.
+fn reason(sandbox: &Sandbox, id: u32) -> anyhow::Result<&'static str> {
+    let maps = Maps::open_pinned(&sandbox.pin_dir())?;
+    redirector::telemetry::snapshot::listeners(&maps)?
+        .into_iter()
+        .find(|listener| listener.id == id)
+        .map(|listener| listener.reason_code)
+        .with_context(|| format!("no listener {id} in the pinned maps"))
+}
+
+/// Waits until both listeners' DNS is answered by the cache.
+fn wait_for_both(sandbox: &Sandbox, what: &str) -> anyhow::Result<()> {
+    wait_until(
+        what,
+        Duration::from_secs(10),
+        Duration::from_millis(50),
+        || {
+            Ok(answered_at(sandbox, NODE_LISTENER)? == "cache"
+                && answered_at(sandbox, CLUSTER_LISTENER)? == "cache")
+        },
+    )
+}
+
+/// AKS LocalDNS's layout: one cache process bound on the node's and the cluster's cache address
+/// (each listener its own). `drain --listener node --wait`, over the agent's socket as a stop
+/// hook asks it, moves both listeners upstream, since the process that holds the node's cache
+/// sockets holds the cluster's too: queries to the cluster listener are answered upstream, not
+/// by the cache, and the reply names the process. Streams to both, from every socket kind, lose
+/// nothing from before the drain until the cache's next life, which gets both listeners back.
+#[test]
+fn one_drain_moves_every_listener_of_the_cache_process_and_its_next_life_gets_both_back()
+-> anyhow::Result<()> {
+    let mut sandbox = Sandbox::new(tools!())?;
+    let cache = CacheSpec {
+        listen: vec![dns(NODE_LISTENER), dns(CLUSTER_LISTENER)],
+        ..CacheSpec::standard()
+    };
+    sandbox.start_cache("cache", &cache)?;
+    sandbox.start_upstreams()?;
+    let config = sandbox.write_file(
+        "config.toml",
+        &sandbox.config_toml(&two_listeners(&sandbox, "169.254.10.11:53")),
+    )?;
+    let mut agent = start_agent(&config)?;
+    wait_for_both(&sandbox, "the agent confirms the cache on both listeners")?;
+    let pid = sandbox.process("cache")?.pid();
+    // Two streams: a query every 4 ms from each socket kind of each (stretched in a slower VM).
+    let open = |listener| {
+        Stream::open_loop(
+            &sandbox,
+            dns(listener),
+            Duration::from_secs(120),
+            paced_ms(4),
+        )
+    };
+    let streams = [
+        ("node", open(NODE_LISTENER)?),
+        ("cluster", open(CLUSTER_LISTENER)?),
+    ];
+    pause(500);
+    let drained = now_ms();
+    let output = drain(&Via::Socket(&sandbox.drain_socket()), &["--wait"])?;
+    let waited = now_ms();
+    println!("{}", output.stdout);
+    assert!(
+        output.stdout.contains(&format!(
+            "cache 169.254.10.10:53, 169.254.10.11:53 (process {pid}): listeners node, cluster: \
+             drained"
+        )),
+        "the drain did not take the cache process's other listener: {output:?}"
+    );
+    assert!(output.stdout.contains("it can be stopped"), "{output:?}");
+    assert!(
+        !output.stdout.contains("by their cache address only"),
+        "the drain did not see the cache's process: {output:?}"
+    );
+    // The cache still answers its probes, and the listener not named is drained all the same.
+    pause(1000);
+    assert_eq!(reason(&sandbox, NODE_ID)?, "drained");
+    assert_eq!(reason(&sandbox, 1)?, "drained");
+    let cluster_answer = answered_at(&sandbox, CLUSTER_LISTENER)?;
+    assert!(
+        cluster_answer.starts_with("upstream"),
+        "the listener not named was left on the drained cache: answered by {cluster_answer}"
+    );
+    let stopped = now_ms();
+    sandbox.stop_server("cache")?;
+    sandbox.start_cache("cache", &cache)?;
+    wait_for_both(
+        &sandbox,
+        "the probes confirm the cache's next life on both listeners",
+    )?;
+    let back = now_ms();
+    for (name, stream) in streams {
+        let report = stream.stop_once(
+            "queries after the failback",
+            Duration::from_secs(20),
+            |report| {
+                report
+                    .between(back, u64::MAX)
+                    .filter(|record| StreamReport::answered_by(record) == "cache")
+                    .count()
+                    > 30
+            },
+        )?;
+        let timeline = format!(
+            "{name}: drain at +{} ms, waited until +{} ms, stopped at +{} ms, back at +{} ms",
+            drained - report.started_ms(),
+            waited - report.started_ms(),
+            stopped - report.started_ms(),
+            back - report.started_ms(),
+        );
+        println!("{timeline}: {}", report.summary());
+        let flipped_by = report
+            .flipped_by(drained)
+            .unwrap_or_else(|| panic!("{name}: the drain moved nothing: {}", report.summary()));
+        assert!(flipped_by <= waited, "{timeline}: {}", report.summary());
+        // Only the kept connected socket may send to the drained cache, in the drain's grace.
+        for record in report.between(flipped_by + 1, stopped) {
+            let kept = record.kind == "connected" && record.begun_ms <= waited;
+            assert!(
+                kept || StreamReport::answered_by(record).starts_with("upstream"),
+                "{name}: the drained cache answered a query ({record:?}): {}",
+                report.summary()
+            );
+        }
+        let lost = report.failures_between(0, back);
+        assert_eq!(
+            lost,
+            0,
+            "{name}: a planned restart lost {lost} queries ({timeline}); the agent's log:\n{}\n{}",
+            agent.printed().join("\n"),
+            report.summary(),
+        );
+    }
+    drop(agent);
+    uninstall(&config)?;
+    Ok(())
+}
+
+/// The same two listeners on two cache processes of their own: a drain of `node` leaves the
+/// cluster listener's cache alone (what joins listeners is a process holding both caches'
+/// sockets, not the drain); `--all` then drains both, and `--cancel --all` ends both.
+#[test]
+fn a_cache_process_of_its_own_is_not_drained_with_another() -> anyhow::Result<()> {
+    let mut sandbox = Sandbox::new(tools!())?;
+    for (name, listener) in [
+        ("cache-node", NODE_LISTENER),
+        ("cache-cluster", CLUSTER_LISTENER),
+    ] {
+        let cache = CacheSpec {
+            listen: vec![dns(listener)],
+            ..CacheSpec::standard()
+        };
+        sandbox.start_cache(name, &cache)?;
+    }
+    sandbox.start_upstreams()?;
+    let config = sandbox.write_file(
+        "config.toml",
+        &sandbox.config_toml(&two_listeners(&sandbox, "169.254.10.11:53")),
+    )?;
+    let agent = start_agent(&config)?;
+    wait_for_both(&sandbox, "the agent confirms both caches")?;
+    let output = drain(&Via::Pins(&config), &[])?;
+    println!("{}", output.stdout);
+    assert!(
+        output.stdout.contains("listener node: drained") && !output.stdout.contains("cluster"),
+        "{output:?}"
+    );
+    assert!(answered_at(&sandbox, NODE_LISTENER)?.starts_with("upstream"));
+    assert_eq!(
+        answered_at(&sandbox, CLUSTER_LISTENER)?,
+        "cache",
+        "the drain moved a listener whose cache is another process"
+    );
+    assert_eq!(reason(&sandbox, 1)?, "healthy");
+    // With no name and two caches, the drain asks which.
+    let output = redirector(&["drain", "--config", &config.display().to_string()])?;
+    assert_ne!(output.code, 0, "{output:?}");
+    assert!(
+        output.stderr.contains("2 caches") && output.stderr.contains("--all"),
+        "{output:?}"
+    );
+    let output = redirector(&["drain", "--all", "--config", &config.display().to_string()])?;
+    assert_eq!(output.code, 0, "{output:?}");
+    assert!(answered_at(&sandbox, CLUSTER_LISTENER)?.starts_with("upstream"));
+    let output = redirector(&[
+        "drain",
+        "--all",
+        "--cancel",
+        "--config",
+        &config.display().to_string(),
+    ])?;
+    assert_eq!(output.code, 0, "{output:?}");
+    wait_for_both(
+        &sandbox,
+        "the cancelled drains give both caches their DNS back",
+    )?;
+    drop(agent);
+    uninstall(&config)?;
+    Ok(())
+}
+
+/// NodeLocal DNSCache's layout: the cluster listener's cache is the node listener's address
+/// (the kube-dns ClusterIP answered by the link-local cache). `drain --listener cluster` moves
+/// both, and the cache's next life gets both back.
+#[test]
+fn a_drain_by_any_listener_of_a_cache_address_moves_them_all() -> anyhow::Result<()> {
+    let mut sandbox = Sandbox::new(tools!())?;
+    let cache = CacheSpec {
+        listen: vec![dns(NODE_LISTENER)],
+        ..CacheSpec::standard()
+    };
+    sandbox.start_cache("cache", &cache)?;
+    sandbox.start_upstreams()?;
+    let config = sandbox.write_file(
+        "config.toml",
+        &sandbox.config_toml(&two_listeners(&sandbox, "169.254.10.10:53")),
+    )?;
+    let agent = start_agent(&config)?;
+    wait_for_both(&sandbox, "the agent confirms the cache")?;
+    let output = redirector(&[
+        "drain",
+        "--listener",
+        "cluster",
+        "--config",
+        &config.display().to_string(),
+    ])?;
+    assert_eq!(output.code, 0, "{output:?}");
+    assert!(
+        output.stdout.contains("listeners node, cluster: drained"),
+        "{output:?}"
+    );
+    assert!(answered_at(&sandbox, NODE_LISTENER)?.starts_with("upstream"));
+    assert!(answered_at(&sandbox, CLUSTER_LISTENER)?.starts_with("upstream"));
+    sandbox.stop_server("cache")?;
+    sandbox.start_cache("cache", &cache)?;
+    wait_for_both(&sandbox, "the cache's next life gets both listeners back")?;
     drop(agent);
     uninstall(&config)?;
     Ok(())

@@ -72,6 +72,14 @@ fn drain_and_wait_then_a_restart_loses_nothing() -> anyhow::Result<()> {
     let output = drain(&Via::Socket(&socket), &["--wait"])?;
     let waited = now_ms();
     println!("{}", output.stdout);
+    // The standard cluster listener shares the cache and has no upstreams: the drain says what
+    // its queries meet meanwhile.
+    assert!(
+        output
+            .stdout
+            .contains("warning: listener cluster has no upstreams"),
+        "{output:?}"
+    );
     // The wait outlasts the drain's grace, in which the kept socket may still send there.
     let quiet_after_ms: u64 = output
         .stdout
@@ -374,6 +382,7 @@ fn one_drain_moves_every_listener_of_the_cache_process_and_its_next_life_gets_bo
         "the drain did not take the cache process's other listener: {output:?}"
     );
     assert!(output.stdout.contains("it can be stopped"), "{output:?}");
+    assert!(!output.stdout.contains("warning"), "{output:?}");
     assert!(
         !output.stdout.contains("by their cache address only"),
         "the drain did not see the cache's process: {output:?}"

@@ -33,7 +33,7 @@ use redirector_common::{
     activity::unread_since,
     counters::PROTOCOL_UDP,
     datapath::listener_bit,
-    listener::{Reason, Route},
+    listener::{EMPTY_POOL_FAIL, ListenerConfig, Reason, Route},
     stale::DRAIN_GRACE_NS,
 };
 
@@ -384,8 +384,9 @@ pub struct DrainReply {
     pub message: String,
 }
 
-/// Every listener in the maps pinned as `maps`, with the liveness its route is decided by.
-fn members(maps: &Maps) -> Result<Vec<(Member, u32)>, DrainError> {
+/// Every listener in the maps pinned as `maps`, with its configuration (the liveness its route
+/// is decided by, its empty-pool policy).
+fn members(maps: &Maps) -> Result<Vec<(Member, ListenerConfig)>, DrainError> {
     let mut found = Vec::new();
     for (id, info) in maps.listeners()? {
         let Some(name) = info.name() else {
@@ -404,7 +405,7 @@ fn members(maps: &Maps) -> Result<Vec<(Member, u32)>, DrainError> {
                     u16::from_be(config.cache.udp_port_be),
                 ),
             },
-            config.liveness,
+            config,
         ));
     }
     Ok(found)
@@ -474,6 +475,7 @@ pub fn handle(
             epochs.join(", ")
         )
     }));
+    lines.extend(without_upstreams(&maps, &found, &caches)?);
     let stuck = on_the_cache(&maps, &found, &caches)?;
     if !stuck.is_empty() {
         return Err(DrainError::NotMoved {
@@ -591,20 +593,51 @@ fn cancel(maps: &Maps, caches: &[CacheDrain]) -> Result<Vec<String>, DrainError>
     Ok(lines)
 }
 
+/// A line for each listener of `caches` with no upstream to take its DNS while the drain
+/// stands: its empty-pool policy answers its queries until the cache's next life is confirmed,
+/// as it would from the cache's stop without a drain. An operator should know before the stop.
+fn without_upstreams(
+    maps: &Maps,
+    found: &[(Member, ListenerConfig)],
+    caches: &[CacheDrain],
+) -> Result<Vec<String>, DrainError> {
+    let mut lines = Vec::new();
+    for member in caches.iter().flat_map(|drain| &drain.listeners) {
+        let Some((_, config)) = found.iter().find(|(other, _)| other.id == member.id) else {
+            continue;
+        };
+        if maps.pool(member.id)?.len != 0 {
+            continue;
+        }
+        let what = if config.empty_pool_policy == EMPTY_POOL_FAIL {
+            "fail at once (empty_pool = \"fail\")"
+        } else {
+            "go to its address untouched, where nothing may answer (empty_pool = \"pass\")"
+        };
+        lines.push(format!(
+            "warning: listener {} has no upstreams: while the drain stands its queries {what}, \
+             as they would once the cache stops; give it upstreams to keep its DNS through the \
+             cache's restart",
+            member.name
+        ));
+    }
+    Ok(lines)
+}
+
 /// The listeners of `caches` that still route to their cache after the drain began, with why
 /// and what to do: a drain moves a listener by its epoch, which an operator's override to the
 /// cache outranks, and which a listener judged by probes alone does not route by.
 fn on_the_cache(
     maps: &Maps,
-    found: &[(Member, u32)],
+    found: &[(Member, ListenerConfig)],
     caches: &[CacheDrain],
 ) -> Result<Vec<String>, DrainError> {
     let mut stuck = Vec::new();
     for member in caches.iter().flat_map(|drain| &drain.listeners) {
-        let Some((_, liveness)) = found.iter().find(|(other, _)| other.id == member.id) else {
+        let Some((_, config)) = found.iter().find(|(other, _)| other.id == member.id) else {
             continue;
         };
-        let (route, reason) = maps.route(member.id, *liveness)?;
+        let (route, reason) = maps.route(member.id, config.liveness)?;
         if route == Route::Upstream {
             continue;
         }

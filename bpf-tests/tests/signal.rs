@@ -330,3 +330,113 @@ fn an_exec_in_a_multithreaded_cache_moves_dns_until_the_probes_confirm_it() -> a
     uninstall(&config)?;
     Ok(())
 }
+
+/// A dnsmasq started after the agent that daemonizes, as dnsmasq does by default: the process
+/// that bound its sockets exits, and its grandchild serves them. The programs recorded the binder;
+/// the agent learns the server from the sockets it holds (within a reconcile pass or two of their
+/// binding), so its first SIGTERM, under a query every 2 ms from fresh and kept sockets, moves
+/// the DNS before it closes a socket: nothing sent after the signal is lost.
+#[test]
+fn a_cache_that_daemonized_is_known_by_the_process_that_holds_its_sockets() -> anyhow::Result<()> {
+    let mut sandbox = Sandbox::new(tools!())?;
+    sandbox.start_upstreams()?;
+    let config = write_standard_config(&sandbox)?;
+    let mut agent = start_agent(&config)?;
+
+    let pid_file = sandbox.write_file("dnsmasq.pid", "")?;
+    let mut command = sandbox.netns(Ns::Node).command("dnsmasq");
+    command
+        .args([
+            "--conf-file=/dev/null",
+            "--no-resolv",
+            "--no-hosts",
+            "--bind-interfaces",
+            "--user=root",
+            "--log-facility=/dev/null",
+            "--cache-size=0",
+            &format!("--pid-file={}", pid_file.display()),
+            &format!("--listen-address={NODE_LISTENER}"),
+            "--port=53",
+            &format!("--address=/#/{}", bpf_tests::topology::CACHE.a),
+        ])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null());
+    // In the cache's cgroup, under the attach point: the sandbox's cgroups are removed with every
+    // process left in them, the daemon too, should the test fail before it ends it.
+    let procs = bpf_tests::cgroup::open_procs(sandbox.skipped_cgroup().path())?;
+    bpf_tests::command::join_cgroup_before_exec(&mut command, &procs);
+    let mut binder = command.spawn()?;
+    let binder_pid = binder.id();
+    anyhow::ensure!(
+        binder.wait()?.success(),
+        "dnsmasq did not daemonize (it exits 0 once its daemon serves)"
+    );
+    drop(procs);
+    let mut server = 0;
+    wait_until(
+        "dnsmasq writes its daemon's pid",
+        Duration::from_secs(5),
+        Duration::from_millis(20),
+        || {
+            server = std::fs::read_to_string(&pid_file)?
+                .trim()
+                .parse()
+                .unwrap_or(0);
+            Ok(server != 0)
+        },
+    )?;
+    assert_ne!(
+        server, binder_pid,
+        "dnsmasq served from the process that bound"
+    );
+    wait_for_cache(&sandbox, "the agent confirms the daemonized cache")?;
+    wait_until(
+        "the agent learns the process that holds the cache's sockets",
+        Duration::from_secs(10),
+        Duration::from_millis(50),
+        || {
+            Ok(cache_task(&sandbox, server)?
+                .is_some_and(|task| task.listeners & listener_bit(NODE_ID) != 0))
+        },
+    )?;
+
+    let stream = Stream::start_with(
+        &sandbox,
+        Ns::Pod,
+        dns(NODE_LISTENER),
+        bpf_tests::pace::paced(Duration::from_secs(3)),
+        &["--kinds", "fresh,long", "--interval-ms", "2"],
+    )?;
+    pause(1000);
+    let signalled = now_ms();
+    let server_pid = nix::unistd::Pid::from_raw(i32::try_from(server)?);
+    nix::sys::signal::kill(server_pid, Signal::SIGTERM)?;
+    wait_until(
+        "the daemonized dnsmasq exits",
+        Duration::from_secs(5),
+        Duration::from_millis(20),
+        || Ok(!std::path::Path::new(&format!("/proc/{server}")).exists()),
+    )?;
+    let report = stream.finish()?;
+    let activity = Maps::open_pinned(&sandbox.pin_dir())?.cache_activity(NODE_ID)?;
+    println!("{}; {activity:?}", report.summary());
+    assert!(
+        activity.signalled >= 1,
+        "the signal program did not know the daemon as the cache: {activity:?}"
+    );
+    assert!(
+        report.between(signalled, u64::MAX).count() > 100,
+        "too few queries after the signal: {}",
+        report.summary()
+    );
+    assert_eq!(
+        report.failures_between(signalled, u64::MAX),
+        0,
+        "queries sent after the signal were lost: {}",
+        report.summary()
+    );
+    stop_agent(&mut agent)?;
+    uninstall(&config)?;
+    Ok(())
+}

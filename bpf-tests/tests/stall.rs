@@ -405,3 +405,122 @@ fn a_stamp_left_by_earlier_programs_is_answered_not_taken_for_a_stall() -> anyho
     uninstall(&config)?;
     Ok(())
 }
+
+/// The node's firewall drops every DNS datagram from the pod on its way in (as a NetworkPolicy
+/// that allows DNS only to the kube-dns pods drops the queries the programs steered to the
+/// cache, or a host firewall does): in the node's namespace, made by the test, never the
+/// machine's.
+const DROP_POD_DNS: &str = r#"
+table inet redirector_test_drop {
+    chain input {
+        type filter hook input priority -10; policy accept;
+        ip saddr 198.18.1.2 udp dport 53 drop
+        ip6 saddr fd00:1::2 udp dport 53 drop
+    }
+}
+"#;
+
+/// A pod whose queries to the cache are dropped before they reach it (`DROP_POD_DNS`) sends
+/// from fresh and kept sockets every 5 ms, beside a host-network client that asks once every
+/// 300 ms (more than the stall limit apart): the cache never had those queries to read, so they
+/// never count as unread. First with no agent (an upgrade window, a crash loop), then with one
+/// (whose probes every 250 ms would race the limit): the listener is never moved, and every
+/// query of the quiet client is answered by the cache.
+#[test]
+fn queries_dropped_before_the_cache_never_count_as_unread() -> anyhow::Result<()> {
+    let mut sandbox = Sandbox::new(tools!())?;
+    sandbox.start_standard_servers()?;
+    let config = serving_without_agent(&mut sandbox)?;
+    sandbox.netns(Ns::Node).run("nft", &[DROP_POD_DNS])?;
+
+    quiet_client_beside_dropped_pod(&sandbox, "with no agent")?;
+    let mut agent = start_agent(&config)?;
+    // From the node: the pod's queries are dropped.
+    bpf_tests::pace::wait_until(
+        "the agent confirms the cache",
+        Duration::from_secs(10),
+        Duration::from_millis(50),
+        || {
+            let query = Query::new(dns(NODE_LISTENER), Transport::Udp);
+            Ok(who(sandbox.query(Ns::Node, query)?.answer()) == "cache")
+        },
+    )?;
+    quiet_client_beside_dropped_pod(&sandbox, "with the agent")?;
+    stop_agent(&mut agent)?;
+    uninstall(&config)?;
+    Ok(())
+}
+
+/// Runs the dropped pod and the quiet client for 4 s (`when`, for messages), and asserts that
+/// nothing was moved.
+fn quiet_client_beside_dropped_pod(sandbox: &Sandbox, when: &str) -> anyhow::Result<()> {
+    const LENGTH: Duration = Duration::from_secs(4);
+    let (before, epoch, _) = node_state(sandbox)?;
+    let dropped = Stream::start_with(
+        sandbox,
+        Ns::Pod,
+        dns(NODE_LISTENER),
+        LENGTH,
+        &[
+            "--kinds",
+            "fresh,long",
+            "--open-loop",
+            "--interval-ms",
+            &paced_ms(5).to_string(),
+        ],
+    )?;
+    let quiet = Stream::start_with(
+        sandbox,
+        Ns::Node,
+        dns(NODE_LISTENER),
+        LENGTH,
+        &["--kinds", "fresh,long", "--interval-ms", "300"],
+    )?;
+    let quiet = quiet.finish()?;
+    let dropped = dropped.finish()?;
+    let (after, after_epoch, reason) = node_state(sandbox)?;
+    let count = |who: &str| {
+        dropped
+            .records
+            .iter()
+            .filter(|record| StreamReport::answered_by(record).starts_with(who))
+            .count()
+    };
+    let (answered, from_cache) = (dropped.records.len() - count("failed"), count("cache"));
+    println!(
+        "{when}: the dropped pod sent {} queries, {answered} answered; the quiet client: {}; {after:?}",
+        dropped.records.len(),
+        quiet.summary()
+    );
+    // The premise: none of the pod's queries reached the cache (after a false flip, they are
+    // answered upstream).
+    assert!(
+        dropped.records.len() > 100 && from_cache == 0,
+        "{when}: the pod's queries reached the cache: {} sent, {from_cache} answered by it",
+        dropped.records.len()
+    );
+    assert!(
+        quiet.records.len() >= 10,
+        "{when}: too few quiet queries: {}",
+        quiet.summary()
+    );
+    for record in &quiet.records {
+        assert_eq!(
+            StreamReport::answered_by(record),
+            "cache",
+            "{when}: a quiet query was not the healthy cache's: {}",
+            quiet.summary()
+        );
+    }
+    assert_eq!(
+        answered, 0,
+        "{when}: the pod's queries were moved off the cache"
+    );
+    assert_eq!(
+        after.stalled, before.stalled,
+        "{when}: dropped queries were taken for a stall: {after:?}"
+    );
+    assert_eq!(after_epoch, epoch, "{when}: the listener was moved");
+    assert_eq!(reason, "healthy", "{when}");
+    Ok(())
+}

@@ -622,7 +622,8 @@ fn pins_an_older_releases_uninstall_leaves_behind_never_stop_a_reinstall() -> an
     for program in names::SOCK_ADDR_PROGRAMS
         .iter()
         .chain(&names::SOCK_PROGRAMS)
-        .chain(&names::SKB_PROGRAMS)
+        // Its one `cgroup_skb` program: the ingress program came later.
+        .chain(&[names::PROG_EGRESS])
     {
         for slot in 0..2 {
             let _ = std::fs::remove_file(pin_dir.join("links").join(format!("{program}-{slot}")));
@@ -636,8 +637,12 @@ fn pins_an_older_releases_uninstall_leaves_behind_never_stop_a_reinstall() -> an
         .collect();
     assert!(
         left.iter().any(|link| link.starts_with(names::PROG_SIGNAL))
+            && left
+                .iter()
+                .any(|link| link.starts_with(names::PROG_INGRESS))
             && !pinned_maps(&sandbox).is_empty(),
-        "the premise: the older uninstall leaves this release's signal link and newer maps ({left:?}, {:?})",
+        "the premise: the older uninstall leaves this release's signal and ingress links (the \
+         ingress one attached to the cgroup) and newer maps ({left:?}, {:?})",
         pinned_maps(&sandbox)
     );
     let status = redirector_with_env(&["status", "--config", &config.display().to_string()], &[])?;
@@ -671,7 +676,11 @@ fn pins_an_older_releases_uninstall_leaves_behind_never_stop_a_reinstall() -> an
         nodelocal.summary()
     );
     let status = redirector_with_env(&["status", "--config", &config.display().to_string()], &[])?;
-    assert!(status.stdout.contains("13 of 13 attached"), "{status:?}");
+    let all = redirector::datapath::ALL_PROGRAMS.len();
+    assert!(
+        status.stdout.contains(&format!("{all} of {all} attached")),
+        "{status:?}"
+    );
     drop(agent);
     uninstall(&config)?;
     Ok(())

@@ -121,8 +121,12 @@ pub const SOCK_PROGRAMS: [&str; 3] = [PROG_POST_BIND4, PROG_POST_BIND6, PROG_SOC
 /// where its listener's route points (`stale`).
 pub const PROG_EGRESS: &str = "dns_egress";
 
+/// `cgroup_skb/ingress`: notes a query where it reaches a cache's socket (the stall detection's
+/// unread stamp).
+pub const PROG_INGRESS: &str = "dns_ingress";
+
 /// Every `cgroup_skb` program in the object.
-pub const SKB_PROGRAMS: [&str; 1] = [PROG_EGRESS];
+pub const SKB_PROGRAMS: [&str; 2] = [PROG_EGRESS, PROG_INGRESS];
 
 /// `raw_tracepoint/signal_deliver`: fails a cache's listeners over the moment a process that
 /// bound its sockets is delivered a terminating signal.

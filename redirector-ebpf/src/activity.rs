@@ -2,8 +2,10 @@
 //! off in the kernel, and every flip the programs make (a signal, a stall) is recorded with its
 //! reason (`redirector_common::activity` has the rule).
 //!
-//! The queries handed to the cache are noted where a datagram leaves for it: `sendmsg` of an
-//! unconnected socket (the steering program) and the egress of a connected one. The cache's reads
+//! The queries handed to the cache are noted where a datagram reaches the cache's socket
+//! (`cgroup_skb` ingress, in the cache's cgroup: `note_delivery`), never where it leaves a
+//! client: a datagram dropped on its way (a NetworkPolicy that allows DNS only to kube-dns pods,
+//! a host firewall, a failed send) is no query the cache left unread. The cache's reads
 //! are noted by `recvmsg` on a counted cache socket, which fires for every datagram a cache reads
 //! with its source address (every DNS server does: it must answer the sender), when the cache
 //! runs in the attach cgroup; the socket's listeners come from its socket-local storage
@@ -17,9 +19,12 @@
 //! `BPF_CMPXCHG` 5.12 (arm64's JIT 5.18; without it the stall detection is off: `fetching`), mmapable arrays 5.5, `bpf_sock_addr.sk` 5.3 (the reading socket's bound
 //! port), socket-local storage from sock_addr programs 5.3.
 
-use core::ptr::{addr_of, addr_of_mut, read_volatile, write_volatile};
+use core::ptr::{self, addr_of, addr_of_mut, read_volatile, write_volatile};
 
-use aya_ebpf::programs::SockAddrContext;
+use aya_ebpf::{
+    helpers::{bpf_sk_fullsock, bpf_sk_storage_get},
+    programs::{SkBuffContext, SockAddrContext},
+};
 use redirector_common::{
     activity::{CacheActivity, FLIP_SIGNALLED, FLIP_STALLED, is_stalled, unread_since},
     binds::CacheReader,
@@ -41,22 +46,12 @@ use crate::{
     },
 };
 
-/// Whether the program is handing the cache a datagram, or only asking where DNS goes.
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub enum Handing {
-    /// A UDP query leaves for the cache now (`sendmsg`, egress).
-    Query,
-    /// A connect: nothing is sent yet.
-    Nothing,
-}
-
-/// On the cache route: notes a query handed to the cache, and tells whether the cache has left
-/// one unread past its limit. The first program to see the stall flips the listener (a new
-/// `down_epoch`, as the last close records one); every program that sees it routes upstream.
-/// While the cache reads, this is two array lookups, two loads, the tick count when a query
-/// leaves and a store at most once a tick (`activity::unread_since` has why).
+/// On the cache route: whether the cache has left a query unread past its limit. The first
+/// program to see the stall flips the listener (a new `down_epoch`, as the last close records
+/// one); every program that sees it routes upstream. While the cache reads, this is two array
+/// lookups and two loads; the clock is read only while a query waits unread.
 #[inline(always)]
-pub fn cache_stalled(listener_id: u32, handing: Handing) -> bool {
+pub fn cache_stalled(listener_id: u32) -> bool {
     // Without fetching atomics the stamps cannot be taken back by one CPU alone: the kernel's
     // stall detection is off, and the agent's probes catch a hung cache.
     if !fetching() {
@@ -79,32 +74,14 @@ pub fn cache_stalled(listener_id: u32, handing: Handing) -> bool {
         if last_read == 0 {
             // No read seen yet: the cache's next one is wanted. A load while the request stands
             // (for good where the reads cannot be seen), an atomic once it was answered.
-            if let Some(pending) = CACHE_PENDING.get_ptr_mut(0)
-                && read_volatile(pending) & listener_bit(listener_id) == 0
-            {
-                fetch_or_u64(pending, listener_bit(listener_id));
-            }
+            want_read(listener_id);
             return false;
         }
         let first_unread = read_volatile(addr_of!((*activity).first_unread_ns));
-        let unread = unread_since(first_unread, last_read);
-        if unread.is_none() && handing == Handing::Nothing {
-            return false;
-        }
-        let now = coarse_now(timing);
-        let Some(since) = unread else {
-            // The first query after the cache's last read, in a later tick (in the same tick it
-            // cannot be told from the queries that read took): stamped; two CPUs may both stamp.
-            // Then the cache's reads are told to look (after the stamp, ordered: a read that
-            // sees the bit sees the stamp).
-            if now > last_read {
-                write_volatile(addr_of_mut!((*activity).first_unread_ns), now);
-                if let Some(pending) = CACHE_PENDING.get_ptr_mut(0) {
-                    fetch_or_u64(pending, listener_bit(listener_id));
-                }
-            }
+        let Some(since) = unread_since(first_unread, last_read) else {
             return false;
         };
+        let now = coarse_now(timing);
         if !is_stalled(since, now, timing) {
             return false;
         }
@@ -113,6 +90,124 @@ pub fn cache_stalled(listener_id: u32, handing: Handing) -> bool {
         }
     }
     true
+}
+
+/// Asks the cache's reads of listener `listener_id` to look (`CACHE_PENDING`): a load while the
+/// request stands, an atomic once it was answered.
+#[inline(always)]
+fn want_read(listener_id: u32) {
+    if let Some(pending) = CACHE_PENDING.get_ptr_mut(0) {
+        // SAFETY: an element of an array map, 8-byte aligned; changed by atomics only.
+        unsafe {
+            if read_volatile(pending) & listener_bit(listener_id) == 0 {
+                fetch_or_u64(pending, listener_bit(listener_id));
+            }
+        }
+    }
+}
+
+/// `cgroup_skb/ingress`: a datagram delivered to a socket of the attach cgroup. When the socket
+/// is a cache's (its `CACHE_READERS` storage, filled at its reads, names listeners of the
+/// current generation), the first datagram since the cache's last read, in a later clock tick,
+/// stamps each of its listeners' activity unread and asks the cache's reads to answer it. A
+/// datagram to any other port returns after one field load and one array lookup; to a cache
+/// port, after the socket's storage lookup. A cache socket that has not read since the agent
+/// started (no storage of the current generation) is not stamped: its first read fills it.
+#[inline(always)]
+pub fn note_delivery(ctx: &SkBuffContext) {
+    if !fetching() {
+        return;
+    }
+    let skb = ctx.skb.skb;
+    // SAFETY: the context pointer the kernel passed; the verifier rewrites the load to the
+    // receiving socket's bound port (`skc_num`, host byte order).
+    let port = unsafe { read_volatile(addr_of!((*skb).local_port)) };
+    let (word, bit) = reply_port_bit((port as u16).to_be());
+    if CACHE_PORTS.get(word).is_none_or(|ports| *ports & bit == 0) {
+        return;
+    }
+    // SAFETY: as above; the verifier wants `sk` checked for null before `bpf_sk_fullsock`.
+    let sk = unsafe { read_volatile(addr_of!((*skb).__bindgen_anon_2.sk)) };
+    if sk.is_null() {
+        return;
+    }
+    // SAFETY: a non-null socket pointer of the context.
+    let sk = unsafe { bpf_sk_fullsock(sk) };
+    if sk.is_null() {
+        return;
+    }
+    // SAFETY: a full socket; the storage helper takes it as the socket (`ARG_PTR_TO_BTF_ID_SOCK_
+    // COMMON`, a full socket on 5.2+), never creating one here.
+    let reader = unsafe {
+        bpf_sk_storage_get(
+            ptr::from_ref(&CACHE_READERS).cast_mut().cast(),
+            sk.cast(),
+            ptr::null_mut(),
+            0,
+        )
+    }
+    .cast::<CacheReader>();
+    if reader.is_null() {
+        return;
+    }
+    let Some(config) = DATAPATH_CONFIG.get(0) else {
+        return;
+    };
+    // SAFETY: non-null storage of this socket, written whole fields by its reads.
+    let listeners = unsafe {
+        if read_volatile(addr_of!((*reader).generation)) != config.readers_generation {
+            return;
+        }
+        read_volatile(addr_of!((*reader).listeners))
+    };
+    if listeners == 0 {
+        return;
+    }
+    stamp_unread(lowest_listener(listeners));
+    let others = listeners & listeners.wrapping_sub(1);
+    if others != 0 {
+        let mut id = 0;
+        while id < MAX_LISTENERS as u32 {
+            if others & listener_bit(id) != 0 {
+                stamp_unread(id);
+            }
+            id += 1;
+        }
+    }
+}
+
+/// A query reached listener `id`'s cache: stamped unread if it is the first since the cache's
+/// last read, in a later tick (in the same tick it cannot be told from the queries that read
+/// took), and the cache's reads are told to look (after the stamp, ordered: a read that sees the
+/// bit sees the stamp). Two CPUs may both stamp.
+#[inline(always)]
+fn stamp_unread(id: u32) {
+    let Some(timing) = STALL_TIMING.get(id) else {
+        return;
+    };
+    if timing.stall_after_ns == 0 {
+        return;
+    }
+    let Some(activity) = CACHE_ACTIVITY.get_ptr_mut(id) else {
+        return;
+    };
+    // SAFETY: as in `cache_stalled`.
+    unsafe {
+        let last_read = read_volatile(addr_of!((*activity).last_read_ns));
+        if last_read == 0 {
+            want_read(id);
+            return;
+        }
+        let first_unread = read_volatile(addr_of!((*activity).first_unread_ns));
+        if unread_since(first_unread, last_read).is_some() {
+            return;
+        }
+        let now = coarse_now(timing);
+        if now > last_read {
+            write_volatile(addr_of_mut!((*activity).first_unread_ns), now);
+            want_read(id);
+        }
+    }
 }
 
 /// `recvmsg`: when the reading socket is a counted cache socket, notes the read for each of its

@@ -9,6 +9,9 @@
 //! of a connected DNS socket whose peer is no longer where its listener's route points, so the
 //! resolver reconnects and connect steers it to the current route.
 //!
+//! A cgroup `skb` ingress program notes the queries that reach a cache's socket, for the stall
+//! detection (`activity`).
+//!
 //! A raw tracepoint on `signal_deliver` (4.17) fails a cache's listeners over the moment the
 //! process that bound its sockets is told to stop, before it closes them.
 //!
@@ -135,6 +138,14 @@ fn egress_verdict(egress: stale::Egress) -> i32 {
 #[cgroup_skb(egress)]
 pub fn dns_egress(ctx: SkBuffContext) -> i32 {
     egress_verdict(stale::try_check_egress(&ctx))
+}
+
+/// `cgroup_skb/ingress` (4.10; `__sk_buff.sk` and `bpf_sk_fullsock` 5.1, `bpf_sk_storage_get`
+/// 5.2): notes a query where it reaches a cache's socket, and lets every packet in.
+#[cgroup_skb(ingress)]
+pub fn dns_ingress(ctx: SkBuffContext) -> i32 {
+    activity::note_delivery(&ctx);
+    VERDICT_SKB_PASS
 }
 
 /// The verdict of a socket-tracking program: tracking never refuses a bind or a close.

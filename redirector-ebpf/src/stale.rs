@@ -32,8 +32,7 @@ use redirector_common::{
 };
 
 use crate::{
-    activity::{self, Handing},
-    context,
+    activity, context,
     maps::{LISTENERS, POOLS, STEERED_SOCKS},
     steer::{self, count},
 };
@@ -102,10 +101,10 @@ pub fn try_check_egress(ctx: &SkBuffContext) -> Egress {
     } else {
         Grace::None
     };
-    // A query leaving for the cache: noted, and refused if the cache has stopped reading.
+    // A query leaving for the cache is refused if the cache has stopped reading.
     if on_cache
         && (route == Route::Cache || grace == Grace::Drained)
-        && activity::cache_stalled(listener.id, Handing::Query)
+        && activity::cache_stalled(listener.id)
     {
         route = Route::Upstream;
         grace = Grace::None;

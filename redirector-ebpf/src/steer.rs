@@ -10,7 +10,7 @@ use redirector_common::{
     DNS_PORT,
     activity::explain_flip,
     addr::port_be,
-    counters::{ListenerCounters, PROTOCOL_UDP, counter_index},
+    counters::{ListenerCounters, counter_index},
     datapath::{MAX_CGROUP_LEVEL, listener_bit},
     listener::{
         CacheHealth, EMPTY_POOL_FAIL, ListenerConfig, ListenerMode, Reason, Route, SocketCounts,
@@ -21,7 +21,7 @@ use redirector_common::{
 };
 
 use crate::{
-    activity::{self, Handing},
+    activity,
     context::{self, Family},
     maps::{
         CACHE_ACTIVITY, CACHE_HEALTH, COUNTERS, DATAPATH_CONFIG, LISTENER_MODE, LISTENERS, POOLS,
@@ -74,12 +74,6 @@ pub fn try_steer(ctx: &SockAddrContext, family: Family, hook: Hook) -> Result<()
     let Some(mut route) = current_route(&listener) else {
         return Ok(());
     };
-    // Only a UDP datagram is a query the cache must read; a connect sends nothing yet.
-    let handing = if hook == Hook::Sendmsg && protocol == PROTOCOL_UDP {
-        Handing::Query
-    } else {
-        Handing::Nothing
-    };
     if route == Route::Cache
         && listener.cache.addr == listener_addr
         && listener.cache.port_be(protocol) == port_be(DNS_PORT)
@@ -88,7 +82,7 @@ pub fn try_steer(ctx: &SockAddrContext, family: Family, hook: Hook) -> Result<()
         // whoever asks (a skipped cgroup's socket reaches it untouched all the same), so the
         // cgroup check is spared on the path every query takes in this layout, unless the cache
         // has stopped reading.
-        if !activity::cache_stalled(listener.id, handing) {
+        if !activity::cache_stalled(listener.id) {
             count(counters, |c| c.to_cache += 1);
             return Ok(());
         }
@@ -103,9 +97,7 @@ pub fn try_steer(ctx: &SockAddrContext, family: Family, hook: Hook) -> Result<()
         count(counters, |c| c.skipped_cgroup += 1);
         return Ok(());
     }
-    // A query of a skipped cgroup is not noted: it may go to the listener address untouched,
-    // where the cache never reads it.
-    if route == Route::Cache && activity::cache_stalled(listener.id, handing) {
+    if route == Route::Cache && activity::cache_stalled(listener.id) {
         route = Route::Upstream;
     }
     // The cookie is a helper call: fetched once, and only when a target choice or a reverse

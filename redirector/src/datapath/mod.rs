@@ -55,7 +55,7 @@ pub static OBJECT: &[u8] =
 
 /// Every program, in attach order: the counting programs first, so that sockets bound from the
 /// moment steering starts are counted.
-pub const ALL_PROGRAMS: [&str; 13] = [
+pub const ALL_PROGRAMS: [&str; 14] = [
     names::PROG_POST_BIND4,
     names::PROG_POST_BIND6,
     names::PROG_SOCK_RELEASE,
@@ -69,6 +69,8 @@ pub const ALL_PROGRAMS: [&str; 13] = [
     names::PROG_GETPEERNAME6,
     // After connect: a socket it moves off a stale peer reconnects through the new connect4/6.
     names::PROG_EGRESS,
+    // The queries that reach a cache's socket, for its stall detection.
+    names::PROG_INGRESS,
     // Not on the cgroup: a raw tracepoint of the whole node.
     names::PROG_SIGNAL,
 ];
@@ -536,12 +538,13 @@ fn attach_one(
             FdLink::try_from(link).map_err(link_error)?
         }
         Program::CgroupSkb(program) => {
+            let direction = if name == names::PROG_INGRESS {
+                CgroupSkbAttachType::Ingress
+            } else {
+                CgroupSkbAttachType::Egress
+            };
             let id = program
-                .attach(
-                    cgroup_dir,
-                    CgroupSkbAttachType::Egress,
-                    CgroupAttachMode::Single,
-                )
+                .attach(cgroup_dir, direction, CgroupAttachMode::Single)
                 .map_err(attach_error)?;
             let link = program.take_link(id).map_err(attach_error)?;
             FdLink::try_from(link).map_err(link_error)?

@@ -297,18 +297,25 @@ pub(super) fn link_slots(pin_dir: &Path, program: &str) -> [PathBuf; 2] {
     ]
 }
 
-/// True when a link pinned under `pin_dir` attaches a program to a cgroup: programs steer (or
-/// count) DNS through these pins. Read from the links themselves (their fdinfo's cgroup, 5.8),
-/// never from their names: a tracing link (the signal program's) steers nothing, and another
-/// release's uninstall may leave one behind; a cgroup link whose cgroup is gone shows 0.
+/// True when a link pinned under `pin_dir` attaches a steering program (`connect`, `sendmsg`,
+/// `recvmsg`, `getpeername`) to a cgroup: DNS is steered through these pins. Read from the links
+/// themselves (their fdinfo's cgroup, 5.8), not assumed from the pin's presence: a cgroup link
+/// whose cgroup is gone shows 0. The other links steer nothing (the signal program's tracing
+/// link, the `cgroup_skb` programs, which only note or refuse what the steering programs
+/// decided), and another release's uninstall may leave those of a newer one behind.
 #[must_use]
 pub fn has_pinned_attachments(pin_dir: &Path) -> bool {
     let links = pin_dir.join(LINKS_DIR);
     pinned_names(&links).iter().any(|name| {
-        super::raw::open_pinned(&links.join(name))
-            .ok()
-            .and_then(super::raw::link_cgroup_id)
-            .is_some_and(|cgroup| cgroup != 0)
+        // A link is pinned as its program's name and a slot (`link_slots`).
+        let program = name
+            .rsplit_once('-')
+            .map_or(name.as_str(), |(program, _)| program);
+        names::SOCK_ADDR_PROGRAMS.contains(&program)
+            && super::raw::open_pinned(&links.join(name))
+                .ok()
+                .and_then(super::raw::link_cgroup_id)
+                .is_some_and(|cgroup| cgroup != 0)
     })
 }
 

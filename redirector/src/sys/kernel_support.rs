@@ -143,8 +143,8 @@ pub const TICK_TEST_RUN: &str = "raw_tracepoint_test_run";
 pub const FEATURES: &[KernelFeature] = &[
     KernelFeature {
         id: "cgroup_skb",
-        name: "cgroup v2 `cgroup_skb` egress",
-        used_for: "moving connected DNS sockets off a stale peer",
+        name: "cgroup v2 `cgroup_skb` egress and ingress",
+        used_for: "moving connected DNS sockets off a stale peer; noting a query where it reaches the cache's socket",
         since: KernelVersion::new(4, 10, 0),
         need: Need::Required,
         probe: Probe::Program(ProgramType::CgroupSkb),

@@ -170,6 +170,33 @@ impl StreamReport {
         Self::answered_by(record).starts_with("upstream")
     }
 
+    /// Asserts that a cache told to stop at `signalled_ms` was known to the signal program
+    /// (`activity`, its listener's record, counts a signal flip; `cache` names it in messages)
+    /// and that of the queries begun after the signal, more than 100, none was lost.
+    pub fn assert_signal_lost_nothing_after(
+        &self,
+        signalled_ms: u64,
+        activity: &redirector_common::activity::CacheActivity,
+        cache: &str,
+    ) {
+        println!("{cache}: {}; {activity:?}", self.summary());
+        assert!(
+            activity.signalled >= 1,
+            "the signal program did not know {cache} as the cache: {activity:?}"
+        );
+        assert!(
+            self.between(signalled_ms, u64::MAX).count() > 100,
+            "too few queries after the signal: {}",
+            self.summary()
+        );
+        assert_eq!(
+            self.failures_between(signalled_ms, u64::MAX),
+            0,
+            "queries sent after the signal were lost: {}",
+            self.summary()
+        );
+    }
+
     /// Records begun in `[from, to)` (milliseconds since the epoch).
     pub fn between(&self, from: u64, to: u64) -> impl Iterator<Item = &StreamRecord> {
         self.records

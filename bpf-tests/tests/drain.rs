@@ -47,6 +47,59 @@ fn drain(via: &Via<'_>, extra: &[&str]) -> anyhow::Result<CliOutput> {
 /// The planned restart: drain and wait, stop the cache (SIGKILL: once drained, it may end any
 /// way), start its next life. Nothing is lost, from before the drain to after the failback, and
 /// the drained cache gets no query even though it answers its probes throughout.
+/// A planned restart of the cache: when it was drained, the drain's wait ended, the cache was
+/// stopped, and its next life had the DNS back (ms since the epoch).
+struct Restart {
+    drained: u64,
+    waited: u64,
+    stopped: u64,
+    back: u64,
+}
+
+impl Restart {
+    /// Asserts what a planned restart promises the stream `report` to listener `name`: the drain
+    /// moved its DNS by the end of the wait; from then only the kept connected socket sent to
+    /// the drained cache, within the drain's grace, which the wait outlasts (new sockets and
+    /// unconnected sends leave at once); and nothing was lost from before the drain until the
+    /// next life had the DNS back. `agent_log` says what the agent saw meanwhile (flips,
+    /// upstream targets leaving the pool).
+    fn assert_nothing_lost(&self, report: &StreamReport, name: &str, agent_log: &[String]) {
+        let at = |ms: u64| ms - report.started_ms();
+        let timeline = format!(
+            "{name}: drain at +{} ms, waited until +{} ms, stopped at +{} ms, back at +{} ms",
+            at(self.drained),
+            at(self.waited),
+            at(self.stopped),
+            at(self.back),
+        );
+        println!("{timeline}: {}", report.summary());
+        let flipped_by = report
+            .flipped_by(self.drained)
+            .unwrap_or_else(|| panic!("{name}: the drain moved nothing: {}", report.summary()));
+        assert!(
+            flipped_by <= self.waited,
+            "{timeline}: {}",
+            report.summary()
+        );
+        for record in report.between(flipped_by + 1, self.stopped) {
+            let kept = record.kind == "connected" && record.begun_ms <= self.waited;
+            assert!(
+                kept || StreamReport::answered_by(record).starts_with("upstream"),
+                "{name}: the drained cache answered a query ({record:?}): {}",
+                report.summary()
+            );
+        }
+        let lost = report.failures_between(0, self.back);
+        assert_eq!(
+            lost,
+            0,
+            "{name}: a planned restart lost {lost} queries ({timeline}); the agent's log:\n{}\n{}",
+            agent_log.join("\n"),
+            report.summary(),
+        );
+    }
+}
+
 #[test]
 fn drain_and_wait_then_a_restart_loses_nothing() -> anyhow::Result<()> {
     let mut sandbox = Sandbox::new(tools!())?;
@@ -109,38 +162,13 @@ fn drain_and_wait_then_a_restart_loses_nothing() -> anyhow::Result<()> {
         Duration::from_secs(20),
         |report| report.between(back, u64::MAX).count() > 30,
     )?;
-    let timeline = format!(
-        "drain at +{} ms, waited until +{} ms, stopped at +{} ms, back at +{} ms",
-        drained - report.started_ms(),
-        waited - report.started_ms(),
-        stopped - report.started_ms(),
-        back - report.started_ms(),
-    );
-    println!("{timeline}: {}", report.summary());
-    let flipped_by = report
-        .flipped_by(drained)
-        .unwrap_or_else(|| panic!("the drain moved nothing: {}", report.summary()));
-    assert!(flipped_by <= waited, "{}", report.summary());
-    // New sockets and unconnected sends leave the drained cache at once. The kept connected
-    // socket may send there for the drain's grace, which the wait outlasts.
-    for record in report.between(flipped_by + 1, stopped) {
-        let kept = record.kind == "connected" && record.begun_ms <= waited;
-        assert!(
-            kept || StreamReport::answered_by(record).starts_with("upstream"),
-            "the drained cache answered a query ({record:?}): {}",
-            report.summary()
-        );
-    }
-    // Nothing lost from before the drain until the cache's next life has its DNS back. The
-    // agent's log says what it saw meanwhile (flips, upstream targets leaving the pool).
-    let lost = report.failures_between(0, back);
-    assert_eq!(
-        lost,
-        0,
-        "a planned restart lost {lost} queries ({timeline}); the agent's log:\n{}\n{}",
-        agent.printed().join("\n"),
-        report.summary(),
-    );
+    let restart = Restart {
+        drained,
+        waited,
+        stopped,
+        back,
+    };
+    restart.assert_nothing_lost(&report, "node", agent.printed());
     drop(agent);
     uninstall(&config)?;
     Ok(())
@@ -416,35 +444,13 @@ fn one_drain_moves_every_listener_of_the_cache_process_and_its_next_life_gets_bo
                     > 30
             },
         )?;
-        let timeline = format!(
-            "{name}: drain at +{} ms, waited until +{} ms, stopped at +{} ms, back at +{} ms",
-            drained - report.started_ms(),
-            waited - report.started_ms(),
-            stopped - report.started_ms(),
-            back - report.started_ms(),
-        );
-        println!("{timeline}: {}", report.summary());
-        let flipped_by = report
-            .flipped_by(drained)
-            .unwrap_or_else(|| panic!("{name}: the drain moved nothing: {}", report.summary()));
-        assert!(flipped_by <= waited, "{timeline}: {}", report.summary());
-        // Only the kept connected socket may send to the drained cache, in the drain's grace.
-        for record in report.between(flipped_by + 1, stopped) {
-            let kept = record.kind == "connected" && record.begun_ms <= waited;
-            assert!(
-                kept || StreamReport::answered_by(record).starts_with("upstream"),
-                "{name}: the drained cache answered a query ({record:?}): {}",
-                report.summary()
-            );
-        }
-        let lost = report.failures_between(0, back);
-        assert_eq!(
-            lost,
-            0,
-            "{name}: a planned restart lost {lost} queries ({timeline}); the agent's log:\n{}\n{}",
-            agent.printed().join("\n"),
-            report.summary(),
-        );
+        let restart = Restart {
+            drained,
+            waited,
+            stopped,
+            back,
+        };
+        restart.assert_nothing_lost(&report, name, agent.printed());
     }
     drop(agent);
     uninstall(&config)?;

@@ -270,22 +270,7 @@ fn first_sigterm_of_a_cache_older_than_the_agent(kind: CacheKind) -> anyhow::Res
         .wait_exit(Duration::from_secs(5))?;
     let report = stream.finish()?;
     let activity = harness.maps.cache_activity(NODE_ID)?;
-    println!("{kind:?}: {}; {activity:?}", report.summary());
-    assert!(
-        activity.signalled >= 1,
-        "the signal program did not know {kind:?} as the cache: {activity:?}"
-    );
-    assert!(
-        report.between(signalled, u64::MAX).count() > 100,
-        "too few queries after the signal: {}",
-        report.summary()
-    );
-    assert_eq!(
-        report.failures_between(signalled, u64::MAX),
-        0,
-        "queries sent after the signal were lost: {}",
-        report.summary()
-    );
+    report.assert_signal_lost_nothing_after(signalled, &activity, &format!("{kind:?}"));
     Ok(())
 }
 

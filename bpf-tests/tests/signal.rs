@@ -420,22 +420,7 @@ fn a_cache_that_daemonized_is_known_by_the_process_that_holds_its_sockets() -> a
     )?;
     let report = stream.finish()?;
     let activity = Maps::open_pinned(&sandbox.pin_dir())?.cache_activity(NODE_ID)?;
-    println!("{}; {activity:?}", report.summary());
-    assert!(
-        activity.signalled >= 1,
-        "the signal program did not know the daemon as the cache: {activity:?}"
-    );
-    assert!(
-        report.between(signalled, u64::MAX).count() > 100,
-        "too few queries after the signal: {}",
-        report.summary()
-    );
-    assert_eq!(
-        report.failures_between(signalled, u64::MAX),
-        0,
-        "queries sent after the signal were lost: {}",
-        report.summary()
-    );
+    report.assert_signal_lost_nothing_after(signalled, &activity, "the daemonized dnsmasq");
     stop_agent(&mut agent)?;
     uninstall(&config)?;
     Ok(())

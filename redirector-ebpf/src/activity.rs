@@ -163,13 +163,22 @@ pub fn note_delivery(ctx: &SkBuffContext) {
     if listeners == 0 {
         return;
     }
-    stamp_unread(lowest_listener(listeners));
+    for_each_listener(listeners, stamp_unread);
+}
+
+/// Runs `each` for every listener of the non-empty bitmask `listeners`. A socket is nearly
+/// always one listener's: that one is found in six comparisons. The rare others are walked bit
+/// by bit, which the verifier follows in one pass; walking them all by their lowest bit made it
+/// try every order of them (ten times the start's verification).
+#[inline(always)]
+fn for_each_listener(listeners: u64, each: impl Fn(u32)) {
+    each(lowest_listener(listeners));
     let others = listeners & listeners.wrapping_sub(1);
     if others != 0 {
         let mut id = 0;
         while id < MAX_LISTENERS as u32 {
             if others & listener_bit(id) != 0 {
-                stamp_unread(id);
+                each(id);
             }
             id += 1;
         }
@@ -247,20 +256,7 @@ pub fn note_cache_read(ctx: &SockAddrContext) {
     // the bit again, one stamped before is answered below.
     // SAFETY: as above.
     unsafe { fetch_clear_u64(pending, listeners) };
-    // A socket is nearly always one listener's: that one is found in six comparisons. The rare
-    // others are walked bit by bit, which the verifier follows in one pass; walking them all by
-    // their lowest bit made it try every order of them (ten times the start's verification).
-    note_read(lowest_listener(listeners));
-    let others = listeners & listeners.wrapping_sub(1);
-    if others != 0 {
-        let mut id = 0;
-        while id < MAX_LISTENERS as u32 {
-            if others & listener_bit(id) != 0 {
-                note_read(id);
-            }
-            id += 1;
-        }
-    }
+    for_each_listener(listeners, note_read);
 }
 
 /// The listeners whose cache the reading socket is (zero: none), from its `CACHE_READERS`

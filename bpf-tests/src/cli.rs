@@ -61,7 +61,17 @@ pub fn start_agent_with(
     args: &[&str],
     env: &[(&str, &std::ffi::OsStr)],
 ) -> anyhow::Result<TestProcess> {
-    let mut command = Command::new(redirector_bin());
+    start_agent_of(&redirector_bin(), config, args, env)
+}
+
+/// `redirector run` of the agent binary `bin` (another release's), as [`start_agent_with`].
+pub fn start_agent_of(
+    bin: &std::path::Path,
+    config: &std::path::Path,
+    args: &[&str],
+    env: &[(&str, &std::ffi::OsStr)],
+) -> anyhow::Result<TestProcess> {
+    let mut command = Command::new(bin);
     command.args(["run", "--config", &config.display().to_string()]);
     command.args(args);
     command.envs(env.iter().map(|(key, value)| (*key, *value)));

@@ -148,10 +148,14 @@ fn kill_9_fails_over_in_the_kernel(kind: CacheKind) -> anyhow::Result<()> {
     );
     let sockets = harness.sockets(NODE_ID)?;
     assert!(sockets.udp <= 0, "{sockets:?}");
+    // The cache is known to the signal program from the agent's start: its SIGKILL (delivered to
+    // each of its threads, flipped once) and its last close each begin an epoch.
+    let activity = harness.maps.cache_activity(NODE_ID)?;
+    assert_eq!(activity.signalled, 1, "{activity:?}");
     assert_eq!(
         sockets.down_epoch,
-        epoch + 1,
-        "the kernel saw the cache go, once"
+        epoch + 2,
+        "the kernel saw the cache go, once at its SIGKILL and once at its last close"
     );
     Ok(())
 }
@@ -507,11 +511,12 @@ fn wildcard_and_reuseport_sockets_are_counted_one_by_one() -> anyhow::Result<()>
     assert_eq!(harness.sockets(V6_ID)?.udp, 0);
     assert_eq!(answered_by(&harness.sandbox)?, "cache");
     harness.sandbox.stop_server("cache")?;
+    // Its SIGKILL (once, however many threads it has) and its last close.
     for id in [NODE_ID, CLUSTER_ID] {
         let sockets = harness.sockets(id)?;
         assert_eq!(
             (sockets.udp, sockets.tcp, sockets.down_epoch),
-            (0, 0, 1),
+            (0, 0, 2),
             "listener {id}: {sockets:?}"
         );
     }
@@ -891,9 +896,10 @@ fn an_answer_from_a_cache_that_died_meanwhile_does_not_vouch_for_its_successor()
         },
     )?;
     let counts = maps.socket_counts(NODE_ID)?;
+    // Its SIGKILL and its last close each began an epoch.
     assert_eq!(
         (counts.udp, counts.down_epoch),
-        (1, epoch + 1),
+        (1, epoch + 2),
         "{counts:?}"
     );
     agent.signal(Signal::SIGCONT)?;

@@ -726,7 +726,9 @@ fn without_fetching_atomics_the_programs_load_count_and_fail_over_and_say_so() -
     );
     cli::stop_agent(&mut agent)?;
 
-    // With no agent: a cache's last close moves the listener (a plain add, then a read).
+    // With no agent: a cache's stop moves the listener (a plain add, then a read): its SIGKILL,
+    // once for all its threads (the agent knew its process from its sockets), then its last
+    // close.
     let pin_dir = sandbox.pin_dir();
     let epoch = || -> anyhow::Result<u64> {
         Ok(redirector::datapath::Maps::open_pinned(&pin_dir)?
@@ -737,7 +739,11 @@ fn without_fetching_atomics_the_programs_load_count_and_fail_over_and_say_so() -
     sandbox.stop_server("cache")?;
     let answered = answered_by(&sandbox)?;
     assert!(answered.starts_with("upstream"), "{answered}");
-    assert_eq!(epoch()?, before + 1, "the last close recorded the death");
+    assert_eq!(
+        epoch()?,
+        before + 2,
+        "the SIGKILL and the last close recorded the death"
+    );
     // Its next life binds under the programs, so its stop signal moves the listener too (a new
     // epoch while its sockets stand), and its last close once more.
     sandbox.start_cache("cache", &bpf_tests::sandbox::CacheSpec::standard())?;

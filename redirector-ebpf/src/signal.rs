@@ -25,13 +25,15 @@ use aya_ebpf::{
     programs::RawTracePointContext,
 };
 use redirector_common::{
-    activity::FLIP_SIGNALLED, binds::is_terminating, datapath::listener_bit,
-    listener::MAX_LISTENERS,
+    activity::{CacheActivity, FLIP_SIGNALLED},
+    binds::is_terminating,
+    datapath::listener_bit,
+    listener::{MAX_LISTENERS, SocketCounts},
 };
 
 use crate::{
     activity,
-    maps::{CACHE_ACTIVITY, CACHE_TASKS, SOCKET_COUNTS},
+    maps::{CACHE_ACTIVITY, CACHE_HEALTH, CACHE_TASKS, SOCKET_COUNTS},
 };
 
 /// Fails over the listeners of the cache process the signal is delivered to, if it is one.
@@ -61,6 +63,8 @@ pub fn try_flip_on_signal(ctx: &RawTracePointContext) -> Option<()> {
             // with no socket left has had its epoch recorded by its last close.
             if unsafe { read_volatile(addr_of!((*counts).udp)) } > 0
                 && let Some(activity) = CACHE_ACTIVITY.get_ptr_mut(id)
+                // SAFETY: as above.
+                && !unsafe { signal_flip_stands(id, counts, activity) }
             {
                 // SAFETY: the listener's own element. The clock is read only for a cache, and is not
                 // the coarse one, which tracing programs may not call (it takes a seqlock).
@@ -70,4 +74,35 @@ pub fn try_flip_on_signal(ctx: &RawTracePointContext) -> Option<()> {
         id += 1;
     }
     Some(())
+}
+
+/// Whether listener `id` already routes upstream for a signal to its cache: its current epoch
+/// was begun by a signal, and the probes have not confirmed the cache in it. Such a flip is not
+/// repeated: SIGKILL, the OOM killer's and an unhandled SIGTERM are delivered to every thread of
+/// the process (a flip per thread would count one stop many times), and a cache may be told to
+/// stop twice. Once the probes confirmed the cache in that epoch (a false alarm), a signal
+/// flips it again. Two threads on two CPUs may both flip: an epoch more, which routes the same.
+///
+/// # Safety
+///
+/// `counts` and `activity` are listener `id`'s elements of `SOCKET_COUNTS` and `CACHE_ACTIVITY`.
+#[inline(always)]
+unsafe fn signal_flip_stands(
+    id: u32,
+    counts: *const SocketCounts,
+    activity: *const CacheActivity,
+) -> bool {
+    // SAFETY: the caller's elements, read field by field (each written whole).
+    let (epoch, flip_epoch, reason) = unsafe {
+        (
+            read_volatile(addr_of!((*counts).down_epoch)),
+            read_volatile(addr_of!((*activity).flip_epoch)),
+            read_volatile(addr_of!((*activity).flip_reason)),
+        )
+    };
+    reason == FLIP_SIGNALLED
+        && flip_epoch == epoch
+        && CACHE_HEALTH
+            .get(id)
+            .is_none_or(|health| health.confirmed_epoch != epoch)
 }

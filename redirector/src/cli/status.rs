@@ -53,7 +53,9 @@ pub(crate) fn status(args: &StatusArgs) -> anyhow::Result<()> {
         // Incomplete pins with no program on a cgroup (another release's `uninstall` removes
         // only the pins it knows): said from the links themselves, so nobody takes them for a
         // set that steers.
-        Err(error) if !datapath::has_pinned_attachments(&pin_dir) => {
+        Err(error)
+            if datapath::has_pins(&pin_dir) && !datapath::has_pinned_attachments(&pin_dir) =>
+        {
             return Err(error).context(format!(
                 "no program is attached to a cgroup from {}, so nothing steers DNS: DNS to the \
                  listeners goes where it was sent; the pins there are what an uninstall left \

@@ -43,7 +43,7 @@ use pins::{
     remove_file_if_present, rename,
 };
 pub use pins::{
-    MapAction, Plan, Verdict, has_pinned_attachments, other_attached_sets, pinned_layout,
+    MapAction, Plan, Verdict, has_pinned_attachments, has_pins, other_attached_sets, pinned_layout,
     remove_pins,
 };
 use redirector_common::{activity::StallTiming, names};

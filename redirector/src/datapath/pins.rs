@@ -319,6 +319,14 @@ pub fn has_pinned_attachments(pin_dir: &Path) -> bool {
     })
 }
 
+/// True when anything is pinned under `pin_dir`: a map or a link, of this release or another.
+#[must_use]
+pub fn has_pins(pin_dir: &Path) -> bool {
+    [MAPS_DIR, STAGED_MAPS_DIR, LINKS_DIR]
+        .iter()
+        .any(|dir| !pinned_names(&pin_dir.join(dir)).is_empty())
+}
+
 /// How deep below its bpf filesystem's root another set of pins is looked for.
 const OTHER_SETS_DEPTH: usize = 3;
 

@@ -19,12 +19,9 @@
 //! `BPF_CMPXCHG` 5.12 (arm64's JIT 5.18; without it the stall detection is off: `fetching`), mmapable arrays 5.5, `bpf_sock_addr.sk` 5.3 (the reading socket's bound
 //! port), socket-local storage from sock_addr programs 5.3.
 
-use core::ptr::{self, addr_of, addr_of_mut, read_volatile, write_volatile};
+use core::ptr::{addr_of, addr_of_mut, read_volatile, write_volatile};
 
-use aya_ebpf::{
-    helpers::{bpf_sk_fullsock, bpf_sk_storage_get},
-    programs::{SkBuffContext, SockAddrContext},
-};
+use aya_ebpf::programs::{SkBuffContext, SockAddrContext};
 use redirector_common::{
     activity::{CacheActivity, FLIP_SIGNALLED, FLIP_STALLED, is_stalled, unread_since},
     binds::CacheReader,
@@ -44,6 +41,7 @@ use crate::{
         CACHE_ACTIVITY, CACHE_PENDING, CACHE_PORTS, CACHE_READERS, CACHE_SOCKETS, DATAPATH_CONFIG,
         SOCKET_COUNTS, STALL_TIMING,
     },
+    skb,
 };
 
 /// On the cache route: whether the cache has left a query unread past its limit. The first
@@ -126,30 +124,9 @@ pub fn note_delivery(ctx: &SkBuffContext) {
     if CACHE_PORTS.get(word).is_none_or(|ports| *ports & bit == 0) {
         return;
     }
-    // SAFETY: as above; the verifier wants `sk` checked for null before `bpf_sk_fullsock`.
-    let sk = unsafe { read_volatile(addr_of!((*skb).__bindgen_anon_2.sk)) };
-    if sk.is_null() {
+    let Some(reader) = skb::full_socket(ctx).and_then(|sk| skb::storage(&CACHE_READERS, sk)) else {
         return;
-    }
-    // SAFETY: a non-null socket pointer of the context.
-    let sk = unsafe { bpf_sk_fullsock(sk) };
-    if sk.is_null() {
-        return;
-    }
-    // SAFETY: a full socket; the storage helper takes it as the socket (`ARG_PTR_TO_BTF_ID_SOCK_
-    // COMMON`, a full socket on 5.2+), never creating one here.
-    let reader = unsafe {
-        bpf_sk_storage_get(
-            ptr::from_ref(&CACHE_READERS).cast_mut().cast(),
-            sk.cast(),
-            ptr::null_mut(),
-            0,
-        )
-    }
-    .cast::<CacheReader>();
-    if reader.is_null() {
-        return;
-    }
+    };
     let Some(config) = DATAPATH_CONFIG.get(0) else {
         return;
     };

@@ -30,6 +30,7 @@ mod liveness;
 mod maps;
 mod reverse;
 mod signal;
+mod skb;
 mod stale;
 mod steer;
 

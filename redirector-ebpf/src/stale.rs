@@ -13,12 +13,12 @@
 //! `bpf_sk_storage_get` 5.2; `bpf_skb_ancestor_cgroup_id` 4.19; `bpf_ktime_get_ns` 4.1 (all in
 //! cgroup_skb programs).
 
-use core::ptr::{self, addr_of, read_volatile};
+use core::ptr::{addr_of, read_volatile};
 
 use aya_ebpf::{
     EbpfContext as _,
     bindings::bpf_sock,
-    helpers::{bpf_ktime_get_ns, bpf_sk_fullsock, bpf_sk_storage_get, bpf_skb_ancestor_cgroup_id},
+    helpers::{bpf_ktime_get_ns, bpf_skb_ancestor_cgroup_id},
     programs::SkBuffContext,
 };
 use redirector_common::{
@@ -34,6 +34,7 @@ use redirector_common::{
 use crate::{
     activity, context,
     maps::{LISTENERS, POOLS, STEERED_SOCKS},
+    skb,
     steer::{self, count},
 };
 
@@ -60,17 +61,10 @@ pub fn try_check_egress(ctx: &SkBuffContext) -> Egress {
     if remote_port != u32::from(DNS_PORT).to_be() {
         return Egress::Pass;
     }
-    // SAFETY: as above. `sk` is the sending socket; the verifier wants it checked for null
-    // before `bpf_sk_fullsock`, which is null for request and time-wait sockets.
-    let sk = unsafe { read_volatile(addr_of!((*skb).__bindgen_anon_2.sk)) };
-    if sk.is_null() {
+    // The sending socket.
+    let Some(sk) = skb::full_socket(ctx) else {
         return Egress::Pass;
-    }
-    // SAFETY: a non-null socket pointer of the context.
-    let sk = unsafe { bpf_sk_fullsock(sk) };
-    if sk.is_null() {
-        return Egress::Pass;
-    }
+    };
     // SAFETY: a full socket, as the verifier knows after the null check.
     if unsafe { read_volatile(addr_of!((*sk).protocol)) } != IPPROTO_UDP {
         return Egress::Pass;
@@ -180,20 +174,7 @@ fn remote_addr(ctx: &SkBuffContext) -> NetAddr {
 /// The socket's translation, if connect steered it to `peer` (port 53).
 #[inline(always)]
 fn steered(sk: *mut bpf_sock, peer: &NetAddr) -> Option<SteeredSocket> {
-    // SAFETY: a full socket; no flags: look up, never create. The map pointer is the BTF map's
-    // address, as aya passes it.
-    let value = unsafe {
-        bpf_sk_storage_get(
-            ptr::from_ref(&STEERED_SOCKS).cast_mut().cast(),
-            sk.cast(),
-            ptr::null_mut(),
-            0,
-        )
-    }
-    .cast::<SteeredSocket>();
-    if value.is_null() {
-        return None;
-    }
+    let value = skb::storage(&STEERED_SOCKS, sk)?;
     // SAFETY: non-null storage of this socket.
     let steered = unsafe { context::snapshot(value) };
     (steered.peer == *peer && steered.peer_port_be == port_be(DNS_PORT)).then_some(steered)

@@ -97,8 +97,17 @@ pub fn write_standard_config(sandbox: &Sandbox) -> anyhow::Result<std::path::Pat
 
 /// Who answered a UDP query from the pod to the node listener: `cache`, `upstream A`, ...
 pub fn answered_by(sandbox: &Sandbox) -> anyhow::Result<&'static str> {
-    let query = Query::new(dns(NODE_LISTENER), Transport::Udp);
-    Ok(who(sandbox.query(Ns::Pod, query)?.answer()))
+    answered_at(sandbox, Ns::Pod, NODE_LISTENER.into())
+}
+
+/// Who answered a UDP query from `ns` to `listener`.
+pub fn answered_at(
+    sandbox: &Sandbox,
+    ns: Ns,
+    listener: std::net::IpAddr,
+) -> anyhow::Result<&'static str> {
+    let query = Query::new(dns(listener), Transport::Udp);
+    Ok(who(sandbox.query(ns, query)?.answer()))
 }
 
 /// The node listener's reason, as `status` and the metrics give it (`healthy`, `stalled`, ...).
@@ -125,11 +134,21 @@ pub fn agent_serving_from_cache(
 /// Waits until the node listener's DNS is answered by the cache (`what` says why it should be),
 /// for at most 10 s stretched to the machine's pace.
 pub fn wait_for_cache(sandbox: &Sandbox, what: &str) -> anyhow::Result<()> {
+    wait_for_cache_at(sandbox, Ns::Pod, NODE_LISTENER.into(), what)
+}
+
+/// The same for `listener`, asked from `ns`.
+pub fn wait_for_cache_at(
+    sandbox: &Sandbox,
+    ns: Ns,
+    listener: std::net::IpAddr,
+    what: &str,
+) -> anyhow::Result<()> {
     crate::pace::wait_until(
         what,
         Duration::from_secs(10),
         Duration::from_millis(50),
-        || Ok(answered_by(sandbox)? == "cache"),
+        || Ok(answered_at(sandbox, ns, listener)? == "cache"),
     )
 }
 

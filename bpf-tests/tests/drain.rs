@@ -15,10 +15,10 @@ use bpf_tests::{
     dns::now_ms,
     harness::{NODE_ID, agent_serving_from_cache, answered_by, node_reason, wait_for_cache},
     pace::{paced_ms, pause, wait_until},
-    sandbox::{CacheSpec, Ns, Query, Sandbox, Transport},
+    sandbox::{CacheSpec, Ns, Sandbox},
     stream::{Stream, StreamReport},
     tools,
-    topology::{CLUSTER_LISTENER, NODE_LISTENER, dns, who},
+    topology::{CLUSTER_LISTENER, NODE_LISTENER, dns},
 };
 use nix::sys::signal::Signal;
 use redirector::datapath::Maps;
@@ -334,8 +334,7 @@ skip_cgroups = [{skipped:?}]
 
 /// Who answered a UDP query from the pod to `listener`: `cache`, `upstream A`, ...
 fn answered_at(sandbox: &Sandbox, listener: std::net::Ipv4Addr) -> anyhow::Result<&'static str> {
-    let query = Query::new(dns(listener), Transport::Udp);
-    Ok(who(sandbox.query(Ns::Pod, query)?.answer()))
+    bpf_tests::harness::answered_at(sandbox, Ns::Pod, listener.into())
 }
 
 /// Listener `id`'s reason, as `status` gives it.

@@ -10,13 +10,14 @@ use bpf_tests::{
     cli::{start_agent, start_agent_with, stop_agent, uninstall},
     dns::now_ms,
     harness::{
-        NODE_ID, agent_serving_from_cache, node_reason, wait_for_cache, write_standard_config,
+        NODE_ID, agent_serving_from_cache, node_reason, wait_for_cache, wait_for_cache_at,
+        write_standard_config,
     },
     pace::{paced_ms, pause},
-    sandbox::{CacheSpec, Ns, Query, Sandbox, Transport},
+    sandbox::{CacheSpec, Ns, Sandbox},
     stream::{Stream, StreamReport},
     tools,
-    topology::{NODE_LISTENER, dns, who},
+    topology::{NODE_LISTENER, dns},
 };
 use nix::sys::signal::Signal;
 use redirector::{datapath::Maps, sys::kernel_support};
@@ -327,14 +328,11 @@ upstreams = ["198.18.2.2", "198.18.2.3:53"]
     );
     let config = sandbox.write_file("moved.toml", &sandbox.config_toml(&listeners))?;
     let mut agent = start_agent(&config)?;
-    bpf_tests::pace::wait_until(
+    wait_for_cache_at(
+        &sandbox,
+        Ns::Pod,
+        MOVED_LISTENER.into(),
         "the agent confirms the cache for the moved listener",
-        Duration::from_secs(10),
-        Duration::from_millis(50),
-        || {
-            let query = Query::new(dns(MOVED_LISTENER), Transport::Udp);
-            Ok(who(sandbox.query(Ns::Pod, query)?.answer()) == "cache")
-        },
     )?;
     stop_agent(&mut agent)?;
     let moved_id = Maps::open_pinned(&sandbox.pin_dir())?
@@ -436,14 +434,11 @@ fn queries_dropped_before_the_cache_never_count_as_unread() -> anyhow::Result<()
     quiet_client_beside_dropped_pod(&sandbox, "with no agent")?;
     let mut agent = start_agent(&config)?;
     // From the node: the pod's queries are dropped.
-    bpf_tests::pace::wait_until(
+    wait_for_cache_at(
+        &sandbox,
+        Ns::Node,
+        NODE_LISTENER.into(),
         "the agent confirms the cache",
-        Duration::from_secs(10),
-        Duration::from_millis(50),
-        || {
-            let query = Query::new(dns(NODE_LISTENER), Transport::Udp);
-            Ok(who(sandbox.query(Ns::Node, query)?.answer()) == "cache")
-        },
     )?;
     quiet_client_beside_dropped_pod(&sandbox, "with the agent")?;
     stop_agent(&mut agent)?;

@@ -593,6 +593,23 @@ fn cancel(maps: &Maps, caches: &[CacheDrain]) -> Result<Vec<String>, DrainError>
     Ok(lines)
 }
 
+/// Every listener of `caches` with its configuration in `found` (a listener removed meanwhile
+/// is left out).
+fn configured<'a>(
+    found: &'a [(Member, ListenerConfig)],
+    caches: &'a [CacheDrain],
+) -> impl Iterator<Item = (&'a Member, &'a ListenerConfig)> {
+    caches
+        .iter()
+        .flat_map(|drain| &drain.listeners)
+        .filter_map(|member| {
+            found
+                .iter()
+                .find(|(other, _)| other.id == member.id)
+                .map(|(_, config)| (member, config))
+        })
+}
+
 /// A line for each listener of `caches` with no upstream to take its DNS while the drain
 /// stands: its empty-pool policy answers its queries until the cache's next life is confirmed,
 /// as it would from the cache's stop without a drain. An operator should know before the stop.
@@ -602,10 +619,7 @@ fn without_upstreams(
     caches: &[CacheDrain],
 ) -> Result<Vec<String>, DrainError> {
     let mut lines = Vec::new();
-    for member in caches.iter().flat_map(|drain| &drain.listeners) {
-        let Some((_, config)) = found.iter().find(|(other, _)| other.id == member.id) else {
-            continue;
-        };
+    for (member, config) in configured(found, caches) {
         if maps.pool(member.id)?.len != 0 {
             continue;
         }
@@ -633,10 +647,7 @@ fn on_the_cache(
     caches: &[CacheDrain],
 ) -> Result<Vec<String>, DrainError> {
     let mut stuck = Vec::new();
-    for member in caches.iter().flat_map(|drain| &drain.listeners) {
-        let Some((_, config)) = found.iter().find(|(other, _)| other.id == member.id) else {
-            continue;
-        };
+    for (member, config) in configured(found, caches) {
         let (route, reason) = maps.route(member.id, config.liveness)?;
         if route == Route::Upstream {
             continue;

@@ -170,9 +170,14 @@ impl StreamReport {
         Self::answered_by(record).starts_with("upstream")
     }
 
-    /// Asserts that a cache told to stop at `signalled_ms` was known to the signal program
-    /// (`activity`, its listener's record, counts a signal flip; `cache` names it in messages)
-    /// and that of the queries begun after the signal, more than 100, none was lost.
+    /// Asserts that a cache told to stop was known to the signal program (`activity`, its
+    /// listener's record, counts a signal flip; `cache` names it in messages) and that of the
+    /// queries begun after the signal, more than 100, none was lost.
+    ///
+    /// `signalled_ms` is read once `kill` has returned: the signal program has flipped by then.
+    /// Start times are whole milliseconds, so a query begun within that millisecond may have been
+    /// sent before the signal, into the cache's queue that it never reads again; only queries
+    /// begun in a later millisecond were surely sent after it.
     pub fn assert_signal_lost_nothing_after(
         &self,
         signalled_ms: u64,
@@ -184,13 +189,14 @@ impl StreamReport {
             activity.signalled >= 1,
             "the signal program did not know {cache} as the cache: {activity:?}"
         );
+        let after = signalled_ms + 1;
         assert!(
-            self.between(signalled_ms, u64::MAX).count() > 100,
+            self.between(after, u64::MAX).count() > 100,
             "too few queries after the signal: {}",
             self.summary()
         );
         assert_eq!(
-            self.failures_between(signalled_ms, u64::MAX),
+            self.failures_between(after, u64::MAX),
             0,
             "queries sent after the signal were lost: {}",
             self.summary()

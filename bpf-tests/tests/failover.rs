@@ -266,8 +266,8 @@ fn first_sigterm_of_a_cache_older_than_the_agent(kind: CacheKind) -> anyhow::Res
         &["--kinds", "fresh,long", "--interval-ms", "2"],
     )?;
     pause(1000);
-    let signalled = now_ms();
     harness.sandbox.process("cache")?.signal(Signal::SIGTERM)?;
+    let signalled = now_ms();
     harness
         .sandbox
         .process("cache")?

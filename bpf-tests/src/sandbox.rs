@@ -992,6 +992,12 @@ impl Sandbox {
         &self.tag
     }
 
+    /// The sandbox's scratch folder (removed with it), for files a test writes.
+    #[must_use]
+    pub fn scratch_dir(&self) -> &Path {
+        &self.scratch.0
+    }
+
     /// Writes `text` to `name` in the sandbox's scratch directory (readable by everyone) and
     /// returns the path.
     pub fn write_file(&self, name: &str, text: &str) -> anyhow::Result<PathBuf> {

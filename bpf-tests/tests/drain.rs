@@ -11,6 +11,7 @@ use std::time::Duration;
 use anyhow::Context as _;
 
 use bpf_tests::{
+    caches::{CacheKind, Corefile, start_cache},
     cli::{CliOutput, redirector, set_state, start_agent, uninstall},
     dns::now_ms,
     harness::{NODE_ID, agent_serving_from_cache, answered_by, node_reason, wait_for_cache},
@@ -156,6 +157,53 @@ fn drain_and_wait_then_a_restart_loses_nothing() -> anyhow::Result<()> {
     sandbox.stop_server("cache")?;
     sandbox.start_cache("cache", &CacheSpec::standard())?;
     wait_for_cache(&sandbox, "the probes confirm the cache's next life")?;
+    let back = now_ms();
+    let report = stream.stop_once(
+        "queries after the failback",
+        Duration::from_secs(20),
+        |report| report.between(back, u64::MAX).count() > 30,
+    )?;
+    let restart = Restart {
+        drained,
+        waited,
+        stopped,
+        back,
+    };
+    restart.assert_nothing_lost(&report, "node", agent.printed());
+    drop(agent);
+    uninstall(&config)?;
+    Ok(())
+}
+
+/// The same planned restart of CoreDNS as AKS LocalDNS runs it: drained and waited for over the
+/// agent's socket, then told to stop (SIGTERM: its lameduck keeps it serving, sockets open, for
+/// seconds), its next life started once it has gone. Nothing is lost, and the drained CoreDNS
+/// answers nothing but the kept socket's queries inside the drain's grace.
+#[test]
+fn a_drained_coredns_in_lameduck_restarts_losing_nothing() -> anyhow::Result<()> {
+    let kind = CacheKind::CoreDns(Corefile::LocalDns);
+    let mut sandbox = Sandbox::new(tools!())?;
+    start_cache(&mut sandbox, kind, "cache")?;
+    sandbox.start_upstreams()?;
+    let (config, mut agent) = agent_serving_from_cache(&sandbox)?;
+    let stream = Stream::open_loop(
+        &sandbox,
+        dns(NODE_LISTENER),
+        Duration::from_secs(120),
+        paced_ms(2),
+    )?;
+    pause(500);
+    let drained = now_ms();
+    drain(&Via::Socket(&sandbox.drain_socket()), &["--wait"])?;
+    let waited = now_ms();
+    let stopped = now_ms();
+    sandbox.process("cache")?.signal(Signal::SIGTERM)?;
+    sandbox
+        .process("cache")?
+        .wait_exit(Duration::from_secs(10))?;
+    sandbox.stop_server("cache")?;
+    start_cache(&mut sandbox, kind, "cache")?;
+    wait_for_cache(&sandbox, "the probes confirm CoreDNS's next life")?;
     let back = now_ms();
     let report = stream.stop_once(
         "queries after the failback",

@@ -1,12 +1,12 @@
 //! Failover when the cache dies, hangs or restarts, with real caches (our test server, dnsmasq,
-//! unbound) and a continuous query stream from a pod: fresh sockets (as glibc uses) and one
+//! unbound, the embedded cache, CoreDNS with NodeLocal DNSCache's and AKS LocalDNS's Corefiles) and a continuous query stream from a pod: fresh sockets (as glibc uses) and one
 //! long-lived unconnected socket. The tests assert who answered and that no answer is missing
 //! after the flip; the timing figures they print belong to the benchmark, not to assertions.
 
 use std::time::Duration;
 
 use bpf_tests::{
-    caches::{CacheKind, start_cache},
+    caches::{CacheKind, Corefile, start_cache},
     cli::{set_state, start_agent, stop_agent},
     dns::now_ms,
     harness::{
@@ -180,6 +180,11 @@ fn kill_9_of_the_embedded_cache_fails_over_in_the_kernel() -> anyhow::Result<()>
     kill_9_fails_over_in_the_kernel(CacheKind::Embedded)
 }
 
+#[test]
+fn kill_9_of_coredns_fails_over_in_the_kernel() -> anyhow::Result<()> {
+    kill_9_fails_over_in_the_kernel(CacheKind::CoreDns(Corefile::NodeLocal))
+}
+
 fn clean_stop_and_restart(kind: CacheKind) -> anyhow::Result<()> {
     let mut harness = harness_with(kind)?;
     let started = now_ms();
@@ -215,12 +220,12 @@ fn clean_stop_and_restart(kind: CacheKind) -> anyhow::Result<()> {
         "{}",
         report.summary()
     );
-    // Back on the cache only once the probes confirmed it.
+    // Moved by the kernel (the signal, or the last close; a cache in lameduck is seen by the
+    // agent while it still holds its sockets), back on the cache only once the probes confirmed it.
     let transitions = harness.agent.stats.transitions("node");
     assert!(
-        transitions
-            .iter()
-            .any(|t| t.to == Route::Upstream && t.reason == Reason::NoSockets),
+        transitions.iter().any(|t| t.to == Route::Upstream
+            && matches!(t.reason, Reason::NoSockets | Reason::Signalled)),
         "{transitions:?}"
     );
     assert_eq!(
@@ -249,6 +254,13 @@ fn sigterm_and_restart_of_unbound_fail_over_and_back() -> anyhow::Result<()> {
 #[test]
 fn clean_stop_and_restart_of_the_embedded_cache() -> anyhow::Result<()> {
     clean_stop_and_restart(CacheKind::Embedded)
+}
+
+/// AKS LocalDNS's CoreDNS goes on serving for its lameduck after SIGTERM, sockets open: the
+/// signal moves the DNS at once, and its last close and the restart change nothing more.
+#[test]
+fn sigterm_and_restart_of_coredns_in_lameduck_fail_over_and_back() -> anyhow::Result<()> {
+    clean_stop_and_restart(CacheKind::CoreDns(Corefile::LocalDns))
 }
 
 /// The first SIGTERM of a cache that was running before the agent started (every node at first
@@ -286,6 +298,12 @@ fn first_sigterm_of_dnsmasq_older_than_the_agent_loses_nothing_after_it() -> any
 #[test]
 fn first_sigterm_of_unbound_older_than_the_agent_loses_nothing_after_it() -> anyhow::Result<()> {
     first_sigterm_of_a_cache_older_than_the_agent(CacheKind::Unbound)
+}
+
+#[test]
+fn first_sigterm_of_coredns_in_lameduck_older_than_the_agent_loses_nothing_after_it()
+-> anyhow::Result<()> {
+    first_sigterm_of_a_cache_older_than_the_agent(CacheKind::CoreDns(Corefile::LocalDns))
 }
 
 fn hang_and_resume(kind: CacheKind) -> anyhow::Result<()> {
@@ -389,6 +407,11 @@ fn sigstop_of_unbound_fails_over_by_probes_and_sigcont_back() -> anyhow::Result<
 #[test]
 fn hang_and_resume_of_the_embedded_cache() -> anyhow::Result<()> {
     hang_and_resume(CacheKind::Embedded)
+}
+
+#[test]
+fn sigstop_of_coredns_fails_over_by_probes_and_sigcont_back() -> anyhow::Result<()> {
+    hang_and_resume(CacheKind::CoreDns(Corefile::NodeLocal))
 }
 
 #[test]

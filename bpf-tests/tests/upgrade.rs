@@ -18,6 +18,7 @@ use std::{
 };
 
 use bpf_tests::{
+    caches::{CacheKind, Corefile, start_cache},
     cli::{
         CliOutput, redirector_with_env, set_state, start_agent, start_agent_of, start_agent_with,
         stop_agent, uninstall,
@@ -372,6 +373,40 @@ fn an_upgrade_across_layouts_and_its_rollback_lose_no_query() -> anyhow::Result<
     // The operator's override survived both.
     let state = set_state(&sandbox, "node", "upstream")?;
     assert!(state.stdout.contains("(was upstream)"), "{state:?}");
+    drop(agent);
+    uninstall(&first)?;
+    Ok(())
+}
+
+/// The same upgrade and rollback with CoreDNS (NodeLocal DNSCache's Corefile) as the cache under
+/// the streams: its many threads and reuseport-ready sockets are adopted as they are, and every
+/// query of the cache's listener is answered by it, every one of the listener forced upstream
+/// by an upstream, through both agent restarts.
+#[test]
+fn an_upgrade_and_its_rollback_under_corednss_load_lose_no_query() -> anyhow::Result<()> {
+    let mut sandbox = Sandbox::new(tools!())?;
+    start_cache(
+        &mut sandbox,
+        CacheKind::CoreDns(Corefile::NodeLocal),
+        "cache",
+    )?;
+    sandbox.start_upstreams()?;
+    let first = write_config(&sandbox, "first.toml", "")?;
+    let mut agent = start_agent(&first)?;
+    assert_eq!(set_state(&sandbox, "node", "upstream")?.code, 0);
+    let running = streams(&sandbox)?;
+    pause(800);
+    stop_agent(&mut agent)?;
+    let before = held(&sandbox)?;
+    let mut upgraded = start_agent_with(&first, &[], &bumped())?;
+    assert_migrated(&before, &held(&sandbox)?);
+    pause(800);
+    stop_agent(&mut upgraded)?;
+    let before = held(&sandbox)?;
+    let agent = start_agent(&first)?;
+    assert_migrated(&before, &held(&sandbox)?);
+    let (nodelocal, node) = stop_streams(running, now_ms())?;
+    assert_nothing_lost(&nodelocal, &node);
     drop(agent);
     uninstall(&first)?;
     Ok(())

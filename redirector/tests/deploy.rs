@@ -1042,15 +1042,25 @@ fn systemd_analyze_verifies_the_unit() {
     assert!(error.contains("/nonexistent/redirector"), "{error}");
 }
 
+/// The kubectl `cargo xtask setup` builds from `bpf-tests/go/kube` (`target/go/bin`, beside
+/// this test's `target/<profile>/deps`), else the PATH's.
+fn kubectl() -> PathBuf {
+    std::env::current_exe()
+        .ok()
+        .and_then(|exe| Some(exe.ancestors().nth(3)?.join("go/bin/kubectl")))
+        .filter(|built| built.exists())
+        .unwrap_or_else(|| "kubectl".into())
+}
+
 /// `kubectl kustomize DIR`, parsed. Without kubectl the test fails: the overlays are what
 /// operators apply, and only kustomize itself shows what they build.
 fn kustomize(dir: &Path) -> Vec<serde_json::Value> {
-    let output = match Command::new("kubectl").arg("kustomize").arg(dir).output() {
+    let output = match Command::new(kubectl()).arg("kustomize").arg(dir).output() {
         Ok(output) => output,
         Err(error) if error.kind() == std::io::ErrorKind::NotFound => panic!(
-            "kubectl is not installed, so the Kustomize overlays cannot be built: install a \
-             kubectl of 1.21 or later (its built-in kustomize must know `components` and \
-             `patches`; Debian 12's kubernetes-client 1.20 does not)"
+            "kubectl is not built, so the Kustomize overlays cannot be built: run `cargo xtask \
+             setup` (it builds kubectl into target/go/bin), or put a kubectl of 1.21 or later on \
+             the PATH (its built-in kustomize must know `components` and `patches`)"
         ),
         Err(error) => panic!("running kubectl: {error}"),
     };

@@ -3,6 +3,7 @@
 
 mod arch;
 mod elf;
+mod go_peers;
 mod image;
 mod lint;
 mod pinned_rustup;
@@ -24,7 +25,8 @@ struct Cli {
 #[derive(Subcommand, Debug)]
 enum Task {
     /// Install what is missing: the pinned eBPF toolchain, Debian's LLVM, bpf-linker, the Debian
-    /// test tools; check that the eBPF toolchain and bpf-linker are on one LLVM.
+    /// test tools, the tests' Go peers (CoreDNS, kube-apiserver, kubectl, etcd, built from
+    /// bpf-tests/go); check that the eBPF toolchain and bpf-linker are on one LLVM.
     Setup,
     /// Build the eBPF object and every userspace crate; with `--target`, the shipped agent
     /// instead: static (musl), release, for each architecture named.
@@ -93,7 +95,10 @@ fn main() -> std::process::ExitCode {
 
 fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.task {
-        Task::Setup => setup::ensure(),
+        Task::Setup => {
+            setup::ensure()?;
+            go_peers::ensure()
+        }
         Task::Build { targets } => {
             setup::ensure()?;
             if targets.is_empty() {
@@ -118,6 +123,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             filter,
         } => {
             setup::ensure()?;
+            go_peers::ensure()?;
             pinned_rustup::enter()?;
             tasks::test(!no_lint, filter.as_deref())?;
             if no_vm {
@@ -153,6 +159,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Task::Sweep => sweep::run(),
         Task::VmTest(args) => {
             setup::ensure()?;
+            go_peers::ensure()?;
             vm::run(&args)
         }
     }

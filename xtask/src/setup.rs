@@ -53,6 +53,8 @@ const DEBIAN_PACKAGES: &[&str] = &[
     "binutils",
     // The image's root filesystem (deploy/container/rootfs.sh): update-ca-certificates' openssl.
     "ca-certificates",
+    // The real API server's test (bpf-tests/src/kube_apiserver.rs): its service account key.
+    "openssl",
 ];
 
 /// Where Debian's LLVM lives.

@@ -18,7 +18,7 @@ use kube::{
     runtime::{WatchStreamExt as _, watcher},
 };
 use tokio::{sync::mpsc, time::MissedTickBehavior};
-use tracing::{info, warn};
+use tracing::{error, info, warn};
 
 use super::{
     FedListener, Offer, SourceEvent, SourceKind, Upstream,
@@ -199,7 +199,11 @@ pub async fn watch(
                         source: SourceKind::Kubernetes,
                     },
                     Ok(Err(error)) => {
-                        warn!(service = %format!("{namespace}/{service}"), error = %error, "the API server did not answer the periodic check; keeping the last known pool");
+                        if let Some(refusal) = forbidden_client(&error) {
+                            error!(service = %format!("{namespace}/{service}"), refusal, "{RBAC_HINT}");
+                        } else {
+                            warn!(service = %format!("{namespace}/{service}"), error = %error, "the API server did not answer the periodic check; keeping the last known pool");
+                        }
                         SourceEvent::Failed {
                             source: SourceKind::Kubernetes,
                         }
@@ -244,8 +248,13 @@ pub async fn watch(
                 true
             }
             Err(error) => {
-                // The watcher backs off and retries; the pool stays as last known.
-                warn!(service = %format!("{namespace}/{service}"), error = %error, "watching EndpointSlices failed; keeping the last known pool");
+                // The watcher backs off and retries (a Role may be fixed while the agent runs);
+                // the pool stays as last known. A refusal for want of RBAC says so at each retry.
+                if let Some(refusal) = forbidden(&error) {
+                    error!(service = %format!("{namespace}/{service}"), refusal, "{RBAC_HINT}");
+                } else {
+                    warn!(service = %format!("{namespace}/{service}"), error = %error, "watching EndpointSlices failed; keeping the last known pool");
+                }
                 if events
                     .send(SourceEvent::Failed {
                         source: SourceKind::Kubernetes,
@@ -274,6 +283,34 @@ pub async fn watch(
         {
             return;
         }
+    }
+}
+
+/// What the agent says when the API server refuses it a verb on EndpointSlices (403).
+const RBAC_HINT: &str = "the API server refused the agent's ServiceAccount a verb it needs on \
+    EndpointSlices (get, list and watch discovery.k8s.io endpointslices in the kube_dns Service's \
+    namespace); keeping the last known pool and retrying. Apply the Role and RoleBinding of \
+    deploy/kubernetes/base (role.yaml, rolebinding.yaml) in that namespace, bound to the \
+    ServiceAccount the agent runs as";
+
+/// The API server's message when a watcher's call was refused for want of RBAC (403).
+fn forbidden(error: &watcher::Error) -> Option<&str> {
+    match error {
+        watcher::Error::InitialListFailed(error)
+        | watcher::Error::WatchStartFailed(error)
+        | watcher::Error::WatchFailed(error) => forbidden_client(error),
+        watcher::Error::WatchError(status) => {
+            status.is_forbidden().then_some(status.message.as_str())
+        }
+        watcher::Error::NoResourceVersion => None,
+    }
+}
+
+/// The API server's message when a call was refused for want of RBAC (403).
+fn forbidden_client(error: &kube::Error) -> Option<&str> {
+    match error {
+        kube::Error::Api(status) if status.is_forbidden() => Some(status.message.as_str()),
+        _ => None,
     }
 }
 
@@ -499,5 +536,33 @@ mod tests {
             "{:?}",
             offer.rejected
         );
+    }
+
+    #[test]
+    fn a_refusal_for_want_of_rbac_is_told_from_other_errors() {
+        let refused = kube::core::Status::failure(
+            "endpointslices.discovery.k8s.io is forbidden: cannot watch resource",
+            "Forbidden",
+        )
+        .with_code(403);
+        let start = watcher::Error::WatchStartFailed(kube::Error::Api(refused.clone().boxed()));
+        assert_eq!(
+            forbidden(&start),
+            Some("endpointslices.discovery.k8s.io is forbidden: cannot watch resource")
+        );
+        assert!(forbidden(&watcher::Error::WatchError(refused.boxed())).is_some());
+        let gone =
+            kube::core::Status::failure("too old resource version", "Expired").with_code(410);
+        assert_eq!(
+            forbidden(&watcher::Error::WatchError(gone.clone().boxed())),
+            None
+        );
+        assert_eq!(
+            forbidden(&watcher::Error::InitialListFailed(kube::Error::Api(
+                gone.boxed()
+            ))),
+            None
+        );
+        assert_eq!(forbidden(&watcher::Error::NoResourceVersion), None);
     }
 }

@@ -19,10 +19,34 @@ pub struct HostOnly {
 pub const HOST_ONLY: &[HostOnly] = &[
     HostOnly {
         binary: "failover",
-        skip: &["_of_dnsmasq_", "_of_unbound_", "_of_the_embedded_cache"],
-        why: "kill -9, stop and hang through dnsmasq, unbound and the embedded cache: the test \
-              server's run of each takes the same kernel paths, and \
+        skip: &[
+            "_of_dnsmasq_",
+            "_of_unbound_",
+            "_of_the_embedded_cache",
+            "_of_coredns_",
+        ],
+        why: "kill -9, stop and hang through dnsmasq, unbound, the embedded cache and CoreDNS: \
+              the test server's run of each takes the same kernel paths, and \
               wildcard_and_reuseport_sockets_are_counted_one_by_one their socket shapes",
+    },
+    HostOnly {
+        binary: "coredns",
+        skip: &[],
+        why: "CoreDNS's own ways (Go's SIGURG, multisocket, its netpoller at capacity) over the \
+              signal program, the socket counts and the stall stamps that the test server's \
+              tests run on every kernel",
+    },
+    HostOnly {
+        binary: "kube_apiserver",
+        skip: &[],
+        why: "the agent's API client and the shipped RBAC against a real API server are \
+              userspace; the pools it writes take the paths steering's pool tests run on every \
+              kernel",
+    },
+    HostOnly {
+        binary: "drain",
+        skip: &["a_drained_coredns"],
+        why: "the same drain and restart as the test server's, with CoreDNS in lameduck",
     },
     HostOnly {
         binary: "agent_cli",
@@ -57,9 +81,12 @@ pub const HOST_ONLY: &[HostOnly] = &[
     },
     HostOnly {
         binary: "upgrade",
-        skip: &["a_newer_cli_on_an_older_releases_pins"],
+        skip: &[
+            "a_newer_cli_on_an_older_releases_pins",
+            "under_corednss_load",
+        ],
         why: "what the CLI reads of another release's pins and says is userspace; the upgrade and \
-              rollback across layouts run on every kernel",
+              rollback across layouts run on every kernel (under CoreDNS's load on the host's)",
     },
     HostOnly {
         binary: "lifecycle",

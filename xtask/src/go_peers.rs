@@ -1,0 +1,180 @@
+//! The Go programs the tests run as peers: CoreDNS (the cache NodeLocal DNSCache and AKS
+//! LocalDNS run), and kube-apiserver, kubectl and etcd (a real API server for the agent's
+//! Kubernetes side). Each is built from a Go module of ours under `bpf-tests/go/`, whose go.mod
+//! and go.sum pin every version, with the machine's Go and the Go module proxy; by `setup`,
+//! `test` and `vm-test` (not by `demo` or `build`, which need none), once per machine and again
+//! only when a module's go.mod, go.sum or Go files or the Go version change, into
+//! `target/go/bin`, with the module and build caches under `target/go` too.
+
+use std::{
+    hash::{Hash as _, Hasher as _},
+    path::{Path, PathBuf},
+    process::Command,
+    time::Instant,
+};
+
+use anyhow::{Context as _, bail};
+
+/// One Go module of ours and the programs built from it.
+struct Module {
+    /// Its folder under `bpf-tests/go`.
+    folder: &'static str,
+    /// Its programs' Go packages; each binary takes its package's last element as its name.
+    programs: &'static [&'static str],
+}
+
+const MODULES: &[Module] = &[
+    Module {
+        folder: "coredns",
+        programs: &["github.com/coredns/coredns"],
+    },
+    Module {
+        folder: "kube",
+        programs: &[
+            "k8s.io/kubernetes/cmd/kube-apiserver",
+            "k8s.io/kubernetes/cmd/kubectl",
+            "redirector.test/kube/etcd",
+        ],
+    },
+];
+
+/// Where Go is: `/usr/local/go/bin/go` (where this machine kind has it), else the PATH's.
+fn go() -> PathBuf {
+    let local = PathBuf::from("/usr/local/go/bin/go");
+    if local.exists() {
+        local
+    } else {
+        PathBuf::from("go")
+    }
+}
+
+/// `target/go`, the binaries' and the caches' folder.
+pub fn root() -> PathBuf {
+    crate::tasks::target_dir().join("go")
+}
+
+/// Builds every program whose module, or Go, changed since it was last built.
+pub fn ensure() -> anyhow::Result<()> {
+    let go_version = go_version()?;
+    for module in MODULES {
+        ensure_module(module, &go_version)?;
+    }
+    Ok(())
+}
+
+fn go_version() -> anyhow::Result<String> {
+    let output = Command::new(go())
+        .args(["env", "GOVERSION"])
+        .output()
+        .with_context(|| {
+            format!(
+                "running {} (the tests build CoreDNS, kube-apiserver and etcd with Go; this \
+                 machine kind has it in /usr/local/go)",
+                go().display()
+            )
+        })?;
+    if !output.status.success() {
+        bail!(
+            "`go env GOVERSION` failed: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+    Ok(String::from_utf8_lossy(&output.stdout).trim().to_owned())
+}
+
+/// What a build depends on: the module's go.mod and go.sum, its Go sources, and Go's version.
+fn stamp(folder: &Path, go_version: &str) -> anyhow::Result<String> {
+    let mut hasher = std::hash::DefaultHasher::new();
+    go_version.hash(&mut hasher);
+    let mut files = Vec::new();
+    collect_sources(folder, &mut files)?;
+    files.sort();
+    for file in files {
+        file.hash(&mut hasher);
+        std::fs::read(&file)
+            .with_context(|| format!("reading {}", file.display()))?
+            .hash(&mut hasher);
+    }
+    Ok(format!("{go_version} {:016x}\n", hasher.finish()))
+}
+
+fn collect_sources(folder: &Path, files: &mut Vec<PathBuf>) -> anyhow::Result<()> {
+    for entry in
+        std::fs::read_dir(folder).with_context(|| format!("reading {}", folder.display()))?
+    {
+        let path = entry?.path();
+        if path.is_dir() {
+            collect_sources(&path, files)?;
+        } else if path
+            .file_name()
+            .and_then(|name| name.to_str())
+            .is_some_and(|name| name == "go.mod" || name == "go.sum" || name.ends_with(".go"))
+        {
+            files.push(path);
+        }
+    }
+    Ok(())
+}
+
+fn ensure_module(module: &Module, go_version: &str) -> anyhow::Result<()> {
+    let folder = crate::tasks::workspace_root()
+        .join("bpf-tests/go")
+        .join(module.folder);
+    let bin = root().join("bin");
+    let stamp_file = bin.join(format!(".{}.stamp", module.folder));
+    let wanted = stamp(&folder, go_version)?;
+    let names: Vec<&str> = module
+        .programs
+        .iter()
+        .map(|package| package.rsplit('/').next().unwrap_or(package))
+        .collect();
+    let built = names.iter().all(|name| bin.join(name).exists());
+    if built && std::fs::read_to_string(&stamp_file).is_ok_and(|stamp| stamp == wanted) {
+        return Ok(());
+    }
+    eprintln!(
+        "xtask: building {} with {go_version} from bpf-tests/go/{} (once per machine; the first \
+         build fetches the modules and takes minutes)",
+        names.join(", "),
+        module.folder
+    );
+    let started = Instant::now();
+    std::fs::create_dir_all(&bin).with_context(|| format!("creating {}", bin.display()))?;
+    // One build of them all: the packages they share compile once, in parallel.
+    let mut build = Command::new(go());
+    build
+        .current_dir(&folder)
+        .args(["build", "-trimpath", "-o"])
+        // A folder (the trailing slash): each binary in it under its package's name.
+        .arg(format!("{}/", bin.display()))
+        .args(module.programs)
+        .env("GOCACHE", root().join("cache"))
+        .env("GOMODCACHE", root().join("mod"))
+        // Fetched modules read-only in target/ would stop `cargo clean`; the go.sum is the
+        // check, and go.mod may not change under the build.
+        .env("GOFLAGS", "-modcacherw -mod=readonly")
+        // Go as the machine has it: a toolchain line may not fetch another one.
+        .env("GOTOOLCHAIN", "local")
+        // Static, for the VMs' and the image's root filesystems as well as the host.
+        .env("CGO_ENABLED", "0");
+    let status = build
+        .status()
+        .with_context(|| format!("running {build:?}"))?;
+    if !status.success() {
+        bail!(
+            "building {} in bpf-tests/go/{} failed; see go's output above. The modules come \
+             from the Go module proxy: check that `go env GOPROXY` reaches it, and that go.mod \
+             and go.sum there agree (`go mod tidy` in that folder)",
+            names.join(", "),
+            module.folder
+        );
+    }
+    std::fs::write(&stamp_file, wanted)
+        .with_context(|| format!("writing {}", stamp_file.display()))?;
+    eprintln!(
+        "xtask: built {} in {:.0} s",
+        names.join(", "),
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
+}

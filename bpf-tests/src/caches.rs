@@ -63,17 +63,10 @@ impl CacheKind {
             Self::CoreDns(_) => "coredns",
         }
     }
-
-    /// Every kind.
-    pub const ALL: [Self; 4] = [
-        Self::TestServer,
-        Self::Dnsmasq,
-        Self::Unbound,
-        Self::Embedded,
-    ];
 }
 
-/// Where the embedded cache's backend listens (the node namespace's loopback).
+/// Where the backend the embedded cache and CoreDNS forward to listens (the node namespace's
+/// loopback).
 const EMBEDDED_BACKEND: &str = "127.0.0.1:5300";
 
 /// Starts `kind` as process `name`, serving `NODE_LISTENER:53` and answering the probe names

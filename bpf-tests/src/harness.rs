@@ -382,3 +382,37 @@ pub fn socket_addr(text: Option<&String>) -> Option<SocketAddr> {
 pub fn mapped(address: std::net::Ipv4Addr) -> SocketAddr {
     SocketAddr::new(std::net::IpAddr::V6(address.to_ipv6_mapped()), 53)
 }
+
+/// An agent configuration whose node listener has upstream A as its pool and whose cluster
+/// listener (and, with `v6`, the v6 listener) follows kube-system/kube-dns through the API
+/// server `kubeconfig` names, resyncing every 2 s; the interface left alone.
+#[must_use]
+pub fn kube_dns_config(sandbox: &Sandbox, kubeconfig: &std::path::Path, v6: bool) -> String {
+    let mut listeners = r#"
+[[listener]]
+name = "node"
+address = "169.254.10.10"
+upstreams = ["198.18.2.2"]
+
+[[listener]]
+name = "cluster"
+address = "169.254.10.11"
+kube_dns = "kube-system/kube-dns"
+"#
+    .to_owned();
+    if v6 {
+        listeners.push_str(
+            r#"
+[[listener]]
+name = "v6"
+address = "fd00:53::10"
+kube_dns = "kube-system/kube-dns"
+"#,
+        );
+    }
+    let tables = format!(
+        "[interface]\nmanage = false\n\n[kubernetes]\nkubeconfig = {:?}\nresync_interval_ms = 2000\n",
+        kubeconfig.display().to_string()
+    );
+    sandbox.config_toml_with(&listeners, &tables)
+}

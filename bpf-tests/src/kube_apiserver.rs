@@ -18,7 +18,7 @@ use serde::Deserialize;
 
 use crate::{command::TestProcess, go_peers, pace::wait_until};
 
-/// The agent's ServiceAccount in the shipped manifests, and the user its tokens stand for.
+/// The namespace of the agent's ServiceAccount in the shipped overlay.
 pub const AGENT_NAMESPACE: &str = "kube-system";
 /// The ServiceAccount's name (`deploy/kubernetes/base/serviceaccount.yaml`).
 pub const AGENT_ACCOUNT: &str = "redirector";
@@ -102,7 +102,6 @@ impl KubeApiserver {
             &format!("--listen-peer-urls=http://127.0.0.1:{peer_port}"),
             &format!("--initial-advertise-peer-urls=http://127.0.0.1:{peer_port}"),
             &format!("--initial-cluster=test=http://127.0.0.1:{peer_port}"),
-            "--listen-metrics-urls=",
         ]);
         let etcd = TestProcess::start(
             "etcd",
@@ -191,19 +190,12 @@ impl KubeApiserver {
         )
     }
 
-    /// Stops the API server (SIGKILL, by pid) and starts it again on the same port and etcd.
-    pub fn restart(&mut self) -> anyhow::Result<()> {
-        self.stop();
-        self.start_apiserver()?;
-        self.wait_ready()
-    }
-
-    /// Stops the API server (etcd goes on).
+    /// Stops the API server (SIGKILL, by pid; etcd goes on): its clients' watches are cut.
     pub fn stop(&mut self) {
         self.apiserver = None;
     }
 
-    /// Starts a stopped API server again.
+    /// Starts a stopped API server again, on the same port and etcd, and waits until it is ready.
     pub fn start_again(&mut self) -> anyhow::Result<()> {
         self.start_apiserver()?;
         self.wait_ready()

@@ -45,9 +45,6 @@ fn drain(via: &Via<'_>, extra: &[&str]) -> anyhow::Result<CliOutput> {
     Ok(output)
 }
 
-/// The planned restart: drain and wait, stop the cache (SIGKILL: once drained, it may end any
-/// way), start its next life. Nothing is lost, from before the drain to after the failback, and
-/// the drained cache gets no query even though it answers its probes throughout.
 /// A planned restart of the cache: when it was drained, the drain's wait ended, the cache was
 /// stopped, and its next life had the DNS back (ms since the epoch).
 struct Restart {
@@ -58,6 +55,31 @@ struct Restart {
 }
 
 impl Restart {
+    /// Once the cache's next life has started: waits until the probes confirm it (`back`), ends
+    /// `stream` once it has sent past that, and returns the restart with the stream's report.
+    fn next_life(
+        sandbox: &Sandbox,
+        stream: Stream,
+        drained: u64,
+        waited: u64,
+        stopped: u64,
+    ) -> anyhow::Result<(Self, StreamReport)> {
+        wait_for_cache(sandbox, "the probes confirm the cache's next life")?;
+        let back = now_ms();
+        let report = stream.stop_once(
+            "queries after the failback",
+            Duration::from_secs(20),
+            |report| report.between(back, u64::MAX).count() > 30,
+        )?;
+        let restart = Self {
+            drained,
+            waited,
+            stopped,
+            back,
+        };
+        Ok((restart, report))
+    }
+
     /// Asserts what a planned restart promises the stream `report` to listener `name`: the drain
     /// moved its DNS by the end of the wait; from then only the kept connected socket sent to
     /// the drained cache, within the drain's grace, which the wait outlasts (new sockets and
@@ -101,19 +123,27 @@ impl Restart {
     }
 }
 
+/// The stream of a planned restart: a query every 2 ms from each socket kind to the node listener
+/// (stretched in a slower VM, whose servers cannot answer as many), none waiting for the last
+/// one's answer.
+fn restart_stream(sandbox: &Sandbox) -> anyhow::Result<Stream> {
+    Stream::open_loop(
+        sandbox,
+        dns(NODE_LISTENER),
+        Duration::from_secs(120),
+        paced_ms(2),
+    )
+}
+
+/// The planned restart: drain and wait, stop the cache (SIGKILL: once drained, it may end any
+/// way), start its next life. Nothing is lost, from before the drain to after the failback, and
+/// the drained cache gets no query even though it answers its probes throughout.
 #[test]
 fn drain_and_wait_then_a_restart_loses_nothing() -> anyhow::Result<()> {
     let mut sandbox = Sandbox::new(tools!())?;
     sandbox.start_standard_servers()?;
     let (config, mut agent) = agent_serving_from_cache(&sandbox)?;
-    // A query every 2 ms from each socket kind (stretched in a slower VM, whose servers cannot
-    // answer as many), none waiting for the last one's answer.
-    let stream = Stream::open_loop(
-        &sandbox,
-        dns(NODE_LISTENER),
-        Duration::from_secs(120),
-        paced_ms(2),
-    )?;
+    let stream = restart_stream(&sandbox)?;
     pause(500);
     let drained = now_ms();
     // Asked over the agent's socket, as a cache's preStop hook does: a root-only socket.
@@ -156,19 +186,7 @@ fn drain_and_wait_then_a_restart_loses_nothing() -> anyhow::Result<()> {
     let stopped = now_ms();
     sandbox.stop_server("cache")?;
     sandbox.start_cache("cache", &CacheSpec::standard())?;
-    wait_for_cache(&sandbox, "the probes confirm the cache's next life")?;
-    let back = now_ms();
-    let report = stream.stop_once(
-        "queries after the failback",
-        Duration::from_secs(20),
-        |report| report.between(back, u64::MAX).count() > 30,
-    )?;
-    let restart = Restart {
-        drained,
-        waited,
-        stopped,
-        back,
-    };
+    let (restart, report) = Restart::next_life(&sandbox, stream, drained, waited, stopped)?;
     restart.assert_nothing_lost(&report, "node", agent.printed());
     drop(agent);
     uninstall(&config)?;
@@ -186,12 +204,7 @@ fn a_drained_coredns_in_lameduck_restarts_losing_nothing() -> anyhow::Result<()>
     start_cache(&mut sandbox, kind, "cache")?;
     sandbox.start_upstreams()?;
     let (config, mut agent) = agent_serving_from_cache(&sandbox)?;
-    let stream = Stream::open_loop(
-        &sandbox,
-        dns(NODE_LISTENER),
-        Duration::from_secs(120),
-        paced_ms(2),
-    )?;
+    let stream = restart_stream(&sandbox)?;
     pause(500);
     let drained = now_ms();
     drain(&Via::Socket(&sandbox.drain_socket()), &["--wait"])?;
@@ -203,19 +216,7 @@ fn a_drained_coredns_in_lameduck_restarts_losing_nothing() -> anyhow::Result<()>
         .wait_exit(Duration::from_secs(10))?;
     sandbox.stop_server("cache")?;
     start_cache(&mut sandbox, kind, "cache")?;
-    wait_for_cache(&sandbox, "the probes confirm CoreDNS's next life")?;
-    let back = now_ms();
-    let report = stream.stop_once(
-        "queries after the failback",
-        Duration::from_secs(20),
-        |report| report.between(back, u64::MAX).count() > 30,
-    )?;
-    let restart = Restart {
-        drained,
-        waited,
-        stopped,
-        back,
-    };
+    let (restart, report) = Restart::next_life(&sandbox, stream, drained, waited, stopped)?;
     restart.assert_nothing_lost(&report, "node", agent.printed());
     drop(agent);
     uninstall(&config)?;

@@ -10,7 +10,7 @@ use std::{collections::BTreeSet, net::IpAddr, time::Duration};
 use bpf_tests::{
     cli::{start_agent, stop_agent, uninstall},
     fake_kube::endpoint_slice,
-    harness::{CLUSTER_ID, Harness},
+    harness::{CLUSTER_ID, Harness, kube_dns_config},
     kube_apiserver::{AuditedRequest, KubeApiserver, manifests},
     pace::wait_until,
     sandbox::Sandbox,
@@ -75,22 +75,7 @@ fn cluster(sandbox: &Sandbox) -> anyhow::Result<KubeApiserver> {
 /// real API server, with the ServiceAccount's token.
 fn config_text(sandbox: &Sandbox, kube: &KubeApiserver) -> anyhow::Result<String> {
     let kubeconfig = sandbox.write_file("kubeconfig", &kube.agent_kubeconfig()?)?;
-    let listeners = r#"
-[[listener]]
-name = "node"
-address = "169.254.10.10"
-upstreams = ["198.18.2.2"]
-
-[[listener]]
-name = "cluster"
-address = "169.254.10.11"
-kube_dns = "kube-system/kube-dns"
-"#;
-    let tables = format!(
-        "[interface]\nmanage = false\n\n[kubernetes]\nkubeconfig = {:?}\nresync_interval_ms = 2000\n",
-        kubeconfig.display().to_string()
-    );
-    Ok(sandbox.config_toml_with(listeners, &tables))
+    Ok(kube_dns_config(sandbox, &kubeconfig, false))
 }
 
 /// What the shipped Roles grant: (verb, API group, resource, namespace).

@@ -8,7 +8,7 @@ use anyhow::Context as _;
 
 use bpf_tests::{
     fake_kube::{FakeKube, endpoint_slice},
-    harness::{CLUSTER_ID, Harness},
+    harness::{CLUSTER_ID, Harness, kube_dns_config},
     pace::pause,
     sandbox::Sandbox,
     tools,
@@ -67,27 +67,7 @@ fn harness(kube: &FakeKube) -> anyhow::Result<Harness> {
     let mut sandbox = Sandbox::new(tools!())?;
     sandbox.start_standard_servers()?;
     let kubeconfig = sandbox.write_file("kubeconfig", &kube.kubeconfig())?;
-    let listeners = r#"
-[[listener]]
-name = "node"
-address = "169.254.10.10"
-upstreams = ["198.18.2.2"]
-
-[[listener]]
-name = "cluster"
-address = "169.254.10.11"
-kube_dns = "kube-system/kube-dns"
-
-[[listener]]
-name = "v6"
-address = "fd00:53::10"
-kube_dns = "kube-system/kube-dns"
-"#;
-    let tables = format!(
-        "[interface]\nmanage = false\n\n[kubernetes]\nkubeconfig = {:?}\nresync_interval_ms = 2000\n",
-        kubeconfig.display().to_string()
-    );
-    let text = sandbox.config_toml_with(listeners, &tables);
+    let text = kube_dns_config(&sandbox, &kubeconfig, true);
     Harness::with_config(sandbox, &text)
 }
 

@@ -38,6 +38,10 @@ const MODULES: &[Module] = &[
     },
 ];
 
+/// `go build`'s flags: paths of the build machine left out; no symbol table or DWARF (smaller
+/// binaries and shorter links: test peers, not debugged).
+const BUILD_FLAGS: [&str; 2] = ["-trimpath", "-ldflags=-s -w"];
+
 /// Where Go is: `/usr/local/go/bin/go` (where this machine kind has it), else the PATH's.
 fn go() -> PathBuf {
     let local = PathBuf::from("/usr/local/go/bin/go");
@@ -82,10 +86,12 @@ fn go_version() -> anyhow::Result<String> {
     Ok(String::from_utf8_lossy(&output.stdout).trim().to_owned())
 }
 
-/// What a build depends on: the module's go.mod and go.sum, its Go sources, and Go's version.
+/// What a build depends on: the module's go.mod and go.sum, its Go sources, Go's version and the
+/// build's flags.
 fn stamp(folder: &Path, go_version: &str) -> anyhow::Result<String> {
     let mut hasher = std::hash::DefaultHasher::new();
     go_version.hash(&mut hasher);
+    BUILD_FLAGS.hash(&mut hasher);
     let mut files = Vec::new();
     collect_sources(folder, &mut files)?;
     files.sort();
@@ -144,7 +150,9 @@ fn ensure_module(module: &Module, go_version: &str) -> anyhow::Result<()> {
     let mut build = Command::new(go());
     build
         .current_dir(&folder)
-        .args(["build", "-trimpath", "-o"])
+        .arg("build")
+        .args(BUILD_FLAGS)
+        .arg("-o")
         // A folder (the trailing slash): each binary in it under its package's name.
         .arg(format!("{}/", bin.display()))
         .args(module.programs)
@@ -177,4 +185,48 @@ fn ensure_module(module: &Module, go_version: &str) -> anyhow::Result<()> {
         started.elapsed().as_secs_f64()
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every module has its go.mod and go.sum, and names each program it builds: its own
+    /// packages by the module path, the others as `tool` lines (the Go version they were tidied
+    /// with is the one the machines have).
+    #[test]
+    fn every_module_pins_what_it_builds() {
+        for module in MODULES {
+            let folder = crate::tasks::workspace_root()
+                .join("bpf-tests/go")
+                .join(module.folder);
+            let go_mod = std::fs::read_to_string(folder.join("go.mod"))
+                .unwrap_or_else(|error| panic!("{}: {error}", module.folder));
+            assert!(
+                folder.join("go.sum").exists(),
+                "{}: no go.sum",
+                module.folder
+            );
+            let path = go_mod
+                .lines()
+                .find_map(|line| line.strip_prefix("module "))
+                .unwrap_or_else(|| panic!("{}: no module line", module.folder));
+            for package in module.programs {
+                let own = package.starts_with(&format!("{path}/"));
+                let tool = go_mod
+                    .lines()
+                    .any(|line| line.trim().trim_start_matches("tool ").trim() == *package);
+                assert!(
+                    own || tool,
+                    "{}: {package} is not a tool of its go.mod",
+                    module.folder
+                );
+            }
+            assert!(
+                go_mod.contains("\ngo 1.26"),
+                "{}: not for go 1.26",
+                module.folder
+            );
+        }
+    }
 }

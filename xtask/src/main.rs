@@ -123,8 +123,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             filter,
         } => {
             setup::ensure()?;
-            go_peers::ensure()?;
             pinned_rustup::enter()?;
+            // Builds the Go peers too, beside the Rust builds.
             tasks::test(!no_lint, filter.as_deref())?;
             if no_vm {
                 eprintln!("xtask: VM tests skipped (--no-vm): only the host kernel was tested");

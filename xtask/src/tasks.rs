@@ -158,6 +158,28 @@ pub fn test(with_lints: bool, filter: Option<&str>) -> anyhow::Result<()> {
     require_root("test")?;
     let started = Instant::now();
     sweep::run()?;
+    let mut test = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned()));
+    // The Go peers build beside the lints and the Rust builds, which leave the cores idle at
+    // times (build scripts, links); only the tests need them. The scope waits for both.
+    std::thread::scope(|scope| {
+        let go_peers = scope.spawn(crate::go_peers::ensure);
+        let rust = build_for_tests(with_lints, &mut test);
+        let go_peers = go_peers
+            .join()
+            .unwrap_or_else(|_| Err(anyhow::anyhow!("the Go peers' build panicked")));
+        rust.and(go_peers)
+    })?;
+    if let Some(filter) = filter {
+        test.args(["--", filter]);
+    }
+    lint::check(&mut test, "tests failed")?;
+    eprintln!("xtask: every test passed in {:.0?}", started.elapsed());
+    Ok(())
+}
+
+/// The lints (with `with_lints`) and the builds the tests run: the redirector binary, and the
+/// other architectures' agents for the image test, named in `test`'s environment.
+fn build_for_tests(with_lints: bool, test: &mut Command) -> anyhow::Result<()> {
     if with_lints {
         lint::run()?;
     }
@@ -165,7 +187,6 @@ pub fn test(with_lints: bool, filter: Option<&str>) -> anyhow::Result<()> {
     cargo(TESTED_BINARY_BUILD, "building the redirector binary failed")?;
     pinned_rustup::check_object(&target_dir().join("debug/build"))?;
     let binary = target_dir().join("debug/redirector");
-    let mut test = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned()));
     test.arg("test")
         .args(USERSPACE)
         .arg("--no-fail-fast")
@@ -179,11 +200,6 @@ pub fn test(with_lints: bool, filter: Option<&str>) -> anyhow::Result<()> {
             agent,
         );
     }
-    if let Some(filter) = filter {
-        test.args(["--", filter]);
-    }
-    lint::check(&mut test, "tests failed")?;
-    eprintln!("xtask: every test passed in {:.0?}", started.elapsed());
     Ok(())
 }
 

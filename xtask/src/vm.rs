@@ -335,8 +335,15 @@ pub fn run(options: &VmArgs) -> anyhow::Result<()> {
             tests: tests
                 .iter()
                 .filter_map(|test| {
-                    let filters = match (mode, subset) {
-                        (initramfs::Mode::Tests, true) => scope::subset_filters(&test.name)?,
+                    let whole = scope::runs_whole(
+                        &test.name,
+                        &options.tests,
+                        options.with_host_only || options.filter.is_some(),
+                    );
+                    let filters = match mode {
+                        initramfs::Mode::Tests if subset || !whole => {
+                            scope::subset_filters(&test.name)?
+                        }
                         _ => Vec::new(),
                     };
                     Some((test.name.clone(), test.path.clone(), filters))
@@ -380,6 +387,19 @@ pub fn run(options: &VmArgs) -> anyhow::Result<()> {
             } else {
                 "vm-test without --subset-on"
             }
+        ));
+    }
+    let everything = options.with_host_only || options.filter.is_some();
+    let partial: Vec<&str> = names
+        .iter()
+        .copied()
+        .filter(|name| !scope::runs_whole(name, &options.tests, everything))
+        .collect();
+    if !partial.is_empty() && kernels.iter().any(|kernel| !options.subset(kernel.series)) {
+        left_out.push_str(&format!(
+            "  of {}: only the kernel subset on every kernel (vm/scope.rs KERNEL_BINARIES; \
+             --tests NAME runs a binary whole)\n",
+            partial.join(", ")
         ));
     }
     eprint!("{left_out}");

@@ -108,6 +108,22 @@ fn left_out(host: &HostOnly, named: &[String], everything: bool) -> bool {
     !everything && !named.iter().any(|name| name == host.binary)
 }
 
+/// The binaries that a kernel's full run (x86_64's 6.1 in every `cargo xtask test`) takes whole:
+/// the programs' own decisions on that kernel (steering and replies, the signal program, the
+/// stall detection). Every other binary contributes its tests of [`KERNEL_SUBSET`] there, as on
+/// every kernel (the egress program's moves of a kept socket, kill -9 with no agent, restarts
+/// under a stream): the agent's logic above the same paths (probes, drains, upgrades, the CLI,
+/// telemetry) and the conntrack bypass's nftables table run on the host's kernel, and whole in a
+/// VM on request (`--tests NAME`, `--with-host-only`, a filter).
+pub const KERNEL_BINARIES: &[&str] = &["steering", "signal", "stall"];
+
+/// Whether a kernel's full run takes `binary` whole: one of [`KERNEL_BINARIES`], or asked for
+/// (named in `--tests`, or `everything`: `--with-host-only` or a filter).
+#[must_use]
+pub fn runs_whole(binary: &str, named: &[String], everything: bool) -> bool {
+    everything || KERNEL_BINARIES.contains(&binary) || named.iter().any(|name| name == binary)
+}
+
 /// Whether the VMs run the test binary `binary` at all.
 #[must_use]
 pub fn runs_binary(binary: &str, named: &[String], everything: bool) -> bool {
@@ -199,6 +215,19 @@ pub fn subset_filters(binary: &str) -> Option<Vec<String>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A kernel's full run takes the kernel binaries whole, others only when asked for.
+    #[test]
+    fn the_kernel_binaries_run_whole_and_the_others_when_asked() {
+        assert!(runs_whole("stall", &[], false));
+        assert!(!runs_whole("drain", &[], false));
+        assert!(runs_whole("drain", &["drain".to_owned()], false));
+        assert!(runs_whole("drain", &[], true));
+        let dir = crate::tasks::workspace_root().join("bpf-tests/tests");
+        for binary in KERNEL_BINARIES {
+            assert!(dir.join(format!("{binary}.rs")).exists(), "no {binary}.rs");
+        }
+    }
 
     /// Every test of the kernel subset exists in its binary's source.
     #[test]

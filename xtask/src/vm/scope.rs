@@ -33,15 +33,14 @@ pub const HOST_ONLY: &[HostOnly] = &[
         binary: "coredns",
         skip: &[],
         why: "CoreDNS's own ways (Go's SIGURG, multisocket, its netpoller at capacity) over the \
-              signal program, the socket counts and the stall stamps that the test server's \
-              tests run on every kernel",
+              signal program, the socket counts and the stall stamps, which signal and stall \
+              run whole on 6.1",
     },
     HostOnly {
         binary: "kube_apiserver",
         skip: &[],
         why: "the agent's API client and the shipped RBAC against a real API server are \
-              userspace; the pools it writes take the paths steering's pool tests run on every \
-              kernel",
+              userspace; the pools it writes take the paths steering's tests run in the VMs",
     },
     HostOnly {
         binary: "drain",
@@ -51,15 +50,13 @@ pub const HOST_ONLY: &[HostOnly] = &[
     HostOnly {
         binary: "agent_cli",
         skip: &["a_bad_configuration_is_refused", "run_without_root_says_so"],
-        why: "the CLI's checks before it touches the kernel; \
-              run_steers_until_sigterm_and_state_flips_listeners runs on every kernel",
+        why: "the CLI's checks before it touches the kernel",
     },
     HostOnly {
         binary: "kubernetes",
         skip: &[],
         why: "EndpointSlice sync against the fake API server is the agent's userspace; the pools \
-              it writes take the map updates and steering that steering's pool tests run on \
-              every kernel",
+              it writes take the map updates and steering that steering's tests run in the VMs",
     },
     HostOnly {
         binary: "telemetry",
@@ -69,15 +66,13 @@ pub const HOST_ONLY: &[HostOnly] = &[
             "status_tells_the_truth",
             "operator_mistakes_get_one_sentence",
         ],
-        why: "the agent's HTTP endpoints, sd_notify, status text and error messages; the \
-              metrics' agreement with the kernel and the kernel log run on every kernel",
+        why: "the agent's HTTP endpoints, sd_notify, status text and error messages",
     },
     HostOnly {
         binary: "container",
         skip: &[],
         why: "the image and the container runtime's sandboxing (capabilities, seccomp, mounts) \
-              around the same agent; its kernel paths are the ones steering and failover run on \
-              every kernel",
+              around the same agent; its kernel paths are the ones steering runs in the VMs",
     },
     HostOnly {
         binary: "upgrade",
@@ -85,8 +80,8 @@ pub const HOST_ONLY: &[HostOnly] = &[
             "a_newer_cli_on_an_older_releases_pins",
             "under_corednss_load",
         ],
-        why: "what the CLI reads of another release's pins and says is userspace; the upgrade and \
-              rollback across layouts run on every kernel (under CoreDNS's load on the host's)",
+        why: "what the CLI reads of another release's pins and says is userspace; an upgrade \
+              under CoreDNS's load does in the kernel what one under the test server's does",
     },
     HostOnly {
         binary: "lifecycle",
@@ -98,7 +93,8 @@ pub const HOST_ONLY: &[HostOnly] = &[
         binary: "resolvers",
         skip: &[],
         why: "how c-ares, glibc and musl answer the egress program's EPERM is userspace; \
-              long_lived shows the kernel's side (the refused send, the move) on every kernel",
+              long_lived's kernel-subset test shows the kernel's side (the refused send, the \
+              move) on every kernel",
     },
 ];
 

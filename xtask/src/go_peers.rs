@@ -38,9 +38,10 @@ const MODULES: &[Module] = &[
     },
 ];
 
-/// `go build`'s flags: paths of the build machine left out; no symbol table or DWARF (smaller
-/// binaries and shorter links: test peers, not debugged).
-const BUILD_FLAGS: [&str; 2] = ["-trimpath", "-ldflags=-s -w"];
+/// `go build`'s flags: paths of the build machine left out; no version-control stamp (the
+/// modules sit in this repository's checkout, whose state says nothing of them); no symbol table
+/// or DWARF (smaller binaries and shorter links: test peers, not debugged).
+const BUILD_FLAGS: [&str; 3] = ["-trimpath", "-buildvcs=false", "-ldflags=-s -w"];
 
 /// Where Go is: `/usr/local/go/bin/go` (where this machine kind has it), else the PATH's.
 fn go() -> PathBuf {

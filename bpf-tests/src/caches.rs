@@ -212,8 +212,7 @@ fn start_backend(sandbox: &mut Sandbox, name: &str) -> anyhow::Result<()> {
 /// metrics listen on that address too, as node-cache's do on its link-local one, so that no two
 /// CoreDNS of a test share a port; every zone forwards to the backend (`EMBEDDED_BACKEND`): a
 /// node cache forwards what it has not cached, and the backend's answers name the cache.
-#[must_use]
-pub fn corefile_text(corefile: Corefile, address: SocketAddr) -> String {
+fn corefile_text(corefile: Corefile, address: SocketAddr) -> String {
     let ip = address.ip();
     let port = address.port();
     // `bind` and the side listeners take a bare address; IPv6 ones in brackets after it.

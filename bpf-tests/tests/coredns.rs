@@ -76,7 +76,7 @@ fn signal_program_runs(sandbox: &Sandbox) -> anyhow::Result<(u64, Duration)> {
 /// SIGURGs to CoreDNS, its own runtime's (preemption, under a query stream) and 500 more sent
 /// to it, run the signal program and move nothing: every query is answered by the cache, no
 /// epoch begins, no flip is recorded. The program's runs meanwhile are counted by the kernel
-/// (`BPF_ENABLE_STATS`) and printed with their mean cost; the bench measures the cost.
+/// (`BPF_ENABLE_STATS`) and printed with their mean cost (docs/benchmarks.md records a run).
 #[test]
 fn sigurg_from_gos_runtime_moves_nothing() -> anyhow::Result<()> {
     const SENT: u64 = 500;
@@ -132,7 +132,7 @@ fn dnsperf(
     server: std::net::Ipv4Addr,
     seconds: u64,
     rate: Option<u64>,
-) -> anyhow::Result<(f64, u64, String)> {
+) -> anyhow::Result<(f64, u64)> {
     let data = sandbox.write_file("dnsperf.txt", "probe.redirector.test A\n")?;
     let (mut command, _procs) = sandbox.client_command(Ns::Pod, sandbox.cgroup(), "dnsperf")?;
     command
@@ -171,7 +171,7 @@ fn dnsperf(
         reason = "dnsperf prints a whole count"
     )]
     let lost = field("Queries lost:")? as u64;
-    Ok((field("Queries per second:")?, lost, printed))
+    Ok((field("Queries per second:")?, lost))
 }
 
 /// CoreDNS through the listener at 100 % and at 150 % of what it answers at full speed (its queue
@@ -183,7 +183,7 @@ fn coredns_at_and_past_its_capacity_is_never_moved() -> anyhow::Result<()> {
     let epoch = harness.sockets(NODE_ID)?.down_epoch;
     // Full speed to the listener, which CoreDNS serves itself: its capacity, through the path
     // the loads then take.
-    let (capacity, _, _) = dnsperf(&harness.sandbox, NODE_LISTENER, 2, None)?;
+    let (capacity, _) = dnsperf(&harness.sandbox, NODE_LISTENER, 2, None)?;
     println!("CoreDNS answers {capacity:.0} queries/s at full speed");
     for share in [1.0, 1.5] {
         #[expect(
@@ -192,7 +192,7 @@ fn coredns_at_and_past_its_capacity_is_never_moved() -> anyhow::Result<()> {
             reason = "a rate well inside u64"
         )]
         let rate = (capacity * share) as u64;
-        let (answered, lost, _) = dnsperf(&harness.sandbox, NODE_LISTENER, 3, Some(rate))?;
+        let (answered, lost) = dnsperf(&harness.sandbox, NODE_LISTENER, 3, Some(rate))?;
         let activity = harness.maps.cache_activity(NODE_ID)?;
         println!(
             "at {:.0} % ({rate} queries/s asked): {answered:.0} answered a second, {lost} lost; \

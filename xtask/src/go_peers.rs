@@ -54,7 +54,7 @@ fn go() -> PathBuf {
 }
 
 /// `target/go`, the binaries' and the caches' folder.
-pub fn root() -> PathBuf {
+fn root() -> PathBuf {
     crate::tasks::target_dir().join("go")
 }
 

@@ -6,6 +6,10 @@
 //! from 392 to 360 instructions), and it stays quiet unless the build fails, instead of relaying
 //! every line of the nested cargo as a warning.
 //!
+//! It also records the commit the agent is built from (`REDIRECTOR_COMMIT` for `--version`,
+//! `status` and `redirector_build_info`): the environment's `REDIRECTOR_COMMIT` when set (a build
+//! without the git directory, as the Containerfile's), else `git rev-parse HEAD`, else `unknown`.
+//!
 //! The nested build runs on the dated nightly that `redirector-ebpf/rust-toolchain.toml` pins
 //! (`REDIRECTOR_EBPF_TOOLCHAIN` overrides it), named to rustup explicitly: this script runs from
 //! the workspace, where rustup would otherwise pick the userspace pin.
@@ -44,11 +48,49 @@ fn pinned_channel(file: &Path) -> anyhow::Result<String> {
     Ok(pin.toolchain.channel)
 }
 
+/// The variable the commit is given in, to the build and to the crate.
+const COMMIT: &str = "REDIRECTOR_COMMIT";
+
+/// `git` run in `workspace` with `args`, its output trimmed; `None` where git or the repository
+/// is missing.
+fn git(workspace: &Path, args: &[&str]) -> Option<String> {
+    let output = Command::new("git")
+        .args(args)
+        .current_dir(workspace)
+        .output()
+        .ok()?;
+    let text = String::from_utf8(output.stdout).ok()?;
+    (output.status.success() && !text.trim().is_empty()).then(|| text.trim().to_owned())
+}
+
+/// The commit the crate is built from (12 hex digits), and makes cargo run this script again
+/// when HEAD moves.
+fn commit(workspace: &Path) -> String {
+    println!("cargo::rerun-if-env-changed={COMMIT}");
+    if let Ok(commit) = env::var(COMMIT)
+        && !commit.is_empty()
+    {
+        return commit;
+    }
+    // HEAD names a branch whose ref file (or packed-refs) moves at each commit. Only files that
+    // exist are named: cargo runs a script again at every build for a missing one.
+    let branch = git(workspace, &["symbolic-ref", "-q", "HEAD"]);
+    for file in ["HEAD", "packed-refs"].into_iter().chain(branch.as_deref()) {
+        if let Some(path) = git(workspace, &["rev-parse", "--git-path", file])
+            && workspace.join(&path).exists()
+        {
+            println!("cargo::rerun-if-changed={}", workspace.join(path).display());
+        }
+    }
+    git(workspace, &["rev-parse", "--short=12", "HEAD"]).unwrap_or_else(|| "unknown".to_owned())
+}
+
 fn main() -> anyhow::Result<()> {
     let manifest_dir = PathBuf::from(env::var("CARGO_MANIFEST_DIR").context("CARGO_MANIFEST_DIR")?);
     let workspace = manifest_dir
         .parent()
         .context("the redirector crate sits inside the workspace")?;
+    println!("cargo::rustc-env={COMMIT}={}", commit(workspace));
     for input in ["redirector-ebpf", "redirector-common"] {
         println!(
             "cargo::rerun-if-changed={}",

@@ -353,8 +353,13 @@ fn status_tells_the_truth_with_the_agent_running_and_stopped() -> anyhow::Result
     let status = redirector(&["status", "--config", &config_arg])?;
     assert_eq!(status.code, 0, "{status:?}");
     let text = &status.stdout;
+    // The agent runs the binary that runs `status`: the same release, said once.
     assert!(
-        text.contains(&format!("agent:     running (pid {})", agent.pid())),
+        text.starts_with(&format!(
+            "version:   redirector {}\nagent:     running (pid {}, this release)\n",
+            redirector::release::describe(),
+            agent.pid()
+        )),
         "{text}"
     );
     let programs = redirector::datapath::ALL_PROGRAMS.len();
@@ -386,6 +391,8 @@ fn status_tells_the_truth_with_the_agent_running_and_stopped() -> anyhow::Result
     let json = redirector(&["status", "--config", &config_arg, "--json"])?;
     let report: serde_json::Value = serde_json::from_str(&json.stdout)?;
     assert_eq!(report["agent"]["running"], true);
+    assert_eq!(report["agent"]["binary"]["is"], "same");
+    assert_eq!(report["version"]["release"], redirector::release::VERSION);
     assert_eq!(
         report["programs"]["attached"].as_array().map(Vec::len),
         Some(programs)
@@ -410,7 +417,11 @@ fn status_tells_the_truth_with_the_agent_running_and_stopped() -> anyhow::Result
     let stopped = redirector(&["status", "--config", &config_arg])?;
     assert_eq!(stopped.code, 0, "{stopped:?}");
     assert!(
-        stopped.stdout.starts_with("agent:     NOT RUNNING"),
+        stopped
+            .stdout
+            .lines()
+            .nth(1)
+            .is_some_and(|line| line.starts_with("agent:     NOT RUNNING")),
         "{}",
         stopped.stdout
     );

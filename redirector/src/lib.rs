@@ -10,6 +10,7 @@ pub mod conntrack_bypass;
 pub mod datapath;
 pub mod dns_query;
 pub mod liveness;
+pub mod release;
 pub mod sources;
 pub mod sys;
 pub mod telemetry;

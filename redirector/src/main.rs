@@ -13,7 +13,7 @@ use crate::cli::{
 };
 
 #[derive(Parser, Debug)]
-#[command(version, about = "eBPF fast-path DNS redirector for Kubernetes nodes")]
+#[command(version = redirector::release::describe(), about = "eBPF fast-path DNS redirector for Kubernetes nodes")]
 struct Cli {
     #[command(subcommand)]
     command: Command,

@@ -1167,11 +1167,13 @@ fn the_overlays_put_the_rbac_next_to_kube_dns() {
     }
     let daemonset: DaemonSet =
         serde_json::from_value(find(&objects, "DaemonSet").clone()).expect("a DaemonSet");
+    // The shipped overlay names this release's image.
+    let image = format!(
+        "registry.example.com/redirector:{}",
+        redirector::release::VERSION
+    );
     for container in all_containers(pod(&daemonset)) {
-        assert_eq!(
-            container.image.as_deref(),
-            Some("registry.example.com/redirector:0.1.0")
-        );
+        assert_eq!(container.image.as_deref(), Some(image.as_str()));
     }
 
     // docs/operations.md's procedure for running the agent in another namespace: a first

@@ -21,15 +21,18 @@ use redirector::{
     sources::{STATIC_SOURCE, SourceKind, plausible::Rejection},
     telemetry::{
         metrics,
-        snapshot::{ListenerSnapshot, PoolTarget, reason_label},
+        snapshot::{ListenerSnapshot, reason_label},
         stats::{AgentStats, ErrorKind, Transition},
     },
 };
 use redirector_common::listener::{Reason, Route};
 
 mod common;
+mod markdown;
+mod served;
 
 use common::{read, repo};
+use markdown::{code_spans, table};
 
 /// The one listener of the node.
 const LISTENER: &str = "node";
@@ -64,26 +67,7 @@ impl Node {
     /// A healthy node: DNS to its cache, probes answered, a pool from Kubernetes, the bypass
     /// table in place, the agent ready.
     fn healthy() -> Self {
-        let listener = ListenerSnapshot {
-            id: 0,
-            name: LISTENER.to_owned(),
-            address: IpAddr::from([169, 254, 20, 10]),
-            cache: "169.254.20.10:53".parse().expect("an address"),
-            mode: "auto",
-            route: "cache",
-            reason: "the cache serves",
-            reason_code: "healthy",
-            cache_sockets: Some((2, 2)),
-            probe_verdict: "up",
-            pool: vec![PoolTarget {
-                address: IpAddr::from([10, 96, 0, 10]),
-                udp_port: 53,
-                tcp_port: 53,
-            }],
-            empty_pool: "pass",
-            counters: redirector::telemetry::snapshot::CounterSnapshot::default(),
-            flips: redirector::telemetry::snapshot::FlipCounts::default(),
-        };
+        let listener = served::healthy_listener(LISTENER, IpAddr::from([10, 96, 0, 10]));
         let stats = AgentStats::for_node(NODE.to_owned());
         ready(&stats);
         Self {
@@ -370,37 +354,6 @@ fn input_series(series: &BTreeMap<String, Vec<Option<String>>>) -> serde_json::V
             serde_json::json!({ "series": name, "values": values.join(" ") })
         })
         .collect()
-}
-
-/// Splits a Markdown table row into its cells (`\|` is a `|` inside a cell).
-fn cells(row: &str) -> Vec<String> {
-    row.replace(r"\|", "\u{0}")
-        .split('|')
-        .map(|cell| cell.replace('\u{0}', "|").trim().to_owned())
-        .collect()
-}
-
-/// The `code` spans of a Markdown text (`\|`, a `|` in a table's cell, unescaped).
-fn code_spans(text: &str) -> Vec<String> {
-    text.split('`')
-        .skip(1)
-        .step_by(2)
-        .map(|span| span.replace(r"\|", "|"))
-        .collect()
-}
-
-/// The rows of the table headed `header` in `text`, as cells.
-fn table(text: &str, header: &str) -> Vec<Vec<String>> {
-    let rows: Vec<Vec<String>> = text
-        .lines()
-        .skip_while(|line| !line.starts_with(header))
-        .skip(2)
-        .map(str::trim)
-        .take_while(|line| line.starts_with('|'))
-        .map(cells)
-        .collect();
-    assert!(!rows.is_empty(), "no table headed {header}");
-    rows
 }
 
 /// True for a span of the query column that is a query, not a metric, label or value it names.
@@ -723,8 +676,9 @@ fn concrete(command: &str) -> Vec<String> {
     for (index, token) in tokens.iter().enumerate() {
         let token = token.trim_matches(|c| c == '[' || c == ']');
         let token = token.split('|').next().unwrap_or(token);
-        // One-letter placeholders: F (a file), D (a directory), S (a socket).
+        // Short placeholders: F (a file), D (a directory), S (a socket), MS (milliseconds).
         let value = match token {
+            "MS" => "1000",
             "F" => "/etc/redirector/config.toml",
             "D" => "/sys/fs/bpf/redirector",
             "S" => "/run/redirector/drain.sock",

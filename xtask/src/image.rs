@@ -30,8 +30,18 @@ pub struct ImageArgs {
     name: String,
 }
 
+impl ImageArgs {
+    /// Every architecture's image, and their list under `name`.
+    pub fn for_release(name: String) -> Self {
+        Self {
+            targets: vec![Selection::All],
+            name,
+        }
+    }
+}
+
 /// The name of `arch`'s image beside the list `name` (`repo:tag` → `repo:tag-arm64`).
-fn arch_image(name: &str, arch: Arch) -> String {
+pub fn arch_image(name: &str, arch: Arch) -> String {
     format!("{name}-{}", arch.debian())
 }
 
@@ -41,7 +51,7 @@ fn check_name(name: &str) -> anyhow::Result<()> {
     if !last.contains(':') || name.contains('@') {
         bail!(
             "--name {name} has no tag: give REPOSITORY:TAG (for example \
-             registry.example.com/redirector:0.1.0); each architecture's image is tagged TAG-ARCH"
+             registry.example.com/redirector:0.2.0); each architecture's image is tagged TAG-ARCH"
         );
     }
     Ok(())
@@ -307,8 +317,8 @@ mod tests {
     #[test]
     fn each_architecture_is_tagged_beside_the_list() {
         assert_eq!(
-            arch_image("registry.example.com/redirector:0.1.0", Arch::Aarch64),
-            "registry.example.com/redirector:0.1.0-arm64"
+            arch_image("registry.example.com/redirector:0.2.0", Arch::Aarch64),
+            "registry.example.com/redirector:0.2.0-arm64"
         );
         check_name("registry.example.com:5000/redirector:0.1.0").expect("a tag");
         assert!(check_name("registry.example.com:5000/redirector").is_err());

@@ -7,6 +7,7 @@ mod go_peers;
 mod image;
 mod lint;
 mod pinned_rustup;
+mod release;
 mod setup;
 mod sweep;
 mod tasks;
@@ -39,6 +40,10 @@ enum Task {
     /// Build the image (Containerfile) for each architecture named, with no emulation, and a
     /// manifest list of them under one name (needs root: podman, mmdebstrap).
     Image(image::ImageArgs),
+    /// What a release ships, into target/dist/VERSION: the static agents of both architectures,
+    /// their images (OCI archives, and a manifest list in podman's storage), SHA256SUMS; from a
+    /// clean checkout whose CHANGELOG.md dates the version (needs root: podman, mmdebstrap).
+    Release(release::ReleaseArgs),
     /// rustfmt check, and clippy with warnings denied (userspace, and the eBPF crate on its target).
     Lint,
     /// Every test: lints, unit tests, and the privileged bpf-tests (needs root).
@@ -112,6 +117,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Task::Image(args) => {
             setup::ensure()?;
             image::run(&args)
+        }
+        Task::Release(args) => {
+            setup::ensure()?;
+            release::run(&args).map(drop)
         }
         Task::Lint => {
             setup::ensure()?;

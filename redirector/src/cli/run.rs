@@ -59,6 +59,12 @@ pub(crate) fn run(args: RunArgs) -> anyhow::Result<()> {
         );
     }
 
+    tracing::info!(
+        version = redirector::release::VERSION,
+        commit = redirector::release::COMMIT,
+        layout = redirector::release::LAYOUT,
+        "starting redirector"
+    );
     let runtime = runtime()?;
     runtime.block_on(async {
         let stop = stop_signal()?;

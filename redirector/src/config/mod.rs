@@ -20,11 +20,12 @@ use redirector_common::{
 };
 use serde::Deserialize;
 
-pub use self::error::ConfigError;
 use self::raw::{RawConfig, RawConntrack, RawInterface, RawListener, RawMetrics, RawProbe};
+pub use self::{error::ConfigError, keys::keys};
 use crate::sources::plausible::{self, Expect, Rejection};
 
 mod error;
+mod keys;
 mod raw;
 
 /// Where the agent pins its maps unless told otherwise.

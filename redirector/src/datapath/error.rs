@@ -155,18 +155,19 @@ pub enum DatapathError {
         #[source]
         source: Box<dyn std::error::Error + Send + Sync>,
     },
-    /// The pins are an older release's, which had no map of this name yet.
+    /// The pins lack a map this release reads: an earlier release's pins (releases only add
+    /// maps, and keep the layout number), or incomplete ones.
     #[error(
-        "the pins under {pin_dir} are of layout {pinned}, an older release's than this \
-         redirector (layout {reads}), and have no {name} map yet: run the redirector of the \
-         release the agent runs (the binary its unit starts, or `kubectl exec` into its pod); \
-         this release's agent migrates the pins when it starts"
+        "the pins under {pin_dir} have no {name} map, which this release ({release}) reads: \
+         they are an earlier release's (the running agent, or the last one, is an older \
+         binary than this one) or incomplete. Run the redirector of the release the agent runs \
+         (the binary its unit started, or `kubectl exec` into its pod); this release's agent \
+         adds the map when it starts, with DNS steered throughout"
     )]
     OlderPins {
         pin_dir: PathBuf,
-        pinned: u32,
-        reads: u32,
         name: String,
+        release: &'static str,
     },
     /// A pinned map could not be opened while others are there.
     #[error(

@@ -182,18 +182,18 @@ impl Maps {
             Err(DatapathError::OpenPin { path, source })
                 if io_kind(&source) == Some(std::io::ErrorKind::NotFound) =>
             {
-                // A map this build reads that the pins lack: pins of an older release say so
-                // (releases only add maps), anything else is incomplete pins.
+                // A map this build reads that the pins lack, where the pins say which layout
+                // they are: an earlier release's (releases only add maps), said so with what to
+                // run; pins that cannot say are incomplete.
                 match super::pinned_layout(pin_dir) {
-                    Some(pinned) if pinned < redirector_common::LAYOUT_VERSION => {
+                    Some(pinned) if pinned <= redirector_common::LAYOUT_VERSION => {
                         Err(DatapathError::OlderPins {
                             pin_dir: pin_dir.to_owned(),
-                            pinned,
-                            reads: redirector_common::LAYOUT_VERSION,
                             name: path
                                 .file_name()
                                 .map(|name| name.to_string_lossy().into_owned())
                                 .unwrap_or_default(),
+                            release: crate::release::VERSION,
                         })
                     }
                     _ => Err(DatapathError::OpenPin { path, source }),

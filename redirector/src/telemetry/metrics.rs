@@ -51,12 +51,15 @@ pub fn render(listeners: &[ListenerSnapshot], stats: &AgentStats, now: SystemTim
     let build = GaugeFamily::default();
     registry.register(
         "build_info",
-        "The running agent's version, and its node's name (NODE_NAME, else the hostname)",
+        "The running agent's release, the commit it was built from, the layout of pins it \
+         reads, and its node's name (NODE_NAME, else the hostname)",
         build.clone(),
     );
     build
         .get_or_create(&labels(&[
-            ("version", env!("CARGO_PKG_VERSION")),
+            ("version", crate::release::VERSION),
+            ("commit", crate::release::COMMIT),
+            ("layout", &crate::release::LAYOUT.to_string()),
             ("node", stats.node()),
         ]))
         .set(1);

@@ -19,6 +19,8 @@ use crate::{
 /// Everything `status` reports.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct StatusReport {
+    /// This build of redirector (the command's own).
+    pub version: VersionState,
     /// The agent process.
     pub agent: AgentState,
     /// The kernel programs.
@@ -31,6 +33,29 @@ pub struct StatusReport {
     pub listeners: Vec<ListenerSnapshot>,
 }
 
+/// The build that runs `status` (`release`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct VersionState {
+    /// Its release.
+    pub release: &'static str,
+    /// The commit it was built from.
+    pub commit: &'static str,
+    /// The layout of pins it reads.
+    pub layout: u32,
+}
+
+impl VersionState {
+    /// This build's.
+    #[must_use]
+    pub fn current() -> Self {
+        Self {
+            release: crate::release::VERSION,
+            commit: crate::release::COMMIT,
+            layout: crate::release::LAYOUT,
+        }
+    }
+}
+
 /// Whether an agent runs.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct AgentState {
@@ -38,6 +63,50 @@ pub struct AgentState {
     pub running: bool,
     /// Its pid, as it wrote it.
     pub pid: Option<String>,
+    /// Which binary it runs, against the one running `status` (`None`: it could not be read).
+    pub binary: Option<AgentBinary>,
+}
+
+/// The running agent's binary, as `/proc/PID/exe` shows it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case", tag = "is")]
+pub enum AgentBinary {
+    /// The file that runs `status`: the same release.
+    Same,
+    /// Another file (another release, or the same one installed elsewhere).
+    Other {
+        /// Its path.
+        path: String,
+    },
+    /// A file deleted or replaced since the agent started (an upgrade installed, the agent not
+    /// restarted yet).
+    Replaced {
+        /// The path it had.
+        path: String,
+    },
+}
+
+impl AgentBinary {
+    /// What `/proc/PID/exe` of the agent `pid` is, against `/proc/self/exe`.
+    fn of(pid: &str) -> Option<Self> {
+        use std::os::unix::fs::MetadataExt as _;
+        let exe = format!("/proc/{pid}/exe");
+        let path = std::fs::read_link(&exe).ok()?.display().to_string();
+        if let Some(path) = path.strip_suffix(" (deleted)") {
+            return Some(Self::Replaced {
+                path: path.to_owned(),
+            });
+        }
+        let theirs = std::fs::metadata(&exe).ok()?;
+        let ours = std::fs::metadata("/proc/self/exe").ok()?;
+        Some(
+            if (theirs.dev(), theirs.ino()) == (ours.dev(), ours.ino()) {
+                Self::Same
+            } else {
+                Self::Other { path }
+            },
+        )
+    }
 }
 
 /// The pinned programs.
@@ -152,8 +221,10 @@ pub async fn gather(
         },
     };
     Ok(StatusReport {
+        version: VersionState::current(),
         agent: AgentState {
             running: pid.is_some(),
+            binary: pid.as_deref().and_then(AgentBinary::of),
             pid,
         },
         programs: ProgramState {
@@ -207,9 +278,27 @@ fn render_kernel(text: &mut String, kernel: &KernelState) {
 #[must_use]
 pub fn render_table(report: &StatusReport) -> String {
     let mut text = String::new();
+    let version = &report.version;
+    let _ = writeln!(
+        text,
+        "version:   redirector {} (commit {}, layout {})",
+        version.release, version.commit, version.layout
+    );
     match (&report.agent.running, &report.agent.pid) {
         (true, Some(pid)) => {
-            let _ = writeln!(text, "agent:     running (pid {pid})");
+            let binary = match &report.agent.binary {
+                Some(AgentBinary::Same) => "this release".to_owned(),
+                Some(AgentBinary::Other { path }) => format!(
+                    "another binary, {path}: its release is on its redirector_build_info, or \
+                     `{path} --version`"
+                ),
+                Some(AgentBinary::Replaced { path }) => format!(
+                    "a binary since replaced at {path}: restart the agent to run the installed \
+                     release"
+                ),
+                None => "its binary unreadable".to_owned(),
+            };
+            let _ = writeln!(text, "agent:     running (pid {pid}, {binary})");
         }
         _ if !report.programs.steering => {
             let _ = writeln!(
@@ -395,9 +484,15 @@ mod tests {
 
     fn report(running: bool) -> StatusReport {
         StatusReport {
+            version: VersionState {
+                release: "0.2.0",
+                commit: "0123456789ab",
+                layout: 5,
+            },
             agent: AgentState {
                 running,
                 pid: running.then(|| "4242".to_owned()),
+                binary: running.then_some(AgentBinary::Same),
             },
             programs: ProgramState {
                 pin_dir: "/sys/fs/bpf/redirector".to_owned(),
@@ -445,7 +540,10 @@ mod tests {
     fn the_table_says_where_dns_goes_and_why_and_whether_an_agent_runs() {
         let text = render_table(&report(true));
         assert!(
-            text.starts_with("agent:     running (pid 4242)\n"),
+            text.starts_with(
+                "version:   redirector 0.2.0 (commit 0123456789ab, layout 5)\n\
+                 agent:     running (pid 4242, this release)\n"
+            ),
             "{text}"
         );
         assert!(text.contains("programs:  1 of 13 attached"), "{text}");
@@ -469,15 +567,42 @@ mod tests {
         );
         let stopped = render_table(&report(false));
         assert!(
-            stopped.starts_with("agent:     NOT RUNNING: the pinned programs keep steering"),
+            stopped
+                .lines()
+                .nth(1)
+                .unwrap()
+                .starts_with("agent:     NOT RUNNING: the pinned programs keep steering"),
             "{stopped}"
         );
+    }
+
+    #[test]
+    fn the_agents_binary_is_told_from_the_one_running_status() {
+        assert_eq!(
+            AgentBinary::of(&std::process::id().to_string()),
+            Some(AgentBinary::Same)
+        );
+        let mut other = std::process::Command::new("sleep")
+            .arg("10")
+            .spawn()
+            .unwrap();
+        let binary = AgentBinary::of(&other.id().to_string());
+        other.kill().unwrap();
+        other.wait().unwrap();
+        assert!(
+            matches!(&binary, Some(AgentBinary::Other { path }) if path.ends_with("/sleep")),
+            "{binary:?}"
+        );
+        assert_eq!(AgentBinary::of("0"), None);
     }
 
     #[test]
     fn the_json_names_every_field() {
         let json = serde_json::to_value(report(true)).unwrap();
         assert_eq!(json["agent"]["pid"], "4242");
+        assert_eq!(json["agent"]["binary"]["is"], "same");
+        assert_eq!(json["version"]["release"], "0.2.0");
+        assert_eq!(json["version"]["layout"], 5);
         assert_eq!(json["listeners"][0]["route"], "upstream");
         assert_eq!(json["listeners"][0]["pool"][0]["tcp_port"], 5353);
         assert_eq!(json["conntrack_bypass"]["table"], "present");

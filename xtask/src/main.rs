@@ -12,6 +12,7 @@ mod sweep;
 mod tasks;
 mod toolchain;
 mod vm;
+mod workspace;
 
 use clap::{Parser, Subcommand};
 

@@ -161,7 +161,7 @@ fn require_on_root_fs(path: &Path) -> anyhow::Result<()> {
 
 /// The workspace's root, with its links resolved.
 fn workspace_dir() -> anyhow::Result<PathBuf> {
-    crate::tasks::workspace_root()
+    crate::workspace::workspace_root()
         .canonicalize()
         .context("finding the workspace")
 }
@@ -241,7 +241,7 @@ pub fn run(options: &VmArgs) -> anyhow::Result<()> {
         .to_owned();
     let vm_dir = target_dir.join("vm");
     std::fs::create_dir_all(&vm_dir).with_context(|| format!("creating {}", vm_dir.display()))?;
-    let workdir = crate::tasks::workspace_root().join("bpf-tests");
+    let workdir = crate::workspace::workspace_root().join("bpf-tests");
     let workdir = workdir
         .canonicalize()
         .with_context(|| format!("finding {}", workdir.display()))?;

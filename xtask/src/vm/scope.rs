@@ -219,7 +219,7 @@ mod tests {
         assert!(!runs_whole("drain", &[], false));
         assert!(runs_whole("drain", &["drain".to_owned()], false));
         assert!(runs_whole("drain", &[], true));
-        let dir = crate::tasks::workspace_root().join("bpf-tests/tests");
+        let dir = crate::workspace::workspace_root().join("bpf-tests/tests");
         for binary in KERNEL_BINARIES {
             assert!(dir.join(format!("{binary}.rs")).exists(), "no {binary}.rs");
         }
@@ -228,7 +228,7 @@ mod tests {
     /// Every test of the kernel subset exists in its binary's source.
     #[test]
     fn the_kernel_subset_names_tests_that_exist() {
-        let dir = crate::tasks::workspace_root().join("bpf-tests/tests");
+        let dir = crate::workspace::workspace_root().join("bpf-tests/tests");
         for (binary, tests) in KERNEL_SUBSET {
             let source = std::fs::read_to_string(dir.join(format!("{binary}.rs")))
                 .unwrap_or_else(|error| panic!("{binary}.rs: {error}"));

@@ -69,7 +69,9 @@ pub(super) fn validate_interface(raw: RawInterface) -> Result<InterfaceSettings,
 /// How the agent talks to Kubernetes.
 #[derive(Clone, PartialEq, Eq, Debug)]
 pub struct KubernetesSettings {
-    /// A kubeconfig file; `None`: in-cluster, else `$KUBECONFIG` or `~/.kube/config`.
+    /// A kubeconfig file; `None`: kube's inference (`kube::Config::infer`), which loads the
+    /// kubeconfig `$KUBECONFIG` names (or, with it unset, `~/.kube/config`) and only when that
+    /// fails the in-cluster configuration (the pod's service account).
     pub kubeconfig: Option<PathBuf>,
     /// How often the pools are rewritten from the last known state even without events.
     pub resync_interval: Duration,

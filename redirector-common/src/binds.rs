@@ -168,7 +168,7 @@ mod tests {
         let key = BindKey::new(
             IPV4_UNSPECIFIED,
             53u16.to_be(),
-            crate::counters::PROTOCOL_TCP,
+            crate::protocol::PROTOCOL_TCP,
         );
         assert_eq!(key.protocol, 1);
         assert_eq!(key._padding, 0);

@@ -2,31 +2,13 @@
 
 use crate::listener::MAX_LISTENERS;
 
-/// Counter row for UDP traffic.
-pub const PROTOCOL_UDP: u32 = 0;
-/// Counter row for TCP traffic.
-pub const PROTOCOL_TCP: u32 = 1;
-/// Rows per listener.
-pub const PROTOCOLS: u32 = 2;
+/// The protocol numbers index a listener's rows: here too, where the counters' users find them.
+pub use crate::protocol::{
+    IPPROTO_TCP, IPPROTO_UDP, PROTOCOL_TCP, PROTOCOL_UDP, PROTOCOLS, protocol_row,
+};
+
 /// Entries of the `COUNTERS` map.
 pub const COUNTER_ENTRIES: usize = MAX_LISTENERS * PROTOCOLS as usize;
-
-/// `IPPROTO_UDP`.
-pub const IPPROTO_UDP: u32 = 17;
-/// `IPPROTO_TCP`.
-pub const IPPROTO_TCP: u32 = 6;
-
-/// The counter row (`PROTOCOL_*`) of a socket's IP protocol; `None` for anything but UDP and TCP
-/// (ping and raw sockets pass through the same hooks).
-#[inline(always)]
-#[must_use]
-pub const fn protocol_row(ip_protocol: u32) -> Option<u32> {
-    match ip_protocol {
-        IPPROTO_UDP => Some(PROTOCOL_UDP),
-        IPPROTO_TCP => Some(PROTOCOL_TCP),
-        _ => None,
-    }
-}
 
 /// Index into `COUNTERS` of a listener's row for `protocol`.
 #[inline(always)]
@@ -84,14 +66,6 @@ impl ListenerCounters {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn only_udp_and_tcp_have_rows() {
-        assert_eq!(protocol_row(17), Some(PROTOCOL_UDP));
-        assert_eq!(protocol_row(6), Some(PROTOCOL_TCP));
-        assert_eq!(protocol_row(1), None);
-        assert_eq!(protocol_row(58), None);
-    }
 
     #[test]
     fn rows_of_listeners_do_not_overlap() {

@@ -18,6 +18,7 @@ pub mod datapath;
 pub mod listener;
 pub mod names;
 pub mod pool;
+pub mod protocol;
 pub mod reverse;
 pub mod stale;
 

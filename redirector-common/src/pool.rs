@@ -23,7 +23,7 @@ impl Target {
     #[inline(always)]
     #[must_use]
     pub const fn port_be(&self, protocol: u32) -> u16 {
-        if protocol == crate::counters::PROTOCOL_TCP {
+        if protocol == crate::protocol::PROTOCOL_TCP {
             self.tcp_port_be
         } else {
             self.udp_port_be

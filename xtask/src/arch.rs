@@ -1,9 +1,15 @@
 //! The architectures redirector is built and tested for, and what each needs: the static musl
 //! target the agent and the test binaries are built for (cross-built from any host: only `ring`
 //! compiles C, which clang builds for every target and rust-lld links against the musl that
-//! Rust ships), Debian's name for it, and the qemu that boots its kernels.
+//! Rust ships), Debian's name for it, the ELF machine of its binaries, and the qemu that boots
+//! its kernels.
 
 use crate::toolchain::LLVM_MAJOR;
+
+/// `e_machine` of x86_64.
+pub const EM_X86_64: u16 = 62;
+/// `e_machine` of aarch64.
+pub const EM_AARCH64: u16 = 183;
 
 /// An architecture of the nodes redirector runs on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, clap::ValueEnum)]
@@ -67,8 +73,8 @@ impl Arch {
     #[must_use]
     pub const fn elf_machine(self) -> u16 {
         match self {
-            Self::X86_64 => crate::elf::EM_X86_64,
-            Self::Aarch64 => crate::elf::EM_AARCH64,
+            Self::X86_64 => EM_X86_64,
+            Self::Aarch64 => EM_AARCH64,
         }
     }
 

@@ -8,11 +8,6 @@ use anyhow::{Context as _, bail, ensure};
 
 use crate::arch::Arch;
 
-/// `e_machine` of x86_64.
-pub const EM_X86_64: u16 = 62;
-/// `e_machine` of aarch64.
-pub const EM_AARCH64: u16 = 183;
-
 /// `p_type` of the program header naming the dynamic linker.
 const PT_INTERP: u32 = 3;
 
@@ -126,6 +121,7 @@ pub fn check_static_binary(binary: &Path, arch: Arch) -> anyhow::Result<Elf> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::arch::{EM_AARCH64, EM_X86_64};
 
     /// A 64-bit little-endian ELF header with one program header, of `p_type`, pointing at
     /// `payload`.

@@ -55,7 +55,7 @@ fn go() -> PathBuf {
 
 /// `target/go`, the binaries' and the caches' folder.
 fn root() -> PathBuf {
-    crate::tasks::target_dir().join("go")
+    crate::workspace::target_dir().join("go")
 }
 
 /// Builds every program whose module, or Go, changed since it was last built.
@@ -124,7 +124,7 @@ fn collect_sources(folder: &Path, files: &mut Vec<PathBuf>) -> anyhow::Result<()
 }
 
 fn ensure_module(module: &Module, go_version: &str) -> anyhow::Result<()> {
-    let folder = crate::tasks::workspace_root()
+    let folder = crate::workspace::workspace_root()
         .join("bpf-tests/go")
         .join(module.folder);
     let bin = root().join("bin");
@@ -198,7 +198,7 @@ mod tests {
     #[test]
     fn every_module_pins_what_it_builds() {
         for module in MODULES {
-            let folder = crate::tasks::workspace_root()
+            let folder = crate::workspace::workspace_root()
                 .join("bpf-tests/go")
                 .join(module.folder);
             let go_mod = std::fs::read_to_string(folder.join("go.mod"))

@@ -14,8 +14,8 @@ use anyhow::{Context as _, bail};
 
 use crate::{
     arch::{Arch, Selection},
-    lint,
-    tasks::{self, target_dir, workspace_root},
+    lint, tasks,
+    workspace::{target_dir, workspace_root},
 };
 
 /// `cargo xtask image`'s arguments.

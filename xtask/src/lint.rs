@@ -16,7 +16,7 @@ pub fn run() -> anyhow::Result<()> {
     cargo(
         &[
             &["clippy", "--all-targets"],
-            &crate::tasks::USERSPACE[..],
+            &crate::workspace::USERSPACE[..],
             &["--", "-D", "warnings"],
         ]
         .concat(),

@@ -13,6 +13,7 @@ mod sweep;
 mod tasks;
 mod toolchain;
 mod vm;
+mod workspace;
 
 use clap::{Parser, Subcommand};
 
@@ -51,9 +52,9 @@ enum Task {
         /// Skip the lints (for quick iterations; CI runs them).
         #[arg(long)]
         no_lint: bool,
-        /// Only the host kernel: skip the VMs (on x86_64 every test on Debian's 6.1, the kernel
-        /// subset and the systemd boot on 6.12; the kernel subset on arm64's 6.1; `cargo xtask
-        /// vm-test`).
+        /// Only the host kernel: skip the VMs (on x86_64 Debian's 6.1: steering, signal and stall
+        /// whole and the other binaries' kernel subset; 6.12: the kernel subset and the systemd
+        /// boot; arm64's 6.1: the kernel subset; `cargo xtask vm-test`).
         #[arg(long)]
         no_vm: bool,
         /// Only run tests whose name contains this.

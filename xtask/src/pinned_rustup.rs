@@ -19,8 +19,8 @@ use std::{
 use anyhow::{Context as _, bail};
 
 use crate::{
-    tasks::target_dir,
     toolchain::{Pin, host_triple},
+    workspace::target_dir,
 };
 
 /// The tools a toolchain's `bin` holds, each of which the poisoned `nightly` answers with an error.

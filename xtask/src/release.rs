@@ -13,8 +13,8 @@ use anyhow::{Context as _, bail};
 use crate::{
     arch::Arch,
     image::{self, ImageArgs},
-    lint,
-    tasks::{self, target_dir, workspace_root},
+    lint, tasks,
+    workspace::{target_dir, workspace_root},
 };
 
 /// `cargo xtask release`'s arguments.

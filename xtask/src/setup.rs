@@ -82,7 +82,7 @@ const PYCARES: &str = "pycares==5.2.1";
 /// system's packages stay untouched), unless it imports from there already.
 fn ensure_test_python() -> anyhow::Result<()> {
     let python = "/usr/bin/python3";
-    let target = crate::tasks::workspace_root().join("target/test-python");
+    let target = crate::workspace::workspace_root().join("target/test-python");
     let imports = Command::new(python)
         .args(["-c", "import pycares"])
         .env("PYTHONPATH", &target)

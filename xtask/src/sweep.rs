@@ -91,7 +91,7 @@ pub fn run() -> anyhow::Result<()> {
 
 /// The image tests' podman storage and state (keep in sync with `bpf_tests::container`).
 fn podman() -> Option<Command> {
-    let dir = crate::tasks::target_dir().join("tmp/containers");
+    let dir = crate::workspace::target_dir().join("tmp/containers");
     if !dir.join("storage").is_dir() {
         return None;
     }

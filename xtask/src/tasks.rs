@@ -8,21 +8,8 @@ use crate::{
     arch::Arch,
     lint::{self, cargo},
     pinned_rustup, sweep,
+    workspace::{USERSPACE, target_dir, workspace_root},
 };
-
-/// The workspace's root directory (xtask's parent).
-pub fn workspace_root() -> PathBuf {
-    let xtask = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
-    xtask
-        .parent()
-        .map_or_else(|| xtask.join(".."), std::path::Path::to_path_buf)
-}
-
-/// The workspace's target directory.
-pub fn target_dir() -> PathBuf {
-    std::env::var_os("CARGO_TARGET_DIR")
-        .map_or_else(|| workspace_root().join("target"), PathBuf::from)
-}
 
 pub fn require_root(task: &str) -> anyhow::Result<()> {
     if !nix::unistd::geteuid().is_root() {
@@ -33,10 +20,6 @@ pub fn require_root(task: &str) -> anyhow::Result<()> {
     }
     Ok(())
 }
-
-/// `cargo` arguments that select every userspace crate, bpf-tests with its privileged tests
-/// included (it is not a default member, so that a plain `cargo test` needs no root).
-pub const USERSPACE: [&str; 3] = ["--workspace", "--exclude", "redirector-ebpf"];
 
 /// `cargo` arguments that build the redirector binary the tests run: with the embedded cache
 /// they use as a node cache (the feature bpf-tests asks of it, so that the workspace's

@@ -15,7 +15,7 @@ use std::{
 use anyhow::{Context as _, bail};
 use serde::Deserialize;
 
-use crate::tasks::workspace_root;
+use crate::workspace::workspace_root;
 
 /// The LLVM major of the eBPF toolchain and of bpf-linker: Debian's `llvm-N-dev` and bpf-linker's
 /// `llvm-N` feature. The eBPF pin's rustc must report the same major (`rustc -vV`); `cargo xtask

@@ -97,9 +97,10 @@ pub struct VmArgs {
 }
 
 impl VmArgs {
-    /// The host architecture's VMs as every `cargo xtask test` runs them: every test on 6.1,
-    /// the oldest kernel here; the kernel subset and the systemd boot on 6.12, which sits
-    /// between it and the host's kernel, where every test runs too.
+    /// The host architecture's VMs as every `cargo xtask test` runs them: on 6.1, the oldest
+    /// kernel here, the kernel's full run (steering, signal and stall whole, the other binaries'
+    /// kernel subset: `scope::runs_whole`); the kernel subset and the systemd boot on 6.12,
+    /// which sits between it and the host's kernel, where every test runs.
     #[must_use]
     pub fn suite() -> Self {
         <Self as clap::Parser>::parse_from(["vm-test", "--subset-on", "6.12"])
@@ -161,7 +162,7 @@ fn require_on_root_fs(path: &Path) -> anyhow::Result<()> {
 
 /// The workspace's root, with its links resolved.
 fn workspace_dir() -> anyhow::Result<PathBuf> {
-    crate::tasks::workspace_root()
+    crate::workspace::workspace_root()
         .canonicalize()
         .context("finding the workspace")
 }
@@ -241,7 +242,7 @@ pub fn run(options: &VmArgs) -> anyhow::Result<()> {
         .to_owned();
     let vm_dir = target_dir.join("vm");
     std::fs::create_dir_all(&vm_dir).with_context(|| format!("creating {}", vm_dir.display()))?;
-    let workdir = crate::tasks::workspace_root().join("bpf-tests");
+    let workdir = crate::workspace::workspace_root().join("bpf-tests");
     let workdir = workdir
         .canonicalize()
         .with_context(|| format!("finding {}", workdir.display()))?;
@@ -557,7 +558,7 @@ mod tests {
         let suite = VmArgs::suite();
         assert!(
             !suite.subset(Series::V6_1),
-            "cargo xtask test runs everything on 6.1"
+            "cargo xtask test runs the kernel's full run on 6.1"
         );
         assert!(suite.subset(Series::V6_12));
         let arm64 = VmArgs::arm64_subset();

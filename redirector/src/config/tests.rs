@@ -1,5 +1,11 @@
 //! The configuration's parsing and every refusal.
 
+use redirector_common::{
+    listener::LISTENER_NAME_MAX,
+    pool::MAX_POOL_TARGETS,
+    settings::{EmptyPoolPolicy, Liveness},
+};
+
 use super::*;
 
 fn refusal(text: &str) -> String {

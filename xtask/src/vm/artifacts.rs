@@ -10,10 +10,7 @@ use std::{
 use anyhow::{Context as _, bail};
 use serde::Deserialize;
 
-use crate::{
-    arch::Arch,
-    tasks::{TESTED_BINARY_BUILD, USERSPACE},
-};
+use crate::{arch::Arch, tasks::TESTED_BINARY_BUILD, workspace::USERSPACE};
 
 /// The test target the systemd boot runs.
 pub const SYSTEMD_BOOT: &str = "systemd_boot";

@@ -162,7 +162,8 @@ pub fn describe(named: &[String], everything: bool) -> String {
 /// the x86_64 guests) and on x86_64's 6.12, which sits between 6.1 and the host's kernel, where
 /// every test runs. Every test starts the agent, which loads and attaches every program, so the
 /// subset also shows that kernel's verifier accepting all of them. `cargo xtask vm-test --arch
-/// aarch64 --whole-suite` and `cargo xtask vm-test --kernel 6.12` run everything there.
+/// aarch64 --whole-suite` and `cargo xtask vm-test --kernel 6.12` run there what x86_64's 6.1
+/// runs (every test the VMs can run with `--with-host-only` too).
 pub const KERNEL_SUBSET: &[(&str, &[&str])] = &[
     (
         "steering",
@@ -219,7 +220,7 @@ mod tests {
         assert!(!runs_whole("drain", &[], false));
         assert!(runs_whole("drain", &["drain".to_owned()], false));
         assert!(runs_whole("drain", &[], true));
-        let dir = crate::tasks::workspace_root().join("bpf-tests/tests");
+        let dir = crate::workspace::workspace_root().join("bpf-tests/tests");
         for binary in KERNEL_BINARIES {
             assert!(dir.join(format!("{binary}.rs")).exists(), "no {binary}.rs");
         }
@@ -228,7 +229,7 @@ mod tests {
     /// Every test of the kernel subset exists in its binary's source.
     #[test]
     fn the_kernel_subset_names_tests_that_exist() {
-        let dir = crate::tasks::workspace_root().join("bpf-tests/tests");
+        let dir = crate::workspace::workspace_root().join("bpf-tests/tests");
         for (binary, tests) in KERNEL_SUBSET {
             let source = std::fs::read_to_string(dir.join(format!("{binary}.rs")))
                 .unwrap_or_else(|error| panic!("{binary}.rs: {error}"));

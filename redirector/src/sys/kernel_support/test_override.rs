@@ -4,8 +4,9 @@
 use super::FEATURES;
 
 /// The variable that makes the agent (and `status`) take features as absent whatever the probes
-/// say: a comma-separated list of [`KernelFeature::id`](super::KernelFeature::id)s. For tests only: it exists so that the
-/// degraded paths run on the kernels the tests can boot, all of which have every feature.
+/// say: a comma-separated list of [`KernelFeature::id`](super::KernelFeature::id)s. For tests
+/// only: it exists so that the degraded paths run on the kernels the tests can boot, all of which
+/// have every feature.
 pub const ABSENT_FOR_TESTS_VARIABLE: &str = "REDIRECTOR_TEST_ABSENT_FEATURES";
 
 /// [`ABSENT_FOR_TESTS_VARIABLE`] names a feature the table does not have.

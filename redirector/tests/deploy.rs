@@ -27,6 +27,7 @@ use redirector::config::{Config, UpstreamSource};
 use serde::{Deserialize as _, Serialize, de::DeserializeOwned};
 
 mod common;
+mod served;
 
 /// The Kustomize base, relative to the repository.
 const BASE: &str = "deploy/kubernetes/base";
@@ -1341,7 +1342,7 @@ fn the_alert_rules_are_valid_and_fire_as_their_tests_say() {
     let rules = read("deploy/prometheus/redirector.rules.yml");
     let tests = read("deploy/prometheus/redirector.rules.test.yml");
     let observability = read("docs/observability.md");
-    let served = served_metrics();
+    let served = served::metrics_text();
     for alert in rules
         .lines()
         .filter_map(|line| line.trim().strip_prefix("- alert: "))
@@ -1373,43 +1374,6 @@ fn the_alert_rules_are_valid_and_fire_as_their_tests_say() {
     }
 }
 
-/// What the agent serves at `/metrics` with one listener and one of each observation, so that
-/// every family has a sample (a family without one is not printed).
-fn served_metrics() -> String {
-    let listener = redirector::telemetry::snapshot::ListenerSnapshot {
-        id: 0,
-        name: "node".to_owned(),
-        address: IpAddr::from([169, 254, 10, 10]),
-        cache: "169.254.10.10:53".parse().expect("an address"),
-        mode: "auto",
-        route: "upstream",
-        reason: "the cache has no socket",
-        reason_code: "no_sockets",
-        cache_sockets: Some((0, 0)),
-        probe_verdict: "up",
-        pool: Vec::new(),
-        empty_pool: "pass",
-        counters: redirector::telemetry::snapshot::CounterSnapshot::default(),
-        flips: redirector::telemetry::snapshot::FlipCounts::default(),
-    };
-    let stats = redirector::telemetry::stats::AgentStats::for_node("node-a".to_owned());
-    stats.record_probe("node", true, std::time::Duration::from_millis(1));
-    stats.record_probe_servfail("node");
-    stats.record_pool_left_out("node", 0);
-    stats.record_source_sync("kubernetes", std::time::Duration::from_millis(1));
-    stats.record_source_contact("kubernetes");
-    stats.record_upstream_check("cluster", true);
-    stats.record_upstream_state("cluster", "10.244.0.5:53", true);
-    stats.record_transition(redirector::telemetry::stats::Transition {
-        listener: "node".to_owned(),
-        from: redirector_common::listener::Route::Cache,
-        to: redirector_common::listener::Route::Upstream,
-        reason: redirector_common::listener::Reason::NoSockets,
-        at: std::time::SystemTime::now(),
-    });
-    redirector::telemetry::metrics::render(&[listener], &stats, std::time::SystemTime::now())
-}
-
 /// The metric families a PromQL text reads (`redirector_...`, without the suffixes Prometheus
 /// adds to counters and histograms).
 fn families(promql: &str) -> Vec<String> {
@@ -1435,7 +1399,7 @@ fn families(promql: &str) -> Vec<String> {
 fn the_dashboard_reads_only_metrics_the_agent_serves() {
     let dashboard: serde_json::Value =
         serde_json::from_str(&read("deploy/grafana/redirector.json")).expect("JSON");
-    let served = served_metrics();
+    let served = served::metrics_text();
     let panels = dashboard["panels"].as_array().expect("panels");
     assert!(panels.len() >= 10, "{} panels", panels.len());
     let mut read_any = 0;
@@ -1473,7 +1437,7 @@ fn the_dashboard_reads_only_metrics_the_agent_serves() {
 fn the_dashboard_variables_read_labels_the_agent_serves() {
     let dashboard: serde_json::Value =
         serde_json::from_str(&read("deploy/grafana/redirector.json")).expect("JSON");
-    let served = served_metrics();
+    let served = served::metrics_text();
     let variables = dashboard["templating"]["list"]
         .as_array()
         .expect("variables");

@@ -369,6 +369,7 @@ fn is_query(span: &str) -> bool {
 /// whose values come from a fixed list (bypass status, rejection reason, check result).
 fn every_label_value() -> String {
     let mut text: String = CASES.iter().map(|case| run(Some(case.trouble)).1).collect();
+    text.push_str(&served::metrics_text());
     let sources = [
         SourceKind::Kubernetes.name(),
         SourceKind::ResolvConf.name(),

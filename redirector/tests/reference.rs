@@ -11,19 +11,8 @@
 
 use std::{
     collections::{BTreeMap, BTreeSet},
-    net::IpAddr,
     process::Command,
-    time::{Duration, SystemTime},
 };
-
-use redirector::{
-    conntrack_bypass::BypassStatus,
-    telemetry::{
-        metrics,
-        stats::{AgentStats, ErrorKind, Transition},
-    },
-};
-use redirector_common::listener::{Reason, Route};
 
 #[expect(
     dead_code,
@@ -161,43 +150,10 @@ fn the_configuration_guide_shows_every_key_and_only_keys_the_file_takes() {
     compare("docs/configuration.md's keys", &keys, &documented_keys());
 }
 
-/// An agent that has seen one of everything it counts, for `listener`: every metric family has
-/// a series (a family with none is not served).
-pub fn agent_that_saw_everything(listener: &str) -> AgentStats {
-    let stats = AgentStats::for_node("node-a".to_owned());
-    stats.record_transition(Transition {
-        listener: listener.to_owned(),
-        from: Route::Cache,
-        to: Route::Upstream,
-        reason: Reason::NoSockets,
-        at: SystemTime::now(),
-    });
-    stats.record_probe(listener, true, Duration::from_millis(1));
-    stats.record_probe(listener, false, Duration::from_millis(250));
-    stats.record_probe_servfail(listener);
-    stats.record_pool_source(listener, "kubernetes");
-    stats.record_pool_sync(listener);
-    stats.record_pool_left_out(listener, 1);
-    stats.record_upstream_check(listener, true);
-    stats.record_upstream_state(listener, "10.96.0.10:53", true);
-    stats.record_source_sync("kubernetes", Duration::from_millis(1));
-    stats.record_source_contact("kubernetes");
-    stats.record_rejection("kubernetes", "no DNS port");
-    stats.record_error(ErrorKind::KubeApi);
-    stats.record_conntrack_bypass(BypassStatus::Active, 1);
-    stats.set_ready();
-    stats
-}
-
 /// Every metric the agent serves, by its sample's name (`_total` on counters).
 fn served_metrics() -> BTreeSet<String> {
-    let listener = served::healthy_listener("node", IpAddr::from([10, 96, 0, 10]));
-    let text = metrics::render(
-        &[listener],
-        &agent_that_saw_everything("node"),
-        SystemTime::now(),
-    );
-    text.lines()
+    served::metrics_text()
+        .lines()
         .filter_map(|line| line.strip_prefix("# TYPE "))
         .map(|line| {
             let (name, kind) = line.split_once(' ').expect("# TYPE name kind");

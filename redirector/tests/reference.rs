@@ -7,7 +7,9 @@
 //! - docs/observability.md's metrics table: every metric family the agent serves.
 //! - docs/operations.md's alerts: a row of its table and a section per alert of the shipped rules,
 //!   whose `runbook_url` names that section.
-//! - CHANGELOG.md: every key, map, program, metric, alert and command in exactly one release.
+//! - CHANGELOG.md: every key, map, program, metric, alert and command in exactly one release,
+//!   and a dated section for the workspace's version.
+//! - ARCHITECTURE.md: every crate of the workspace and every module of the agent.
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -354,6 +356,39 @@ fn the_changelog_lists_every_key_map_program_metric_alert_and_command_in_one_rel
             &format!("CHANGELOG.md's {kind}"),
             &names,
             &releases.keys().map(|name| (*name).to_owned()).collect(),
+        );
+    }
+}
+
+#[test]
+fn the_architecture_names_every_crate_and_every_module_of_the_agent() {
+    let architecture = read("ARCHITECTURE.md");
+    let spans: BTreeSet<String> = code_spans(&architecture).into_iter().collect();
+    let manifest: toml::Table = read("Cargo.toml")
+        .parse()
+        .expect("the workspace's Cargo.toml");
+    let members = manifest["workspace"]["members"]
+        .as_array()
+        .expect("the workspace's members");
+    for member in members {
+        let crate_dir = format!("{}/", member.as_str().expect("a member's path"));
+        assert!(
+            spans.contains(&crate_dir),
+            "ARCHITECTURE.md names no {crate_dir}"
+        );
+    }
+    let source = common::repo().join("redirector/src");
+    for entry in std::fs::read_dir(&source).expect("redirector/src") {
+        let entry = entry.expect("an entry");
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let module = if entry.path().is_dir() {
+            format!("{name}/")
+        } else {
+            name
+        };
+        assert!(
+            spans.contains(&module),
+            "ARCHITECTURE.md's module table names no redirector/src/{module}"
         );
     }
 }

@@ -2,7 +2,7 @@
 //! ways: a name the code has and its table lacks fails, and so does one a table names that the
 //! code does not have.
 //!
-//! - README's command table: every subcommand and every flag `--help` shows.
+//! - README's command table: every subcommand and every flag its `-h` shows.
 //! - docs/configuration.md's file: every key the configuration takes (`config::keys`).
 //! - docs/observability.md's metrics table: every metric family the agent serves.
 //! - docs/operations.md's alerts: a row of its table and a section per alert of the shipped rules,
@@ -65,10 +65,14 @@ fn subcommands() -> BTreeSet<String> {
         .collect()
 }
 
-/// The long flags of a subcommand (`--help` aside).
+/// The long flags of a subcommand (`--help` aside): each option line's first column (`-h,
+/// --help`, `--config <CONFIG>`), never its description.
 fn flags(subcommand: &str) -> BTreeSet<String> {
     section(&help(&[subcommand]), "Options:")
-        .flat_map(str::split_whitespace)
+        .flat_map(|line| {
+            line.split_whitespace()
+                .take_while(|word| word.starts_with('-') || word.starts_with('<'))
+        })
         .map(|word| word.trim_end_matches(','))
         .filter(|word| word.starts_with("--") && *word != "--help")
         .map(str::to_owned)
@@ -272,14 +276,20 @@ fn changelog() -> BTreeMap<String, Vec<(String, String)>> {
             kind = None;
             continue;
         }
-        if let Some(item) = line.strip_prefix("- ") {
-            kind = item.split_once(": ").map(|(name, _)| name.to_owned());
-        } else if !line.starts_with("  ") {
+        // A list's names follow its kind on an item's first line, and go on on the lines
+        // indented under it.
+        let names = if let Some(item) = line.strip_prefix("- ") {
+            let (name, rest) = item.split_once(": ").unzip();
+            kind = name.map(str::to_owned);
+            rest.unwrap_or_default()
+        } else if line.starts_with("  ") {
+            line
+        } else {
             kind = None;
-        }
+            line
+        };
         if let Some(kind) = &kind {
-            let line = line.split_once(": ").map_or(line, |(_, rest)| rest);
-            for span in code_spans(line) {
+            for span in code_spans(names) {
                 lists
                     .entry(kind.clone())
                     .or_default()

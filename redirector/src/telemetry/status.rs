@@ -594,6 +594,22 @@ mod tests {
             "{binary:?}"
         );
         assert_eq!(AgentBinary::of("0"), None);
+        // A binary deleted since it started (as `install` replaces one) is told apart.
+        let dir = std::env::temp_dir().join(format!("redirector-status-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let copy = dir.join("sleep");
+        std::fs::copy("/bin/sleep", &copy).unwrap();
+        let mut replaced = std::process::Command::new(&copy).arg("10").spawn().unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+        let binary = AgentBinary::of(&replaced.id().to_string());
+        replaced.kill().unwrap();
+        replaced.wait().unwrap();
+        assert_eq!(
+            binary,
+            Some(AgentBinary::Replaced {
+                path: copy.display().to_string()
+            })
+        );
     }
 
     #[test]

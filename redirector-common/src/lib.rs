@@ -21,6 +21,7 @@ pub mod pool;
 pub mod protocol;
 pub mod reverse;
 pub mod stale;
+pub mod workloads;
 
 #[cfg(feature = "user")]
 mod pod;

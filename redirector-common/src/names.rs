@@ -52,9 +52,15 @@ pub const MAP_DATAPATH_CONFIG: &str = "DATAPATH_CONFIG";
 /// Socket-local storage: the listeners a socket on a cache port reads for (`CacheReader`), so
 /// that `recvmsg` finds them without a cookie and a hash lookup at every datagram.
 pub const MAP_CACHE_READERS: &str = "CACHE_READERS";
+/// cgroup id → `WorkloadCounters`: each workload's queries by route and replies by rcode class
+/// (an LRU, sized by `workloads.tracked`).
+pub const MAP_WORKLOADS: &str = "WORKLOADS";
+/// cgroup id → `ExemptCgroup`: cgroups whose DNS (and their descendants') is not counted: the
+/// caches, the agent, and those the operator lists.
+pub const MAP_WORKLOAD_EXEMPT: &str = "WORKLOAD_EXEMPT";
 
 /// Every map in the object.
-pub const ALL_MAPS: [&str; 21] = [
+pub const ALL_MAPS: [&str; 23] = [
     MAP_LISTENERS,
     MAP_LISTENER_MODE,
     MAP_CACHE_HEALTH,
@@ -76,6 +82,8 @@ pub const ALL_MAPS: [&str; 21] = [
     MAP_CACHE_PENDING,
     MAP_CACHE_PORTS,
     MAP_CACHE_READERS,
+    MAP_WORKLOADS,
+    MAP_WORKLOAD_EXEMPT,
 ];
 
 /// `cgroup/connect4`: TCP connect and UDP connect, IPv4.
@@ -122,7 +130,7 @@ pub const SOCK_PROGRAMS: [&str; 3] = [PROG_POST_BIND4, PROG_POST_BIND6, PROG_SOC
 pub const PROG_EGRESS: &str = "dns_egress";
 
 /// `cgroup_skb/ingress`: notes a query where it reaches a cache's socket (the stall detection's
-/// unread stamp).
+/// unread stamp), and counts a DNS reply's rcode class for the workload that receives it.
 pub const PROG_INGRESS: &str = "dns_ingress";
 
 /// Every `cgroup_skb` program in the object.
@@ -155,6 +163,10 @@ pub const GLOBAL_SET_RETVAL: &str = "SET_RETVAL_OK";
 /// `CONFIG_BPF_JIT_ALWAYS_ON`): counts and epochs are then kept with plain atomic adds, and the
 /// kernel's stall detection is off.
 pub const GLOBAL_ATOMIC_FETCH: &str = "ATOMIC_FETCH_OK";
+/// The programs' read-only global (`u8`, 0 or 1): whether they count DNS per workload
+/// (`workloads.accounting`). At 0 the verifier removes the counting as dead code, so the
+/// programs cost what they cost without it.
+pub const GLOBAL_WORKLOADS: &str = "WORKLOADS_ON";
 
 #[cfg(test)]
 mod tests {

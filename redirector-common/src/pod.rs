@@ -9,6 +9,7 @@ use crate::{
     listener::{CacheHealth, ListenerConfig, ListenerInfo, ListenerMode, SocketCounts},
     pool::{Pool, Target},
     reverse::{ReverseKey, ReverseValue, SteeredSocket},
+    workloads::{ExemptCgroup, WorkloadCounters},
 };
 
 macro_rules! impl_pod {
@@ -42,4 +43,6 @@ impl_pod!(
     SkipCgroup,
     CacheActivity,
     StallTiming,
+    WorkloadCounters,
+    ExemptCgroup,
 );

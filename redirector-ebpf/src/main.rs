@@ -10,7 +10,8 @@
 //! resolver reconnects and connect steers it to the current route.
 //!
 //! A cgroup `skb` ingress program notes the queries that reach a cache's socket, for the stall
-//! detection (`activity`).
+//! detection (`activity`), and counts the replies each workload receives by rcode class; the
+//! steering programs and egress count its queries by route (`workloads`).
 //!
 //! A raw tracepoint on `signal_deliver` (4.17) fails a cache's listeners over the moment the
 //! process that bound its sockets is told to stop, before it closes them.
@@ -33,6 +34,7 @@ mod signal;
 mod skb;
 mod stale;
 mod steer;
+mod workloads;
 
 use aya_ebpf::{
     macros::{cgroup_skb, cgroup_sock, cgroup_sock_addr, raw_tracepoint},
@@ -142,10 +144,12 @@ pub fn dns_egress(ctx: SkBuffContext) -> i32 {
 }
 
 /// `cgroup_skb/ingress` (4.10; `__sk_buff.sk` and `bpf_sk_fullsock` 5.1, `bpf_sk_storage_get`
-/// 5.2): notes a query where it reaches a cache's socket, and lets every packet in.
+/// 5.2): notes a query where it reaches a cache's socket, counts a reply for the workload that
+/// receives it, and lets every packet in.
 #[cgroup_skb(ingress)]
 pub fn dns_ingress(ctx: SkBuffContext) -> i32 {
     activity::note_delivery(&ctx);
+    workloads::note_reply(&ctx);
     VERDICT_SKB_PASS
 }
 

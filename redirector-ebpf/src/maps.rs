@@ -22,6 +22,9 @@ use redirector_common::{
     reverse::{
         REPLY_PORT_WORDS, REVERSE_NAT_DEFAULT_ENTRIES, ReverseKey, ReverseValue, SteeredSocket,
     },
+    workloads::{
+        ExemptCgroup, MAX_EXEMPT_CGROUPS, WORKLOADS_DEFAULT_ENTRIES, WorkloadCounters,
+    },
 };
 
 /// Listener address → its configuration. A miss means "not DNS for us": the common case, so it
@@ -132,6 +135,19 @@ pub static CACHE_PENDING: Array<u64, 1> = Array::new();
 #[btf_map]
 pub static CACHE_PORTS: Array<u64, CACHE_PORT_WORDS> = Array::new();
 
+/// cgroup id → its DNS counts (`workloads`). An LRU: a node's cgroups come and go, and the least
+/// recently counted one makes room. Preallocated (the default for hash maps), so a count never
+/// allocates. The agent sizes it at load time (`workloads.tracked`).
+#[btf_map]
+pub static WORKLOADS: LruHashMap<u64, WorkloadCounters, { WORKLOADS_DEFAULT_ENTRIES as usize }> =
+    LruHashMap::new();
+
+/// cgroup id → a cgroup whose DNS, and its descendants', is not counted: the caches (their own
+/// upstream queries), the agent (its probes) and the cgroups the operator lists. Written by the
+/// agent at every start; read at a cgroup's first count only.
+#[btf_map]
+pub static WORKLOAD_EXEMPT: HashMap<u64, ExemptCgroup, MAX_EXEMPT_CGROUPS> = HashMap::new();
+
 /// Datapath-wide settings at index 0.
 #[btf_map]
 pub static DATAPATH_CONFIG: Array<DatapathConfig, 1> = Array::new();
@@ -151,3 +167,9 @@ pub static SET_RETVAL_OK: Global<u8> = Global::new(0);
 /// never refused.
 #[unsafe(no_mangle)]
 pub static ATOMIC_FETCH_OK: Global<u8> = Global::new(0);
+
+/// `names::GLOBAL_WORKLOADS`: 1 when the agent counts DNS per workload (`workloads.accounting`).
+/// A read-only global like `SET_RETVAL_OK`: at 0 the verifier removes the counting, and the
+/// programs cost what they cost without it.
+#[unsafe(no_mangle)]
+pub static WORKLOADS_ON: Global<u8> = Global::new(0);

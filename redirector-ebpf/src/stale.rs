@@ -9,6 +9,9 @@
 //! dropped segment is retransmitted, not reported, so refusing it would only stall the
 //! connection; a TCP DNS socket carries one exchange or a few.
 //!
+//! A datagram it lets go is counted for its workload's queries (`workloads`): connect counted
+//! none of a connected UDP socket's.
+//!
 //! Kernel features: cgroup_skb egress 4.10; `__sk_buff.sk` and `bpf_sk_fullsock` 5.1;
 //! `bpf_sk_storage_get` 5.2; `bpf_skb_ancestor_cgroup_id` 4.19; `bpf_ktime_get_ns` 4.1 (all in
 //! cgroup_skb programs).
@@ -29,6 +32,7 @@ use redirector_common::{
     pool::MAX_POOL_TARGETS,
     reverse::SteeredSocket,
     stale::{Grace, Standing, in_drain_grace, is_fresh, standing},
+    workloads::{ROUTE_CACHE, ROUTE_DIRECT, ROUTE_UPSTREAM},
 };
 
 use crate::{
@@ -36,6 +40,7 @@ use crate::{
     maps::{LISTENERS, POOLS, STEERED_SOCKS},
     skb,
     steer::{self, count},
+    workloads,
 };
 
 /// `AF_INET6`; anything else with a DNS port is IPv4 here.
@@ -75,6 +80,7 @@ pub fn try_check_egress(ctx: &SkBuffContext) -> Egress {
     // target, else the listener it connected to untouched.
     let listener_addr = steered.map_or(peer, |steered| steered.listener);
     let Some(listener) = LISTENERS.get_ptr(listener_addr) else {
+        workloads::count_query_of_skb(ctx, ROUTE_DIRECT);
         return Egress::Pass;
     };
     // SAFETY: the agent replaces LISTENERS entries whole.
@@ -121,7 +127,19 @@ pub fn try_check_egress(ctx: &SkBuffContext) -> Egress {
     }
     let counters = counter_index(listener.id, PROTOCOL_UDP);
     match standing(route, on_cache, in_pool, pool_len, grace) {
-        Standing::Current => Egress::Pass,
+        Standing::Current => {
+            // Where this datagram goes: the cache, the upstream connect steered it to, or the
+            // listener's address untouched (the `pass` policy).
+            let to = if on_cache {
+                ROUTE_CACHE
+            } else if steered.is_some() {
+                ROUTE_UPSTREAM
+            } else {
+                ROUTE_DIRECT
+            };
+            workloads::count_query_of_skb(ctx, to);
+            Egress::Pass
+        }
         Standing::MoveToCache => {
             count(counters, |c| c.moved_to_cache += 1);
             Egress::Refuse

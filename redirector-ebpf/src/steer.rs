@@ -10,7 +10,7 @@ use redirector_common::{
     DNS_PORT,
     activity::explain_flip,
     addr::port_be,
-    counters::{ListenerCounters, counter_index},
+    counters::{ListenerCounters, PROTOCOL_TCP, counter_index},
     datapath::{MAX_CGROUP_LEVEL, listener_bit},
     listener::{
         CacheHealth, EMPTY_POOL_FAIL, ListenerConfig, ListenerMode, Reason, Route, SocketCounts,
@@ -18,6 +18,7 @@ use redirector_common::{
     },
     pool::{MAX_POOL_TARGETS, Target, pick_index},
     reverse::{ReverseKey, ReverseValue, SteeredSocket},
+    workloads::{ROUTE_CACHE, ROUTE_DIRECT, ROUTE_REFUSED, ROUTE_UPSTREAM},
 };
 
 use crate::{
@@ -27,6 +28,7 @@ use crate::{
         CACHE_ACTIVITY, CACHE_HEALTH, COUNTERS, DATAPATH_CONFIG, LISTENER_MODE, LISTENERS, POOLS,
         REVERSE_NAT, SET_RETVAL_OK, SKIP_CGROUPS, SOCKET_COUNTS, STEERED_SOCKS,
     },
+    workloads,
 };
 
 /// `EHOSTUNREACH`: what a client sees when a listener's cache is down and its pool is empty under
@@ -65,6 +67,7 @@ pub fn try_steer(ctx: &SockAddrContext, family: Family, hook: Hook) -> Result<()
     };
     let listener_addr = context::user_addr(ctx, family);
     let Some(listener) = LISTENERS.get_ptr(listener_addr) else {
+        count_workload(hook, protocol, port_be(DNS_PORT), ROUTE_DIRECT);
         return Ok(());
     };
     // SAFETY: the agent only ever replaces LISTENERS entries whole (a new element under RCU); a
@@ -84,6 +87,7 @@ pub fn try_steer(ctx: &SockAddrContext, family: Family, hook: Hook) -> Result<()
         // has stopped reading.
         if !activity::cache_stalled(listener.id) {
             count(counters, |c| c.to_cache += 1);
+            count_workload(hook, protocol, port_be(DNS_PORT), ROUTE_CACHE);
             return Ok(());
         }
         route = Route::Upstream;
@@ -105,6 +109,7 @@ pub fn try_steer(ctx: &SockAddrContext, family: Family, hook: Hook) -> Result<()
     let (target, cookie) = match route {
         Route::Cache => {
             count(counters, |c| c.to_cache += 1);
+            count_workload(hook, protocol, listener.cache.port_be(protocol), ROUTE_CACHE);
             (listener.cache, None)
         }
         Route::Upstream => {
@@ -112,6 +117,7 @@ pub fn try_steer(ctx: &SockAddrContext, family: Family, hook: Hook) -> Result<()
             match pick_upstream(cookie, listener.id) {
                 Some(target) => {
                     count(counters, |c| c.to_upstream += 1);
+                    count_workload(hook, protocol, target.port_be(protocol), ROUTE_UPSTREAM);
                     // Compiled in, but removed by the verifier unless the agent runs with
                     // `kernel_log` (AYA_LOG_LEVEL is a read-only global): no cost otherwise.
                     info!(
@@ -123,7 +129,7 @@ pub fn try_steer(ctx: &SockAddrContext, family: Family, hook: Hook) -> Result<()
                     );
                     (target, Some(cookie))
                 }
-                None => return empty_pool(ctx, &listener, counters),
+                None => return empty_pool(ctx, &listener, counters, hook, protocol),
             }
         }
     };
@@ -218,6 +224,8 @@ fn empty_pool(
     ctx: &SockAddrContext,
     listener: &ListenerConfig,
     counters: u32,
+    hook: Hook,
+    protocol: u32,
 ) -> Result<(), Refused> {
     info!(
         ctx,
@@ -227,6 +235,8 @@ fn empty_pool(
     );
     if listener.empty_pool_policy == EMPTY_POOL_FAIL {
         count(counters, |c| c.failed_empty_pool += 1);
+        // Counted here whatever the syscall: no datagram follows a refused connect.
+        workloads::count_query_of_task(ROUTE_REFUSED);
         // bpf_set_retval makes the rejected syscall fail with this errno instead of EPERM;
         // sock_addr programs may call it since 6.1 (5.18 added it for sockopt, sysctl and device
         // programs only). Where the agent's probe found it missing, the verifier drops the call
@@ -238,6 +248,7 @@ fn empty_pool(
         Err(Refused::EmptyPool)
     } else {
         count(counters, |c| c.passed_through += 1);
+        count_workload(hook, protocol, port_be(DNS_PORT), ROUTE_DIRECT);
         Ok(())
     }
 }
@@ -331,6 +342,21 @@ pub fn in_skipped_cgroup(listener_id: u32, ancestor: impl Fn(i32) -> u64) -> boo
         level += 1;
     }
     false
+}
+
+/// Counts a query of the calling task's workload under `route` (`workloads`), where this syscall
+/// is where it is counted: an unconnected datagram, a TCP connection, or a UDP connect to a port
+/// other than 53 (whose datagrams egress does not look at). A UDP socket connected to port 53 is
+/// counted at egress, datagram by datagram.
+#[inline(always)]
+fn count_workload(hook: Hook, protocol: u32, destination_port_be: u16, route: usize) {
+    if !workloads::enabled() {
+        return;
+    }
+    if hook == Hook::Sendmsg || protocol == PROTOCOL_TCP || destination_port_be != port_be(DNS_PORT)
+    {
+        workloads::count_query_of_task(route);
+    }
 }
 
 /// Adds to this CPU's counters of a (listener, protocol) row.

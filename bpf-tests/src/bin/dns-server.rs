@@ -30,7 +30,8 @@ struct Args {
     /// Bind at once but answer nothing for this long (a cache that binds before it can serve).
     #[arg(long, default_value_t = 0)]
     mute_ms: u64,
-    /// The response code of every UDP answer (a cache whose upstreams fail, or that refuses).
+    /// The response code of every UDP answer (a cache whose upstreams fail, or that refuses, or a
+    /// name that does not exist).
     #[arg(long, value_enum, default_value_t = Rcode::Noerror)]
     rcode: Rcode,
     /// Wait this long before each UDP answer (a slow cache).
@@ -77,6 +78,7 @@ fn linger_on_sigterm(linger: Duration) -> anyhow::Result<()> {
 #[derive(Clone, Copy, Debug, clap::ValueEnum)]
 enum Rcode {
     Noerror,
+    Nxdomain,
     Servfail,
     Refused,
 }
@@ -85,6 +87,7 @@ impl From<Rcode> for ResponseCode {
     fn from(rcode: Rcode) -> Self {
         match rcode {
             Rcode::Noerror => Self::NoError,
+            Rcode::Nxdomain => Self::NXDomain,
             Rcode::Servfail => Self::ServFail,
             Rcode::Refused => Self::Refused,
         }

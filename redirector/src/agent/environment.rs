@@ -9,7 +9,7 @@ use tracing::{info, warn};
 use super::AgentError;
 use crate::{
     config::Config,
-    datapath::SkipEntry,
+    datapath::{ExemptEntry, SkipEntry},
     sys::cgroup::{self, Cgroup},
 };
 
@@ -42,6 +42,57 @@ pub(super) fn resolve_skip_cgroups(config: &Config) -> Result<Vec<Vec<Cgroup>>, 
                 .collect()
         })
         .collect()
+}
+
+/// The cgroups whose DNS the programs never count, with their descendants: every skipped cgroup
+/// (the caches' own upstream queries, and the agent's probes when it runs below the attach
+/// cgroup), the agent's own cgroup wherever else it runs (unless that holds the attach cgroup:
+/// exempting it would exempt every workload), and `workloads.exempt_cgroups`, resolved (and so
+/// checked) before anything is loaded.
+pub(super) fn exempt_entries(
+    config: &Config,
+    skips: &[SkipEntry],
+    attach: &Cgroup,
+) -> Result<Vec<ExemptEntry>, AgentError> {
+    let mut entries: Vec<ExemptEntry> = skips
+        .iter()
+        .map(|skip| ExemptEntry {
+            id: skip.id,
+            level: skip.level,
+        })
+        .collect();
+    let mut add = |cgroup: &Cgroup| {
+        if !entries.iter().any(|entry| entry.id == cgroup.id) {
+            entries.push(ExemptEntry {
+                id: cgroup.id,
+                level: cgroup.level,
+            });
+        }
+    };
+    match cgroup::own_cgroup() {
+        Ok(own) if !attach.path.starts_with(&own.path) => add(&own),
+        Ok(_) => {}
+        Err(error) => warn!(error = %error, "cannot find the agent's own cgroup; its probes are counted as a workload's"),
+    }
+    for (index, path) in config.workloads.exempt_cgroups.iter().enumerate() {
+        let key = format!("workloads.exempt_cgroups[{index}]");
+        if !path.exists() {
+            // A service not started yet: exempt from the moment it exists (the agent looks
+            // again at every reading of the counts).
+            info!(key = %key, cgroup = %path.display(), "an exempt cgroup does not exist yet; it is exempt once it does");
+            continue;
+        }
+        let cgroup = Cgroup::resolve(&key, path)?;
+        if attach.path.starts_with(&cgroup.path) {
+            return Err(AgentError::ExemptsEverything {
+                key,
+                path: cgroup.path,
+                attach: attach.path.clone(),
+            });
+        }
+        add(&cgroup);
+    }
+    Ok(entries)
 }
 
 /// The skipped cgroups as the maps hold them: one entry per cgroup with the bits of every

@@ -88,6 +88,16 @@ pub enum AgentError {
         /// Its level.
         level: u32,
     },
+    /// An exempt cgroup that holds the attach cgroup: every workload would be exempt.
+    #[error(
+        "{key}: {path} holds the cgroup the programs attach to ({attach}), so no workload's DNS          would be counted; list the cgroups of the caches or services to leave out instead, or          set workloads.accounting = false"
+    )]
+    ExemptsEverything {
+        key: String,
+        path: PathBuf,
+        /// The attach cgroup.
+        attach: PathBuf,
+    },
     /// The pin directory is not on a bpf filesystem.
     #[error(
         "{dir} is not on a bpf filesystem, so the maps cannot be pinned there; mount one with \
@@ -274,6 +284,8 @@ pub struct Agent {
     sources: Vec<JoinHandle<()>>,
     /// The task keeping the conntrack bypass table (`None` when `conntrack.bypass` is off).
     bypass: Option<JoinHandle<()>>,
+    /// The task reading the workloads' DNS (`None` when `workloads.accounting` is off).
+    workload_readings: Option<JoinHandle<()>>,
     /// The task serving the drain socket (`None` when `drain_socket` is off).
     drains: Option<JoinHandle<()>>,
     /// The metrics and health endpoint: its address and server.
@@ -363,6 +375,9 @@ impl Agent {
         }
         if let Some(keeper) = &self.bypass {
             keeper.abort();
+        }
+        if let Some(readings) = &self.workload_readings {
+            readings.abort();
         }
         if let Some(drains) = &self.drains {
             drains.abort();

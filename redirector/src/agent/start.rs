@@ -51,7 +51,9 @@ use phases::StartPhases;
 pub use pins::NEXT_LAYOUT_MAP;
 use pins::plan_pins;
 use revert::FirstStart;
-use services::{TaskGuard, forward_kernel_log, serve_telemetry, start_conntrack_bypass};
+use services::{
+    TaskGuard, forward_kernel_log, read_workloads, serve_telemetry, start_conntrack_bypass,
+};
 use verdicts::probe_caches;
 use watchers::{kube_client, start_sources};
 
@@ -125,7 +127,8 @@ impl Agent {
         // untracked from the first query. A bypass failure is not fatal.
         let load = {
             let options = LoadOptions {
-                reverse_nat_entries: config.reverse_nat_entries,
+                sizes: pins::map_sizes(config),
+                workloads: config.workloads.accounting,
                 pin_dir: config.pin_dir.clone(),
                 kernel_log: config.kernel_log,
                 set_retval: kernel.has(kernel_support::SET_RETVAL),
@@ -238,6 +241,8 @@ impl Agent {
         let binds = cache_binds(&tracked);
         let mut reconciler =
             Reconciler::new(socket_table, binds.clone(), config.cache_netns.clone());
+        let skips = environment::skip_entries(&skip_cgroups, &ids, &attach);
+        let exempt = environment::exempt_entries(config, &skips, &attach)?;
         let commit = Commit {
             config,
             journal: &journal,
@@ -246,7 +251,8 @@ impl Agent {
             binds: &binds,
             netns_cookie,
             layout_version: redirector_common::LAYOUT_VERSION + u32::from(options.layout_bump),
-            skips: environment::skip_entries(&skip_cgroups, &ids, &attach),
+            exempt: exempt.clone(),
+            skips,
             fail_before_attach: options.fail_before_attach,
         };
         let listeners = match commit
@@ -301,6 +307,7 @@ impl Agent {
             telemetry::node_events::NodeEvents::start(client.clone(), &node, Arc::clone(&stats))
         });
         let (events, sources) = start_sources(config, &ids, kube_client);
+        let workload_readings = read_workloads(config, &stats, exempt);
         let mut agent = Self {
             datapath,
             maps,
@@ -311,6 +318,7 @@ impl Agent {
             events,
             sources,
             bypass: bypass.keep(),
+            workload_readings,
             drains: drains.and_then(TaskGuard::keep),
             telemetry,
             lock,

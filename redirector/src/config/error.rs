@@ -158,6 +158,13 @@ pub enum ConfigError {
         #[source]
         source: AddrParseError,
     },
+    /// A `[workloads]` setting that cannot work.
+    #[error("{key}: {problem}")]
+    BadWorkloads {
+        key: &'static str,
+        /// What is wrong and how to fix it.
+        problem: String,
+    },
     /// A reverse map that cannot work.
     #[error(
         "reverse_nat_entries: {value} is too small; give at least {min} (the default is {default})"

@@ -5,8 +5,8 @@
 //!
 //! One idea a module: the whole file and its defaults (here), the listeners (`listener`), the
 //! probes of caches and upstreams (`probe`), the other agent-wide sections (`settings`: the
-//! listener interface, Kubernetes, metrics, conntrack), serde's view of the file (`raw`) and the
-//! refusals (`error`).
+//! listener interface, Kubernetes, metrics, conntrack), DNS per workload (`workloads`), serde's
+//! view of the file (`raw`) and the refusals (`error`).
 
 use std::{
     collections::HashMap,
@@ -29,12 +29,14 @@ pub use self::{
         ConntrackSettings, DEFAULT_INTERFACE, DEFAULT_METRICS_ADDRESS, InterfaceKind,
         InterfaceSettings, KubernetesSettings, MetricsSettings,
     },
+    workloads::WorkloadSettings,
 };
 use self::{
     listener::{check_static_upstreams, validate_listener},
     probe::validate_probe,
     raw::RawConfig,
     settings::{validate_conntrack, validate_interface, validate_kubernetes, validate_metrics},
+    workloads::validate_workloads,
 };
 
 mod error;
@@ -43,6 +45,7 @@ mod listener;
 mod probe;
 mod raw;
 mod settings;
+mod workloads;
 
 /// Where the agent pins its maps unless told otherwise.
 pub const DEFAULT_PIN_DIR: &str = "/sys/fs/bpf/redirector";
@@ -91,6 +94,8 @@ pub struct Config {
     pub conntrack: ConntrackSettings,
     /// The HTTP endpoint for `/metrics`, `/healthz` and `/readyz`.
     pub metrics: MetricsSettings,
+    /// DNS per workload.
+    pub workloads: WorkloadSettings,
     /// The listeners, in file order.
     pub listeners: Vec<Listener>,
 }
@@ -163,6 +168,7 @@ impl Config {
 
         let conntrack = validate_conntrack(raw.conntrack)?;
         let metrics = validate_metrics(raw.metrics)?;
+        let workloads = validate_workloads(raw.workloads)?;
 
         let mut names: HashMap<String, String> = HashMap::new();
         let mut addresses: HashMap<IpAddr, String> = HashMap::new();
@@ -213,6 +219,7 @@ impl Config {
             kubernetes,
             conntrack,
             metrics,
+            workloads,
             listeners,
         })
     }

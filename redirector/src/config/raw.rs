@@ -30,6 +30,8 @@ pub(super) struct RawConfig {
     pub(super) conntrack: RawConntrack,
     #[serde(default)]
     pub(super) metrics: RawMetrics,
+    #[serde(default)]
+    pub(super) workloads: RawWorkloads,
     #[serde(default, rename = "listener")]
     pub(super) listeners: Vec<RawListener>,
 }
@@ -54,6 +56,17 @@ pub(super) struct RawKubernetes {
 pub(super) struct RawMetrics {
     pub(super) enabled: Option<bool>,
     pub(super) address: Option<String>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawWorkloads {
+    pub(super) accounting: Option<bool>,
+    pub(super) tracked: Option<u32>,
+    pub(super) top: Option<usize>,
+    pub(super) interval_ms: Option<u64>,
+    #[serde(default)]
+    pub(super) exempt_cgroups: Vec<PathBuf>,
 }
 
 #[derive(Deserialize, Default)]

@@ -98,7 +98,7 @@ const fn released(
 
 /// Every map ever released, with the shape it was released with. Append only: a row is never
 /// edited or removed (a retired `Config` map keeps its row, so its name is never reused).
-pub const RELEASED: [Released; 22] = [
+pub const RELEASED: [Released; 24] = [
     released(names::MAP_LISTENERS, HASH, 16, 32, 0, Kind::Config),
     released(names::MAP_LISTENER_MODE, ARRAY, 4, 4, 0, Kind::Kept),
     released(names::MAP_CACHE_HEALTH, ARRAY, 4, 16, 0, Kind::Kept),
@@ -159,6 +159,10 @@ pub const RELEASED: [Released; 22] = [
     // #28: the listeners whose cache's next read is wanted; every bit set by the agent at each
     // start.
     released(names::MAP_CACHE_PENDING, ARRAY, 4, 8, 0, Kind::Config),
+    // #42: each workload's DNS, by cgroup id (an LRU, sized by `workloads.tracked`).
+    released(names::MAP_WORKLOADS, LRU_HASH, 8, 80, 0, Kind::Kept),
+    // #42: the cgroups whose DNS is not counted, written whole at every start.
+    released(names::MAP_WORKLOAD_EXEMPT, HASH, 8, 8, 0, Kind::Config),
 ];
 
 /// The released row of `name`.

@@ -2,8 +2,8 @@
 //! the handles and how they are opened. What is read and written through them is in the modules
 //! below, one a group of maps: the listeners (`listeners`), the kernel's side of each cache's
 //! liveness (`liveness`), the counted cache sockets and binds (`cache_sockets`), the datapath-wide
-//! settings (`settings`), what the programs counted (`counters`), and what a start changed
-//! (`journal`).
+//! settings (`settings`), what the programs counted (`counters`), each workload's DNS
+//! (`workloads`), and what a start changed (`journal`).
 
 use std::path::Path;
 
@@ -23,6 +23,7 @@ use redirector_common::{
     names,
     pool::Pool,
     reverse::{ReverseKey, ReverseValue},
+    workloads::{ExemptCgroup, WorkloadCounters},
 };
 
 use super::{error::DatapathError, mmapped::MappedArray, pins::MAPS_DIR};
@@ -33,11 +34,13 @@ mod journal;
 mod listeners;
 mod liveness;
 mod settings;
+mod workloads;
 
 pub use counters::ListenerTotals;
 pub use journal::Journal;
 pub use listeners::{ListenerEntry, target_of};
 pub use settings::SkipEntry;
+pub use workloads::ExemptEntry;
 
 /// `BPF_NOEXIST`: insert only if the key is absent.
 const BPF_NOEXIST: u64 = 1;
@@ -64,6 +67,8 @@ pub struct Maps {
     skip_cgroups: HashMap<MapData, u64, SkipCgroup>,
     datapath_config: Array<MapData, DatapathConfig>,
     cache_tasks: HashMap<MapData, u32, CacheTask>,
+    workloads: HashMap<MapData, u64, WorkloadCounters>,
+    workload_exempt: HashMap<MapData, u64, ExemptCgroup>,
 }
 
 impl std::fmt::Debug for Maps {
@@ -180,6 +185,8 @@ impl Maps {
             skip_cgroups: typed(open, names::MAP_SKIP_CGROUPS)?,
             datapath_config: typed(open, names::MAP_DATAPATH_CONFIG)?,
             cache_tasks: typed(open, names::MAP_CACHE_TASKS)?,
+            workloads: typed(open, names::MAP_WORKLOADS)?,
+            workload_exempt: typed(open, names::MAP_WORKLOAD_EXEMPT)?,
         })
     }
 }

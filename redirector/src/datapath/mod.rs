@@ -36,7 +36,7 @@ use aya::{
 };
 pub use clock::{TickClock, TickError};
 pub use error::DatapathError;
-pub use maps::{Journal, ListenerEntry, ListenerTotals, Maps, SkipEntry, target_of};
+pub use maps::{ExemptEntry, Journal, ListenerEntry, ListenerTotals, Maps, SkipEntry, target_of};
 pub use migrate::Copied;
 use pins::{
     LINKS_DIR, MAPS_DIR, STAGED_MAPS_DIR, link_slots, pinned_names, remove_dir_if_empty,
@@ -164,8 +164,11 @@ pub struct LoadTimes {
 /// How to load the object.
 #[derive(Clone, Debug)]
 pub struct LoadOptions {
-    /// Entries of the translation map.
-    pub reverse_nat_entries: u32,
+    /// Entries of the maps the configuration sizes.
+    pub sizes: pins::MapSizes,
+    /// The programs count DNS per workload (`workloads.accounting`); without it the read-only
+    /// switch stays 0 and the verifier removes the counting.
+    pub workloads: bool,
     /// Where the maps and links are pinned.
     pub pin_dir: PathBuf,
     /// The programs' aya-log statements are live (`AYA_LOG_LEVEL` at debug); without it the
@@ -210,7 +213,10 @@ impl Datapath {
             0
         };
         let mut loader = EbpfLoader::new();
-        loader.map_max_entries(names::MAP_REVERSE_NAT, options.reverse_nat_entries);
+        loader.map_max_entries(names::MAP_REVERSE_NAT, options.sizes.reverse_nat);
+        loader.map_max_entries(names::MAP_WORKLOADS, options.sizes.workloads);
+        let workloads = u8::from(options.workloads);
+        loader.override_global(names::GLOBAL_WORKLOADS, &workloads, true);
         loader.override_global(aya_log::LEVEL, &log_level, true);
         let set_retval = u8::from(options.set_retval);
         loader.override_global(names::GLOBAL_SET_RETVAL, &set_retval, true);

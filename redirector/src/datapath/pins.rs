@@ -133,17 +133,33 @@ impl Plan {
     }
 }
 
+/// The entries of the maps whose size is a setting; every other map has the object's.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub struct MapSizes {
+    /// `REVERSE_NAT` (`reverse_nat_entries`).
+    pub reverse_nat: u32,
+    /// `WORKLOADS` (`workloads.tracked`).
+    pub workloads: u32,
+}
+
+impl MapSizes {
+    /// The configured entries of map `name`, if the configuration sizes it.
+    #[must_use]
+    pub fn of(&self, name: &str) -> Option<u32> {
+        match name {
+            names::MAP_REVERSE_NAT => Some(self.reverse_nat),
+            names::MAP_WORKLOADS => Some(self.workloads),
+            _ => None,
+        }
+    }
+}
+
 /// Looks at the pins under `pin_dir` and decides, for every map of the object, whether the new
 /// programs reuse the pinned map, migrate it into a new one, or create it. First settles what an
 /// earlier start left in `maps-next/` (see [`settle_staged`]), so the plan is made on the maps in
-/// use. `reverse_nat_entries`
-/// sizes the translation map; `migrate_all` migrates every map that can be (a test's stand-in for
-/// a release whose layout differs everywhere).
-pub fn plan(
-    pin_dir: &Path,
-    reverse_nat_entries: u32,
-    migrate_all: bool,
-) -> Result<Plan, DatapathError> {
+/// use. `sizes` gives the maps the configuration sizes their entries; `migrate_all` migrates
+/// every map that can be (a test's stand-in for a release whose layout differs everywhere).
+pub fn plan(pin_dir: &Path, sizes: MapSizes, migrate_all: bool) -> Result<Plan, DatapathError> {
     settle_staged(pin_dir)?;
     let maps_dir = pin_dir.join(MAPS_DIR);
     let object =
@@ -161,11 +177,7 @@ pub fn plan(
             .ok_or(DatapathError::MissingMap { name })?;
         let pinned = MapInfo::from_pin(&path)
             .map_err(|source| DatapathError::InspectPin { path, source })?;
-        let max_entries = if name == names::MAP_REVERSE_NAT {
-            reverse_nat_entries
-        } else {
-            defined.max_entries()
-        };
+        let max_entries = sizes.of(name).unwrap_or_else(|| defined.max_entries());
         let pinned_type = pinned.map_type().map_or(u32::MAX, |kind| kind as u32);
         let mut differences = Vec::new();
         for (field, pinned, expected) in [

@@ -73,11 +73,90 @@ pub fn render(listeners: &[ListenerSnapshot], stats: &AgentStats, now: SystemTim
 
     register_listeners(&mut registry, listeners, stats);
     register_agent(&mut registry, stats, now);
+    if let Some(view) = stats.workloads() {
+        register_workloads(&mut registry, &view);
+    }
 
     let mut text = String::new();
     // Writing into a String cannot fail.
     let _ = encode(&mut text, &registry);
     text
+}
+
+/// DNS per workload: the node's totals, and the busiest workloads' rates with the rest summed
+/// under `workload="other"`, so that a node has at most `workloads.top + 1` workloads' series
+/// whatever its number of pods.
+fn register_workloads(registry: &mut Registry, view: &crate::workloads::View) {
+    use crate::workloads::{RCODE_LABELS, ROUTE_LABELS};
+    let queries = CounterFamily::default();
+    registry.register(
+        "workload_queries",
+        "DNS queries of the node's workloads (the caches and the agent left out), by route: \
+         cache, upstream, refused (the `fail` policy), direct (a server that is no listener, or \
+         a listener left untouched)",
+        queries.clone(),
+    );
+    let replies = CounterFamily::default();
+    registry.register(
+        "workload_replies",
+        "DNS replies delivered to the node's workloads, by rcode class: noerror, nxdomain, \
+         servfail, refused, other",
+        replies.clone(),
+    );
+    for (route, total) in ROUTE_LABELS.iter().zip(view.queries_total) {
+        queries.get_or_create(&labels(&[("route", route)])).inc_by(total);
+    }
+    for (rcode, total) in RCODE_LABELS.iter().zip(view.replies_total) {
+        replies.get_or_create(&labels(&[("rcode", rcode)])).inc_by(total);
+    }
+    let tracked = Gauge::<i64>::default();
+    registry.register(
+        "workloads_tracked",
+        "cgroups whose DNS the kernel counts now (at most workloads.tracked)",
+        tracked.clone(),
+    );
+    tracked.set(i64::try_from(view.tracked).unwrap_or(i64::MAX));
+    let query_rate = SecondsGauge::default();
+    registry.register(
+        "workload_query_rate",
+        "Queries per second over the agent's last window, of the workloads.top busiest \
+         workloads by route, and of all others summed (workload=\"other\")",
+        query_rate.clone(),
+    );
+    let reply_rate = SecondsGauge::default();
+    registry.register(
+        "workload_reply_rate",
+        "Replies per second over the agent's last window, of the same workloads by rcode class",
+        reply_rate.clone(),
+    );
+    let other = crate::workloads::Name {
+        workload: "other".to_owned(),
+        ..crate::workloads::Name::default()
+    };
+    let unnamed = crate::workloads::Name::default();
+    let rows = view
+        .top
+        .busiest
+        .iter()
+        .map(|rate| (view.names.get(&rate.cgroup).unwrap_or(&unnamed), rate))
+        .chain(view.top.rest.iter().map(|rate| (&other, rate)));
+    for (name, rate) in rows {
+        let workload = [
+            ("workload", name.workload.as_str()),
+            ("namespace", name.namespace.as_str()),
+            ("pod", name.pod.as_str()),
+        ];
+        for (route, per_second) in ROUTE_LABELS.iter().zip(rate.queries) {
+            let mut series = labels(&workload);
+            series.push(("route", (*route).to_owned()));
+            query_rate.get_or_create(&series).set(per_second);
+        }
+        for (rcode, per_second) in RCODE_LABELS.iter().zip(rate.replies) {
+            let mut series = labels(&workload);
+            series.push(("rcode", (*rcode).to_owned()));
+            reply_rate.get_or_create(&series).set(per_second);
+        }
+    }
 }
 
 /// What the kernel's maps say, per listener.

@@ -47,11 +47,18 @@ pub enum ErrorKind {
     Nftables,
     /// A call to the Kubernetes API failed (the EndpointSlice watch, an Event).
     KubeApi,
+    /// Reading the workloads' DNS counts from the kernel's maps failed.
+    WorkloadRead,
 }
 
 impl ErrorKind {
     /// Every kind, in the order metrics list them.
-    pub const ALL: [Self; 3] = [Self::PoolWrite, Self::Nftables, Self::KubeApi];
+    pub const ALL: [Self; 4] = [
+        Self::PoolWrite,
+        Self::Nftables,
+        Self::KubeApi,
+        Self::WorkloadRead,
+    ];
 
     /// The `kind` label of `redirector_errors_total`.
     #[must_use]
@@ -60,6 +67,7 @@ impl ErrorKind {
             Self::PoolWrite => "pool_write",
             Self::Nftables => "nftables",
             Self::KubeApi => "kube_api",
+            Self::WorkloadRead => "workload_read",
         }
     }
 }
@@ -119,6 +127,9 @@ pub struct AgentStats {
     /// what joins the agent's series to an inventory of nodes (kube-state-metrics'
     /// `kube_node_info`) for the alert on a node with no agent.
     node: String,
+    /// What the agent last read of the workloads (`None` before its first reading, or with
+    /// `workloads.accounting` off).
+    workloads: Mutex<Option<crate::workloads::View>>,
 }
 
 impl Default for AgentStats {
@@ -137,6 +148,7 @@ impl Default for AgentStats {
             heartbeat_ms: AtomicU64::new(0),
             started: Instant::now(),
             node: String::new(),
+            workloads: Mutex::default(),
         }
     }
 }
@@ -155,6 +167,23 @@ impl AgentStats {
     #[must_use]
     pub fn node(&self) -> &str {
         &self.node
+    }
+
+    /// Records what the agent read of the workloads.
+    pub fn record_workloads(&self, view: crate::workloads::View) {
+        *self
+            .workloads
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(view);
+    }
+
+    /// What the agent last read of the workloads.
+    #[must_use]
+    pub fn workloads(&self) -> Option<crate::workloads::View> {
+        self.workloads
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
     }
 
     fn observations(&self) -> MutexGuard<'_, Observations> {

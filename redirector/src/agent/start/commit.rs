@@ -30,6 +30,7 @@ pub(super) struct Commit<'a> {
     pub(super) netns_cookie: u64,
     pub(super) layout_version: u32,
     pub(super) skips: Vec<datapath::SkipEntry>,
+    pub(super) exempt: Vec<datapath::ExemptEntry>,
     pub(super) fail_before_attach: bool,
 }
 
@@ -56,6 +57,7 @@ impl Commit<'_> {
             maps.remove_listener(*id)?;
         }
         maps.configure(&self.skips, self.netns_cookie, self.layout_version)?;
+        maps.set_exempt_cgroups(&self.exempt)?;
         maps.set_cache_binds(self.binds)?;
         for (listener, id) in config.listeners.iter().zip(self.ids) {
             let entry = ListenerEntry {

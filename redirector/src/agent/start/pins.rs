@@ -5,15 +5,23 @@ use tracing::{info, warn};
 use crate::{
     agent::{AgentError, StartOptions, environment},
     config::Config,
-    datapath::{self, MapAction, Plan, Verdict},
+    datapath::{self, MapAction, Plan, Verdict, pins::MapSizes},
 };
+
+/// The entries of the maps `config` sizes.
+pub(super) fn map_sizes(config: &Config) -> MapSizes {
+    MapSizes {
+        reverse_nat: config.reverse_nat_entries,
+        workloads: config.workloads.tracked,
+    }
+}
 
 /// Decides what the start does with the pins: adopt them (reusing, migrating or creating each
 /// map), remove stale ones no program uses, or refuse pins no release of the rule wrote. Nothing
 /// that runs is changed here (but with `--replace`, which removes everything).
 pub(super) fn plan_pins(config: &Config, options: &StartOptions) -> Result<Plan, AgentError> {
     let pin_dir = &config.pin_dir;
-    let plan = || datapath::pins::plan(pin_dir, config.reverse_nat_entries, options.layout_bump);
+    let plan = || datapath::pins::plan(pin_dir, map_sizes(config), options.layout_bump);
     let first = plan()?;
     match first.verdict() {
         Verdict::Empty => Ok(first),

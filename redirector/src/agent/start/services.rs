@@ -11,12 +11,13 @@ use crate::{
     agent::AgentError,
     config::Config,
     conntrack_bypass::{self, BypassStatus, ConntrackBypass, nft::Nft, ruleset::Ruleset},
-    datapath::Maps,
+    datapath::{ExemptEntry, Maps},
     sys::netns::NetnsWorker,
     telemetry::{
         self,
         stats::{AgentStats, ErrorKind},
     },
+    workloads::{self, rates::Rates},
 };
 
 /// A task that ends with the start that spawned it, unless the start completes and keeps it.
@@ -135,5 +136,112 @@ pub(super) fn forward_kernel_log(
             ready.clear_ready();
         }
     });
+    Ok(())
+}
+
+/// Reads every workload's counts each `workloads.interval` (with `workloads.accounting` on):
+/// their rates, the busiest and the node's totals for the metrics; and exempts the listed cgroups
+/// that did not exist at the start once they do.
+pub(super) fn read_workloads(
+    config: &Config,
+    stats: &Arc<AgentStats>,
+    mut exempt: Vec<ExemptEntry>,
+) -> Option<JoinHandle<()>> {
+    if !config.workloads.accounting {
+        return None;
+    }
+    let settings = config.workloads.clone();
+    let pin_dir = config.pin_dir.clone();
+    let stats = Arc::clone(stats);
+    let mut names = workloads::naming::Namer::new();
+    Some(tokio::spawn(async move {
+        let mut tick = tokio::time::interval(settings.interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut rates = Rates::default();
+        let mut maps: Option<Maps> = None;
+        let mut last = tokio::time::Instant::now();
+        let mut failing = false;
+        loop {
+            tick.tick().await;
+            let now = tokio::time::Instant::now();
+            let window = now - last;
+            last = now;
+            let opened = match maps.take() {
+                Some(opened) => Ok(opened),
+                None => Maps::open_pinned(&pin_dir),
+            };
+            let mut opened = match opened {
+                Ok(opened) => opened,
+                Err(error) => {
+                    if !failing {
+                        warn!(error = %crate::error_chain(&error), "cannot open the pinned maps to read the workloads' DNS; trying again at each interval");
+                        stats.record_error(ErrorKind::WorkloadRead);
+                    }
+                    failing = true;
+                    continue;
+                }
+            };
+            if let Err(error) = exempt_new_cgroups(&mut opened, &settings.exempt_cgroups, &mut exempt) {
+                warn!(error = %crate::error_chain(&error), "cannot exempt a cgroup created since the start");
+            }
+            match opened.workload_counts() {
+                Ok(counts) => {
+                    failing = false;
+                    let tracked = counts.len();
+                    let read = rates.read(counts, window);
+                    let top = workloads::rates::top(read, settings.top);
+                    let names = top
+                        .busiest
+                        .iter()
+                        .map(|rate| (rate.cgroup, names.name(rate.cgroup)))
+                        .collect();
+                    stats.record_workloads(workloads::View {
+                        top,
+                        names,
+                        queries_total: rates.queries_total,
+                        replies_total: rates.replies_total,
+                        tracked,
+                        window,
+                    });
+                }
+                Err(error) => {
+                    if !failing {
+                        warn!(error = %crate::error_chain(&error), "cannot read the workloads' DNS counts; trying again at each interval");
+                        stats.record_error(ErrorKind::WorkloadRead);
+                    }
+                    failing = true;
+                }
+            }
+            maps = Some(opened);
+        }
+    }))
+}
+
+/// Adds each cgroup of `listed` that exists now and is not in `exempt` yet, and writes the set.
+fn exempt_new_cgroups(
+    maps: &mut Maps,
+    listed: &[std::path::PathBuf],
+    exempt: &mut Vec<ExemptEntry>,
+) -> Result<(), AgentError> {
+    let mut added = false;
+    for (index, path) in listed.iter().enumerate() {
+        if !path.exists() {
+            continue;
+        }
+        let key = format!("workloads.exempt_cgroups[{index}]");
+        let cgroup = crate::sys::cgroup::Cgroup::resolve(&key, path)?;
+        if exempt.iter().any(|entry| entry.id == cgroup.id) {
+            continue;
+        }
+        info!(cgroup = %cgroup.path.display(), "an exempt cgroup exists now; its DNS is not counted from here on");
+        exempt.push(ExemptEntry {
+            id: cgroup.id,
+            level: cgroup.level,
+        });
+        added = true;
+    }
+    if added {
+        maps.set_exempt_cgroups(exempt)?;
+    }
     Ok(())
 }

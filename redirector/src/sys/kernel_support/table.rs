@@ -127,6 +127,18 @@ pub const FEATURES: &[KernelFeature] = &[
         uses: Uses::Other,
     },
     KernelFeature {
+        id: "skb_load_bytes",
+        name: "`bpf_skb_load_bytes` in cgroup_skb programs",
+        used_for: "a DNS reply's header where it is not in the packet's linear data",
+        since: KernelVersion::new(4, 10, 0),
+        need: Need::Required,
+        probe: Probe::Helpers,
+        uses: Uses::Helpers {
+            programs: SKB,
+            helpers: &[BpfHelper::BPF_FUNC_skb_load_bytes],
+        },
+    },
+    KernelFeature {
         id: "connect",
         name: "cgroup v2 `connect4`/`connect6`",
         used_for: "steering TCP and connected UDP",
@@ -221,6 +233,15 @@ pub const FEATURES: &[KernelFeature] = &[
         },
     },
     KernelFeature {
+        id: "skb_direct_access",
+        name: "direct packet access (`__sk_buff.data`, `data_end`) in cgroup_skb programs",
+        used_for: "a delivered packet's ports and a DNS reply's rcode, read in place",
+        since: KernelVersion::new(4, 20, 0),
+        need: Need::Required,
+        probe: Probe::Release,
+        uses: Uses::Other,
+    },
+    KernelFeature {
         id: "sk_fullsock",
         name: "`__sk_buff.sk`, `bpf_sk_fullsock` in cgroup_skb programs",
         used_for: "the sending socket at egress",
@@ -251,6 +272,18 @@ pub const FEATURES: &[KernelFeature] = &[
         uses: Uses::Helpers {
             programs: SKB,
             helpers: &[BpfHelper::BPF_FUNC_sk_storage_get],
+        },
+    },
+    KernelFeature {
+        id: "skb_cgroup_id",
+        name: "`bpf_skb_cgroup_id` in cgroup_skb programs",
+        used_for: "the workload a connected socket's query or a reply belongs to",
+        since: KernelVersion::new(5, 3, 0),
+        need: Need::Required,
+        probe: Probe::Helpers,
+        uses: Uses::Helpers {
+            programs: SKB,
+            helpers: &[BpfHelper::BPF_FUNC_skb_cgroup_id],
         },
     },
     KernelFeature {
@@ -297,14 +330,17 @@ pub const FEATURES: &[KernelFeature] = &[
     },
     KernelFeature {
         id: "current_ancestor_cgroup_id",
-        name: "`bpf_get_current_ancestor_cgroup_id` in sock_addr programs",
-        used_for: "skipped cgroups",
+        name: "`bpf_get_current_ancestor_cgroup_id`, `bpf_get_current_cgroup_id` in sock_addr programs",
+        used_for: "skipped cgroups; the workload a query belongs to",
         since: KernelVersion::new(5, 7, 0),
         need: Need::Required,
         probe: Probe::Helpers,
         uses: Uses::Helpers {
             programs: SOCK_ADDR,
-            helpers: &[BpfHelper::BPF_FUNC_get_current_ancestor_cgroup_id],
+            helpers: &[
+                BpfHelper::BPF_FUNC_get_current_ancestor_cgroup_id,
+                BpfHelper::BPF_FUNC_get_current_cgroup_id,
+            ],
         },
     },
     KernelFeature {

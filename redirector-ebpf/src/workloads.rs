@@ -1,0 +1,320 @@
+//! DNS per workload: each cgroup's queries by route, counted where the programs decide the route,
+//! and its replies by rcode class, counted where a reply is delivered to it
+//! (`redirector_common::workloads` has the classes).
+//!
+//! A query is counted once, where it is certain:
+//! - an unconnected UDP datagram and a TCP connection at `sendmsg` and `connect`, where the
+//!   route is decided;
+//! - a connected UDP socket's datagrams at egress (`stale`), one by one, where their peer port is
+//!   53; its connect counts only a refusal, or a peer on another port (a cache that listens
+//!   elsewhere), which egress does not look at.
+//!
+//! A reply is counted at `cgroup_skb` ingress: a UDP datagram or TCP segment from port 53 (or a
+//! port a target or cache uses) whose payload begins with a standard query's reply. The check of
+//! anything else reads the packet's first bytes in place (direct packet access, 4.20 for
+//! `cgroup_skb`) and returns.
+//!
+//! The whole of it is dead code the verifier removes while `WORKLOADS_ON` is 0.
+//!
+//! Kernel features: `bpf_get_current_cgroup_id` and `bpf_get_current_ancestor_cgroup_id` in
+//! sock_addr programs 5.7; `bpf_skb_cgroup_id` 5.3 and `bpf_skb_ancestor_cgroup_id` 4.19 in
+//! `cgroup_skb` programs; `bpf_skb_load_bytes` 4.5; LRU hash maps 4.10; `BPF_ADD` atomics (every
+//! JIT).
+
+use core::ptr::{addr_of, addr_of_mut, read_volatile};
+
+use aya_ebpf::{
+    EbpfContext as _,
+    bindings::BPF_NOEXIST,
+    helpers::{
+        bpf_get_current_ancestor_cgroup_id, bpf_get_current_cgroup_id, bpf_skb_ancestor_cgroup_id,
+        bpf_skb_cgroup_id, bpf_skb_load_bytes,
+    },
+    programs::SkBuffContext,
+};
+use redirector_common::{
+    DNS_PORT,
+    counters::{IPPROTO_TCP, IPPROTO_UDP},
+    reverse::reply_port_bit,
+    workloads::{
+        MAX_EXEMPT_LEVEL, WORKLOAD_FLAG_EXEMPT, WorkloadCounters, is_reply, rcode_class,
+    },
+};
+
+use crate::{
+    atomic::add_u64,
+    maps::{REPLY_PORTS, WORKLOAD_EXEMPT, WORKLOADS, WORKLOADS_ON},
+};
+
+/// `ETH_P_IP` as `__sk_buff.protocol` holds it (network byte order).
+const ETH_P_IP_BE: u32 = 0x0800_u16.to_be() as u32;
+/// `ETH_P_IPV6`, likewise.
+const ETH_P_IPV6_BE: u32 = 0x86dd_u16.to_be() as u32;
+/// An IPv4 header without options.
+const IPV4_HEADER: usize = 20;
+/// The IPv6 header (a reply with extension headers is not counted).
+const IPV6_HEADER: usize = 40;
+/// The UDP header.
+const UDP_HEADER: usize = 8;
+/// TCP's length prefix before a DNS message (RFC 1035 4.2.2).
+const TCP_LENGTH_PREFIX: usize = 2;
+
+/// Whether the agent asked for the counts (`WORKLOADS_ON`, a constant to the verifier).
+#[inline(always)]
+pub fn enabled() -> bool {
+    WORKLOADS_ON.load() != 0
+}
+
+/// Counts a query of the calling task's cgroup under `route` (`ROUTE_*`), from a sock_addr
+/// program.
+#[inline(always)]
+pub fn count_query_of_task(route: usize) {
+    if !enabled() {
+        return;
+    }
+    // SAFETY: plain helper calls (sock_addr programs, 5.7); an ancestor above the task's own
+    // level is 0.
+    let cgroup = unsafe { bpf_get_current_cgroup_id() };
+    if let Some(counters) = counters(cgroup, |level| unsafe {
+        bpf_get_current_ancestor_cgroup_id(level)
+    }) {
+        bump_query(counters, route);
+    }
+}
+
+/// Counts a query of the cgroup of the packet's socket under `route`, from a `cgroup_skb`
+/// program.
+#[inline(always)]
+pub fn count_query_of_skb(ctx: &SkBuffContext, route: usize) {
+    if !enabled() {
+        return;
+    }
+    if let Some(counters) = skb_counters(ctx) {
+        bump_query(counters, route);
+    }
+}
+
+/// `cgroup_skb/ingress`: counts a DNS reply delivered to a workload by its rcode class.
+/// Anything that is not one returns after the packet's first bytes are read in place: a reply
+/// comes from port 53 or from a port a target or cache listens on (`REPLY_PORTS`).
+#[inline(always)]
+pub fn note_reply(ctx: &SkBuffContext) {
+    if !enabled() {
+        return;
+    }
+    let Some((protocol, transport)) = transport(ctx) else {
+        return;
+    };
+    let Some(source_port_be) = read_be16(ctx, transport) else {
+        return;
+    };
+    if source_port_be != DNS_PORT.to_be() && !is_reply_port(source_port_be) {
+        return;
+    }
+    let header = if protocol == IPPROTO_UDP {
+        udp_reply_header(ctx, transport)
+    } else {
+        tcp_reply_header(ctx, transport)
+    };
+    let Some([flags_high, flags_low]) = header else {
+        return;
+    };
+    if !is_reply(flags_high) {
+        return;
+    }
+    if let Some(counters) = skb_counters(ctx) {
+        // SAFETY: an element of WORKLOADS (preallocated), 8-byte aligned; changed by atomic
+        // adds only. The index is below RCODE_CLASSES.
+        unsafe {
+            let replies = addr_of_mut!((*counters).replies).cast::<u64>();
+            add_u64(replies.add(rcode_class(flags_low)), 1);
+        }
+    }
+}
+
+/// Adds one query under `route`.
+#[inline(always)]
+fn bump_query(counters: *mut WorkloadCounters, route: usize) {
+    // SAFETY: as in `note_reply`; every caller passes a `ROUTE_*` constant, below ROUTES.
+    unsafe {
+        let queries = addr_of_mut!((*counters).queries).cast::<u64>();
+        add_u64(queries.add(route), 1);
+    }
+}
+
+/// The counters of the cgroup of the packet's socket.
+#[inline(always)]
+fn skb_counters(ctx: &SkBuffContext) -> Option<*mut WorkloadCounters> {
+    let skb = ctx.as_ptr().cast();
+    // SAFETY: plain helper calls on the context's skb (cgroup_skb programs: 5.3 and 4.19); an
+    // ancestor above the socket's cgroup's level is 0.
+    let cgroup = unsafe { bpf_skb_cgroup_id(skb) };
+    counters(cgroup, |level| unsafe { bpf_skb_ancestor_cgroup_id(skb, level) })
+}
+
+/// The counters of cgroup `cgroup`, or `None` if it is exempt (or the LRU cannot make room). A
+/// cgroup seen for the first time is looked up in `WORKLOAD_EXEMPT` at each of its levels
+/// (`ancestor(level)`, 0 past its own) and entered with its verdict, so that every later count
+/// of an exempt cgroup costs the one lookup that finds it so.
+#[inline(always)]
+fn counters(cgroup: u64, ancestor: impl Fn(i32) -> u64) -> Option<*mut WorkloadCounters> {
+    if cgroup == 0 {
+        return None;
+    }
+    if let Some(counters) = WORKLOADS.get_ptr_mut(cgroup) {
+        // SAFETY: an element of WORKLOADS; `flags` is written only when the entry is created.
+        let flags = unsafe { read_volatile(addr_of!((*counters).flags)) };
+        return (flags & WORKLOAD_FLAG_EXEMPT == 0).then_some(counters);
+    }
+    let fresh = WorkloadCounters {
+        flags: if is_exempt(ancestor) {
+            WORKLOAD_FLAG_EXEMPT
+        } else {
+            0
+        },
+        ..WorkloadCounters::default()
+    };
+    // Another CPU may have entered it meanwhile: its entry stands, and is the one counted.
+    let _ = WORKLOADS.insert(cgroup, fresh, u64::from(BPF_NOEXIST));
+    if fresh.flags & WORKLOAD_FLAG_EXEMPT != 0 {
+        return None;
+    }
+    WORKLOADS.get_ptr_mut(cgroup)
+}
+
+/// Whether the cgroup, or one of its ancestors, is in `WORKLOAD_EXEMPT`. Walks its levels from
+/// the first below the root down to its own (about five on a Kubernetes node); run once per
+/// cgroup, at its first count.
+#[inline(always)]
+fn is_exempt(ancestor: impl Fn(i32) -> u64) -> bool {
+    let mut level = 1;
+    while level <= MAX_EXEMPT_LEVEL {
+        let id = ancestor(level);
+        if id == 0 {
+            return false;
+        }
+        if WORKLOAD_EXEMPT.get_ptr(id).is_some() {
+            return true;
+        }
+        level += 1;
+    }
+    false
+}
+
+/// Whether replies come from `port_be` (a target's or a cache's port, `REPLY_PORTS`).
+#[inline(always)]
+fn is_reply_port(port_be: u16) -> bool {
+    let (word, bit) = reply_port_bit(port_be);
+    REPLY_PORTS.get(word).is_some_and(|ports| *ports & bit != 0)
+}
+
+/// The packet's transport protocol (UDP or TCP) and where its header starts, for an IPv4 packet
+/// without options or an IPv6 packet without extension headers. `cgroup_skb` programs see the
+/// packet from its network header.
+#[inline(always)]
+fn transport(ctx: &SkBuffContext) -> Option<(u32, usize)> {
+    let skb = ctx.skb.skb;
+    // SAFETY: the context pointer the kernel passed; the verifier rewrites the load.
+    let protocol = unsafe { read_volatile(addr_of!((*skb).protocol)) };
+    let (next_header, offset) = if protocol == ETH_P_IP_BE {
+        let [version_ihl] = read_bytes::<1>(ctx, 0)?;
+        if version_ihl != 0x45 {
+            return None;
+        }
+        (read_bytes::<1>(ctx, 9)?[0], IPV4_HEADER)
+    } else if protocol == ETH_P_IPV6_BE {
+        (read_bytes::<1>(ctx, 6)?[0], IPV6_HEADER)
+    } else {
+        return None;
+    };
+    let next_header = u32::from(next_header);
+    if next_header == IPPROTO_UDP || next_header == IPPROTO_TCP {
+        Some((next_header, offset))
+    } else {
+        None
+    }
+}
+
+/// The DNS header's flag bytes of a UDP datagram whose header starts at `transport`.
+#[inline(always)]
+fn udp_reply_header(ctx: &SkBuffContext, transport: usize) -> Option<[u8; 2]> {
+    read_bytes::<2>(ctx, transport + UDP_HEADER + 2)
+}
+
+/// The DNS header's flag bytes of a TCP segment whose header starts at `transport`, when the
+/// segment begins a message: its payload starts with a length prefix no shorter than the rest of
+/// the payload (a message that fits, or the first segment of a longer one). A segment in the
+/// middle of a long message whose bytes happen to look so is miscounted; stub resolvers' replies
+/// over TCP fit in one segment.
+#[inline(always)]
+fn tcp_reply_header(ctx: &SkBuffContext, transport: usize) -> Option<[u8; 2]> {
+    let [data_offset] = read_bytes::<1>(ctx, transport + 12)?;
+    let header = usize::from(data_offset >> 4) * 4;
+    let payload = transport + header;
+    // SAFETY: the context pointer the kernel passed; `len` is the packet's length from the
+    // network header.
+    let len = unsafe { read_volatile(addr_of!((*ctx.skb.skb).len)) } as usize;
+    if len < payload + TCP_LENGTH_PREFIX + 4 {
+        return None;
+    }
+    let [high, low] = read_bytes::<2>(ctx, payload)?;
+    let message = usize::from(u16::from_be_bytes([high, low]));
+    if message + TCP_LENGTH_PREFIX < len - payload {
+        return None;
+    }
+    read_bytes::<2>(ctx, payload + TCP_LENGTH_PREFIX + 2)
+}
+
+/// A big-endian `u16` at `offset` of the packet, as its raw bytes (network byte order).
+#[inline(always)]
+fn read_be16(ctx: &SkBuffContext, offset: usize) -> Option<u16> {
+    read_bytes::<2>(ctx, offset).map(u16::from_ne_bytes)
+}
+
+/// `N` bytes at `offset` of the packet: read in place where they lie in its linear part (direct
+/// packet access, bounds checked as the verifier requires), else copied out with
+/// `bpf_skb_load_bytes`.
+#[inline(always)]
+fn read_bytes<const N: usize>(ctx: &SkBuffContext, offset: usize) -> Option<[u8; N]> {
+    let skb = ctx.skb.skb;
+    // SAFETY: the context pointer the kernel passed; the verifier rewrites `data` and `data_end`
+    // into the packet's pointers (cgroup_skb programs with CAP_BPF or CAP_SYS_ADMIN, 4.20).
+    let (data, data_end) = unsafe {
+        (
+            u64::from(read_volatile(addr_of!((*skb).data))),
+            u64::from(read_volatile(addr_of!((*skb).data_end))),
+        )
+    };
+    // The loads are 32 bits wide and zero-extended, so the compiler would compare the pointers
+    // in 32 bits, which the verifier does not follow: each is made an opaque 64-bit value.
+    // The start is made opaque too: the bound is checked on the very register that is read,
+    // which the verifier needs for a variable offset (it does not relate two sums of the same
+    // terms).
+    let (start, data_end) = (opaque(opaque(data) + offset as u64), opaque(data_end));
+    if start + N as u64 <= data_end {
+        // SAFETY: within the packet's linear data, as just checked.
+        return Some(unsafe { (start as usize as *const [u8; N]).read_unaligned() });
+    }
+    let mut bytes = [0_u8; N];
+    // SAFETY: the context's skb, a stack buffer of exactly `N` bytes (a constant length, as the
+    // verifier requires).
+    let copied = unsafe {
+        bpf_skb_load_bytes(
+            ctx.as_ptr().cast(),
+            offset as u32,
+            bytes.as_mut_ptr().cast(),
+            N as u32,
+        )
+    };
+    (copied == 0).then_some(bytes)
+}
+
+/// `value`, hidden from the optimiser: it cannot narrow what it cannot see. One register move
+/// (an empty template would give the BPF line info two entries at one instruction, which the
+/// kernel refuses).
+#[inline(always)]
+fn opaque(mut value: u64) -> u64 {
+    // SAFETY: a move of the register onto itself: no memory, the value unchanged.
+    unsafe { core::arch::asm!("{0} = {0}", inout(reg) value, options(nomem, nostack, preserves_flags)) };
+    value
+}

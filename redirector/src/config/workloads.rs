@@ -1,0 +1,110 @@
+//! `[workloads]`: DNS per workload (each cgroup's queries by route and replies by rcode class),
+//! how many cgroups the kernel tracks, how many the metrics name, and which are never counted.
+
+use std::{path::PathBuf, time::Duration};
+
+use redirector_common::workloads::{MAX_LISTED_EXEMPT_CGROUPS, WORKLOADS_DEFAULT_ENTRIES};
+
+use super::{ConfigError, raw::RawWorkloads};
+
+/// Fewest cgroups `workloads.tracked` accepts: fewer would evict a node's busy workloads.
+const MIN_TRACKED: u32 = 64;
+/// Most cgroups `workloads.tracked` accepts (about 150 MB of kernel memory).
+const MAX_TRACKED: u32 = 1 << 20;
+/// Most workloads `workloads.top` names in the metrics: each is 9 series on every node.
+pub const MAX_TOP: usize = 100;
+/// The default `workloads.top`.
+pub const DEFAULT_TOP: usize = 5;
+/// The default `workloads.interval_ms`: how often the agent reads the counts for its rates.
+const DEFAULT_INTERVAL: Duration = Duration::from_secs(10);
+
+/// The per-workload accounting.
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub struct WorkloadSettings {
+    /// Count DNS per cgroup in the kernel (false: the programs carry no counting at all).
+    pub accounting: bool,
+    /// Cgroups tracked at once (the `WORKLOADS` LRU's entries).
+    pub tracked: u32,
+    /// Workloads the metrics name, by query rate; the rest are summed under `other`.
+    pub top: usize,
+    /// How often the agent reads the counts (the window of its rates).
+    pub interval: Duration,
+    /// cgroup v2 directories whose DNS, with their descendants', is not counted, besides the
+    /// caches' (`listener.skip_cgroups`) and the agent's own.
+    pub exempt_cgroups: Vec<PathBuf>,
+}
+
+impl Default for WorkloadSettings {
+    fn default() -> Self {
+        Self {
+            accounting: true,
+            tracked: WORKLOADS_DEFAULT_ENTRIES,
+            top: DEFAULT_TOP,
+            interval: DEFAULT_INTERVAL,
+            exempt_cgroups: Vec::new(),
+        }
+    }
+}
+
+pub(super) fn validate_workloads(raw: RawWorkloads) -> Result<WorkloadSettings, ConfigError> {
+    let defaults = WorkloadSettings::default();
+    let tracked = match raw.tracked {
+        Some(value) if !(MIN_TRACKED..=MAX_TRACKED).contains(&value) => {
+            return Err(ConfigError::BadWorkloads {
+                key: "workloads.tracked",
+                problem: format!(
+                    "{value} cgroups cannot be tracked; give {MIN_TRACKED} to {MAX_TRACKED} \
+                     (the default is {WORKLOADS_DEFAULT_ENTRIES})"
+                ),
+            });
+        }
+        Some(value) => value,
+        None => defaults.tracked,
+    };
+    let top = match raw.top {
+        Some(value) if value > MAX_TOP => {
+            return Err(ConfigError::BadWorkloads {
+                key: "workloads.top",
+                problem: format!(
+                    "{value} workloads would be {} series on every node; give at most {MAX_TOP} \
+                     (the default is {DEFAULT_TOP}; 0 names none)",
+                    value * 9
+                ),
+            });
+        }
+        Some(value) => value,
+        None => defaults.top,
+    };
+    let interval = match raw.interval_ms {
+        Some(ms) if ms < 1000 => {
+            return Err(ConfigError::BadWorkloads {
+                key: "workloads.interval_ms",
+                problem: format!(
+                    "{ms} ms would read every tracked cgroup's counts too often; give at least \
+                     1000 (the default is {})",
+                    DEFAULT_INTERVAL.as_millis()
+                ),
+            });
+        }
+        Some(ms) => Duration::from_millis(ms),
+        None => defaults.interval,
+    };
+    let room = MAX_LISTED_EXEMPT_CGROUPS;
+    if raw.exempt_cgroups.len() > room {
+        return Err(ConfigError::BadWorkloads {
+            key: "workloads.exempt_cgroups",
+            problem: format!(
+                "{} cgroups given; at most {room} can be exempt (a parent exempts its \
+                 descendants: list it instead)",
+                raw.exempt_cgroups.len()
+            ),
+        });
+    }
+    Ok(WorkloadSettings {
+        accounting: raw.accounting.unwrap_or(defaults.accounting),
+        tracked,
+        top,
+        interval,
+        exempt_cgroups: raw.exempt_cgroups,
+    })
+}

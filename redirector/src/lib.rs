@@ -14,6 +14,7 @@ pub mod release;
 pub mod sources;
 pub mod sys;
 pub mod telemetry;
+pub mod workloads;
 
 /// An error with its causes, `outer: inner: innermost`, for logs (a `tracing` field shows only
 /// the outermost message of an error otherwise).

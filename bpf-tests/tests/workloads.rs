@@ -147,7 +147,12 @@ fn two_pods_get_exact_counts_by_route_and_rcode_and_exempt_cgroups_none() -> any
     // directly.
     harness.set_mode(CLUSTER_ID, Mode::Upstream)?;
     let cluster = dns(CLUSTER_LISTENER);
-    let refused = ask(&harness.sandbox, &pod_b, Query::new(cluster, Transport::Udp), 1)?;
+    let refused = ask(
+        &harness.sandbox,
+        &pod_b,
+        Query::new(cluster, Transport::Udp),
+        1,
+    )?;
     assert!(refused[0].starts_with("error"), "{refused:?}");
     harness.set_pool(CLUSTER_ID, &[nxdomain_server()])?;
     let sandbox = &harness.sandbox;
@@ -159,13 +164,17 @@ fn two_pods_get_exact_counts_by_route_and_rcode_and_exempt_cgroups_none() -> any
         2,
     )?);
     assert!(
-        answers.iter().all(|answer| answer == "nobody Non-Existent Domain"),
+        answers
+            .iter()
+            .all(|answer| answer == "nobody Non-Existent Domain"),
         "{answers:?}"
     );
     let direct = Query::new(dns(UPSTREAM_A_V4), Transport::UdpConnected);
     let answers = ask(sandbox, &pod_b, direct, 2)?;
     assert!(
-        answers.iter().all(|answer| answer.starts_with("upstream A")),
+        answers
+            .iter()
+            .all(|answer| answer.starts_with("upstream A")),
         "{answers:?}"
     );
 
@@ -180,7 +189,9 @@ fn two_pods_get_exact_counts_by_route_and_rcode_and_exempt_cgroups_none() -> any
     for cgroup in [sandbox.skipped_cgroup(), &exempt] {
         let answers = ask(sandbox, cgroup, direct, 2)?;
         assert!(
-            answers.iter().all(|answer| answer.starts_with("upstream A")),
+            answers
+                .iter()
+                .all(|answer| answer.starts_with("upstream A")),
             "{answers:?}"
         );
         let answers = ask(sandbox, cgroup, Query::new(node, Transport::Udp), 1)?;

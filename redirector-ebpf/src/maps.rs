@@ -22,9 +22,7 @@ use redirector_common::{
     reverse::{
         REPLY_PORT_WORDS, REVERSE_NAT_DEFAULT_ENTRIES, ReverseKey, ReverseValue, SteeredSocket,
     },
-    workloads::{
-        ExemptCgroup, MAX_EXEMPT_CGROUPS, WORKLOADS_DEFAULT_ENTRIES, WorkloadCounters,
-    },
+    workloads::{ExemptCgroup, MAX_EXEMPT_CGROUPS, WORKLOADS_DEFAULT_ENTRIES, WorkloadCounters},
 };
 
 /// Listener address → its configuration. A miss means "not DNS for us": the common case, so it

@@ -109,7 +109,12 @@ pub fn try_steer(ctx: &SockAddrContext, family: Family, hook: Hook) -> Result<()
     let (target, cookie) = match route {
         Route::Cache => {
             count(counters, |c| c.to_cache += 1);
-            count_workload(hook, protocol, listener.cache.port_be(protocol), ROUTE_CACHE);
+            count_workload(
+                hook,
+                protocol,
+                listener.cache.port_be(protocol),
+                ROUTE_CACHE,
+            );
             (listener.cache, None)
         }
         Route::Upstream => {

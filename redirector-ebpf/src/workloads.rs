@@ -36,9 +36,7 @@ use redirector_common::{
     DNS_PORT,
     counters::{IPPROTO_TCP, IPPROTO_UDP},
     reverse::reply_port_bit,
-    workloads::{
-        MAX_EXEMPT_LEVEL, WORKLOAD_FLAG_EXEMPT, WorkloadCounters, is_reply, rcode_class,
-    },
+    workloads::{MAX_EXEMPT_LEVEL, WORKLOAD_FLAG_EXEMPT, WorkloadCounters, is_reply, rcode_class},
 };
 
 use crate::{
@@ -149,7 +147,9 @@ fn skb_counters(ctx: &SkBuffContext) -> Option<*mut WorkloadCounters> {
     // SAFETY: plain helper calls on the context's skb (cgroup_skb programs: 5.3 and 4.19); an
     // ancestor above the socket's cgroup's level is 0.
     let cgroup = unsafe { bpf_skb_cgroup_id(skb) };
-    counters(cgroup, |level| unsafe { bpf_skb_ancestor_cgroup_id(skb, level) })
+    counters(cgroup, |level| unsafe {
+        bpf_skb_ancestor_cgroup_id(skb, level)
+    })
 }
 
 /// The counters of cgroup `cgroup`, or `None` if it is exempt (or the LRU cannot make room). A
@@ -315,6 +315,8 @@ fn read_bytes<const N: usize>(ctx: &SkBuffContext, offset: usize) -> Option<[u8;
 #[inline(always)]
 fn opaque(mut value: u64) -> u64 {
     // SAFETY: a move of the register onto itself: no memory, the value unchanged.
-    unsafe { core::arch::asm!("{0} = {0}", inout(reg) value, options(nomem, nostack, preserves_flags)) };
+    unsafe {
+        core::arch::asm!("{0} = {0}", inout(reg) value, options(nomem, nostack, preserves_flags))
+    };
     value
 }

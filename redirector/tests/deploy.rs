@@ -19,7 +19,7 @@ use k8s_openapi::{
     api::{
         apps::v1::DaemonSet,
         core::v1::{ConfigMap, Container, PodSpec, Probe, ServiceAccount, Volume},
-        rbac::v1::{Role, RoleBinding},
+        rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding},
     },
     apimachinery::pkg::util::intstr::IntOrString,
 };
@@ -177,6 +177,8 @@ fn every_manifest_keeps_its_fields_through_its_type() {
     let _: ServiceAccount = manifest("serviceaccount.yaml");
     let _: Role = manifest("role.yaml");
     let _: RoleBinding = manifest("rolebinding.yaml");
+    let _: ClusterRole = manifest("clusterrole.yaml");
+    let _: ClusterRoleBinding = manifest("clusterrolebinding.yaml");
 }
 
 #[test]
@@ -576,7 +578,7 @@ fn rbac_grants_only_reading_endpointslices() {
         "the overlay sets the subject's namespace"
     );
 
-    // Nothing cluster-wide anywhere under deploy/kubernetes.
+    // Nothing cluster-wide anywhere under deploy/kubernetes but reading pods (the next test).
     let mut files = vec![repo().join("deploy/kubernetes")];
     let mut kinds = Vec::new();
     while let Some(path) = files.pop() {
@@ -595,14 +597,60 @@ fn rbac_grants_only_reading_endpointslices() {
             }
         }
     }
-    assert!(kinds.len() >= 8, "{kinds:?}");
+    assert!(kinds.len() >= 10, "{kinds:?}");
+    let base = repo().join(BASE);
     for (path, kind) in kinds {
+        let pods = [
+            base.join("clusterrole.yaml"),
+            base.join("clusterrolebinding.yaml"),
+        ];
         assert!(
-            !matches!(kind.as_deref(), Some("ClusterRole" | "ClusterRoleBinding")),
+            !matches!(kind.as_deref(), Some("ClusterRole" | "ClusterRoleBinding"))
+                || pods.contains(&path),
             "{}: {kind:?}",
             path.display()
         );
     }
+}
+
+/// The one cluster-wide grant: reading pods, which RBAC cannot narrow to one node's (the agent
+/// narrows its requests with a field selector instead).
+#[test]
+fn the_cluster_role_grants_only_reading_pods() {
+    let role: ClusterRole = manifest("clusterrole.yaml");
+    assert_eq!(role.metadata.name.as_deref(), Some("redirector-pods"));
+    assert_eq!(role.aggregation_rule, None);
+    let rules = role.rules.as_deref().unwrap_or_default();
+    assert_eq!(rules.len(), 1, "{rules:?}");
+    let rule = &rules[0];
+    assert_eq!(rule.api_groups.as_deref(), Some(&[String::new()][..]));
+    assert_eq!(rule.resources.as_deref(), Some(&["pods".to_owned()][..]));
+    let verbs: BTreeSet<&str> = rule.verbs.iter().map(String::as_str).collect();
+    assert_eq!(verbs, BTreeSet::from(["get", "list", "watch"]));
+    assert_eq!(rule.resource_names, None);
+    assert_eq!(rule.non_resource_urls, None);
+
+    let binding: ClusterRoleBinding = manifest("clusterrolebinding.yaml");
+    assert_eq!(binding.role_ref.kind, "ClusterRole");
+    assert_eq!(Some(&binding.role_ref.name), role.metadata.name.as_ref());
+    let service_account: ServiceAccount = manifest("serviceaccount.yaml");
+    let subjects = binding.subjects.as_deref().unwrap_or_default();
+    assert_eq!(subjects.len(), 1);
+    assert_eq!(subjects[0].kind, "ServiceAccount");
+    assert_eq!(
+        Some(&subjects[0].name),
+        service_account.metadata.name.as_ref()
+    );
+    assert_eq!(
+        subjects[0].namespace, None,
+        "the overlay sets the subject's namespace"
+    );
+    // The agent's refusal names the files to apply.
+    let pods = read("redirector/src/workloads/pods.rs");
+    assert!(
+        pods.contains("clusterrole.yaml, clusterrolebinding.yaml"),
+        "redirector/src/workloads/pods.rs names the ClusterRole's files"
+    );
 }
 
 #[test]
@@ -1148,18 +1196,30 @@ fn a_changed_configuration_rolls_out_like_an_image() {
 #[test]
 fn the_overlays_put_the_rbac_next_to_kube_dns() {
     let objects = kustomize(&repo().join(OVERLAY));
-    assert_eq!(objects.len(), 7);
-    // The node-events RBAC stays in default, where Events about Nodes live; the rest is in
-    // kube-system, and every RoleBinding's subject is the agent's ServiceAccount there.
+    assert_eq!(objects.len(), 9);
+    // The node-events RBAC stays in default, where Events about Nodes live; the ClusterRole and
+    // its binding have no namespace; the rest is in kube-system, and every binding's subject is
+    // the agent's ServiceAccount there.
     for object in &objects {
         let events = object["metadata"]["name"] == "redirector-node-events";
+        let cluster = matches!(
+            object["kind"].as_str(),
+            Some("ClusterRole" | "ClusterRoleBinding")
+        );
+        let expected = match (events, cluster) {
+            (true, _) => serde_json::json!("default"),
+            (false, true) => serde_json::Value::Null,
+            (false, false) => serde_json::json!("kube-system"),
+        };
         assert_eq!(
-            object["metadata"]["namespace"],
-            if events { "default" } else { "kube-system" },
+            object["metadata"]["namespace"], expected,
             "{}",
             object["kind"]
         );
-        if object["kind"] == "RoleBinding" {
+        if matches!(
+            object["kind"].as_str(),
+            Some("RoleBinding" | "ClusterRoleBinding")
+        ) {
             assert_eq!(
                 object["subjects"][0]["namespace"], "kube-system",
                 "{object}"
@@ -1198,8 +1258,9 @@ fn the_overlays_put_the_rbac_next_to_kube_dns() {
     let _ = std::fs::remove_dir_all(&dir);
     for object in &objects {
         let expected = match object["kind"].as_str() {
-            Some("Role" | "RoleBinding") => "kube-system",
-            _ => "dns-system",
+            Some("Role" | "RoleBinding") => serde_json::json!("kube-system"),
+            Some("ClusterRole" | "ClusterRoleBinding") => serde_json::Value::Null,
+            _ => serde_json::json!("dns-system"),
         };
         assert_eq!(
             object["metadata"]["namespace"], expected,
@@ -1209,6 +1270,11 @@ fn the_overlays_put_the_rbac_next_to_kube_dns() {
     }
     assert_eq!(
         find(&objects, "RoleBinding")["subjects"][0]["namespace"],
+        "dns-system"
+    );
+    // The ClusterRoleBinding's subject follows the first overlay's namespace by itself.
+    assert_eq!(
+        find(&objects, "ClusterRoleBinding")["subjects"][0]["namespace"],
         "dns-system"
     );
 }

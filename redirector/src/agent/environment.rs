@@ -72,7 +72,9 @@ pub(super) fn exempt_entries(
     match cgroup::own_cgroup() {
         Ok(own) if !attach.path.starts_with(&own.path) => add(&own),
         Ok(_) => {}
-        Err(error) => warn!(error = %error, "cannot find the agent's own cgroup; its probes are counted as a workload's"),
+        Err(error) => {
+            warn!(error = %error, "cannot find the agent's own cgroup; its probes are counted as a workload's")
+        }
     }
     for (index, path) in config.workloads.exempt_cgroups.iter().enumerate() {
         let key = format!("workloads.exempt_cgroups[{index}]");

@@ -306,8 +306,8 @@ impl Agent {
         let node_events = kube_client.as_ref().map(|client| {
             telemetry::node_events::NodeEvents::start(client.clone(), &node, Arc::clone(&stats))
         });
+        let workload_readings = read_workloads(config, &stats, exempt, kube_client.clone(), &node);
         let (events, sources) = start_sources(config, &ids, kube_client);
-        let workload_readings = read_workloads(config, &stats, exempt);
         let mut agent = Self {
             datapath,
             maps,

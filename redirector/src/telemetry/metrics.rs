@@ -104,10 +104,14 @@ fn register_workloads(registry: &mut Registry, view: &crate::workloads::View) {
         replies.clone(),
     );
     for (route, total) in ROUTE_LABELS.iter().zip(view.queries_total) {
-        queries.get_or_create(&labels(&[("route", route)])).inc_by(total);
+        queries
+            .get_or_create(&labels(&[("route", route)]))
+            .inc_by(total);
     }
     for (rcode, total) in RCODE_LABELS.iter().zip(view.replies_total) {
-        replies.get_or_create(&labels(&[("rcode", rcode)])).inc_by(total);
+        replies
+            .get_or_create(&labels(&[("rcode", rcode)]))
+            .inc_by(total);
     }
     let tracked = Gauge::<i64>::default();
     registry.register(

@@ -146,6 +146,8 @@ pub(super) fn read_workloads(
     config: &Config,
     stats: &Arc<AgentStats>,
     mut exempt: Vec<ExemptEntry>,
+    kube_client: Option<kube::Client>,
+    node: &str,
 ) -> Option<JoinHandle<()>> {
     if !config.workloads.accounting {
         return None;
@@ -153,8 +155,10 @@ pub(super) fn read_workloads(
     let settings = config.workloads.clone();
     let pin_dir = config.pin_dir.clone();
     let stats = Arc::clone(stats);
-    let mut names = workloads::naming::Namer::new();
+    let (mut names, follower) = workload_names(settings.interval, kube_client, node);
     Some(tokio::spawn(async move {
+        // Ends with this task.
+        let _follower = follower;
         let mut tick = tokio::time::interval(settings.interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut rates = Rates::default();
@@ -181,7 +185,9 @@ pub(super) fn read_workloads(
                     continue;
                 }
             };
-            if let Err(error) = exempt_new_cgroups(&mut opened, &settings.exempt_cgroups, &mut exempt) {
+            if let Err(error) =
+                exempt_new_cgroups(&mut opened, &settings.exempt_cgroups, &mut exempt)
+            {
                 warn!(error = %crate::error_chain(&error), "cannot exempt a cgroup created since the start");
             }
             match opened.workload_counts() {
@@ -193,7 +199,16 @@ pub(super) fn read_workloads(
                     let names = top
                         .busiest
                         .iter()
-                        .map(|rate| (rate.cgroup, names.name(rate.cgroup)))
+                        .map(|rate| {
+                            let name = names.as_mut().map_or_else(
+                                || workloads::Name {
+                                    workload: format!("cgroup/{}", rate.cgroup),
+                                    ..workloads::Name::default()
+                                },
+                                |names| workloads::Name::from(&names.describe(rate.cgroup)),
+                            );
+                            (rate.cgroup, name)
+                        })
                         .collect();
                     stats.record_workloads(workloads::View {
                         top,
@@ -215,6 +230,39 @@ pub(super) fn read_workloads(
             maps = Some(opened);
         }
     }))
+}
+
+/// What names the workloads: their cgroups' paths (walked again at most once an `interval` for
+/// an id not seen yet), and this node's pods from the API server when there is a client (the
+/// task following them ends with the returned guard).
+fn workload_names(
+    interval: std::time::Duration,
+    kube_client: Option<kube::Client>,
+    node: &str,
+) -> (Option<workloads::Resolver>, TaskGuard) {
+    let cgroups = match workloads::cgroups::CgroupNames::open(
+        workloads::cgroups::ScanLimits::default(),
+        interval,
+    ) {
+        Ok(cgroups) => cgroups,
+        Err(error) => {
+            warn!(error = %crate::error_chain(&error), "cannot find the cgroup hierarchy; workloads are named by their cgroup ids");
+            return (None, TaskGuard(None));
+        }
+    };
+    let pods = workloads::pods::PodNames::new();
+    let follower = kube_client.and_then(|client| match pods.follow(client, node) {
+        Ok(follow) => Some(tokio::spawn(follow)),
+        Err(error) => {
+            warn!(error = %crate::error_chain(&error), "pods are named by their UIDs");
+            None
+        }
+    });
+    let pods = follower.is_some().then_some(pods);
+    (
+        Some(workloads::Resolver::new(cgroups, pods)),
+        TaskGuard(follower),
+    )
 }
 
 /// Adds each cgroup of `listed` that exists now and is not in `exempt` yet, and writes the set.

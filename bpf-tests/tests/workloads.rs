@@ -7,8 +7,10 @@ use std::{net::SocketAddr, os::unix::fs::MetadataExt as _, path::Path, time::Dur
 use anyhow::Context as _;
 use bpf_tests::{
     cgroup::TestCgroup,
+    cli::redirector,
     harness::{CLUSTER_ID, Harness, standard_listeners},
-    sandbox::{Ns, Query, Sandbox, Transport},
+    http::sample,
+    sandbox::{Ns, Query, Sandbox, Transport, redirector_bin},
     tools,
     topology::{CLUSTER_LISTENER, NODE_LISTENER, UPSTREAM_A_V4, dns, who},
 };
@@ -123,20 +125,23 @@ fn two_pods_get_exact_counts_by_route_and_rcode_and_exempt_cgroups_none() -> any
         },
     )?;
     let sandbox = &harness.sandbox;
-    let pod_a = sandbox.cgroup().child("pod-a")?;
-    let pod_b = sandbox.cgroup().child("pod-b")?;
+    // Named as the kubelet names them: pod A's container under the systemd driver, pod B's
+    // under the cgroupfs driver.
+    let systemd = KubeletCgroups::systemd(sandbox.cgroup())?;
+    let cgroupfs = KubeletCgroups::cgroupfs(sandbox.cgroup())?;
+    let (pod_a, pod_b) = (systemd.container(), cgroupfs.container());
     let exempt = sandbox.cgroup().child(EXEMPT)?;
 
     // Pod A asks the node listener, whose cache serves: every way a resolver sends.
     let node = dns(NODE_LISTENER);
-    let mut answers = ask(sandbox, &pod_a, Query::new(node, Transport::Udp), 3)?;
+    let mut answers = ask(sandbox, pod_a, Query::new(node, Transport::Udp), 3)?;
     answers.extend(ask(
         sandbox,
-        &pod_a,
+        pod_a,
         Query::new(node, Transport::UdpConnected),
         2,
     )?);
-    answers.extend(ask(sandbox, &pod_a, Query::new(node, Transport::Tcp), 1)?);
+    answers.extend(ask(sandbox, pod_a, Query::new(node, Transport::Tcp), 1)?);
     assert!(
         answers.iter().all(|answer| answer.starts_with("cache")),
         "{answers:?}"
@@ -149,17 +154,17 @@ fn two_pods_get_exact_counts_by_route_and_rcode_and_exempt_cgroups_none() -> any
     let cluster = dns(CLUSTER_LISTENER);
     let refused = ask(
         &harness.sandbox,
-        &pod_b,
+        pod_b,
         Query::new(cluster, Transport::Udp),
         1,
     )?;
     assert!(refused[0].starts_with("error"), "{refused:?}");
     harness.set_pool(CLUSTER_ID, &[nxdomain_server()])?;
     let sandbox = &harness.sandbox;
-    let mut answers = ask(sandbox, &pod_b, Query::new(cluster, Transport::Udp), 4)?;
+    let mut answers = ask(sandbox, pod_b, Query::new(cluster, Transport::Udp), 4)?;
     answers.extend(ask(
         sandbox,
-        &pod_b,
+        pod_b,
         Query::new(cluster, Transport::UdpConnected),
         2,
     )?);
@@ -170,7 +175,7 @@ fn two_pods_get_exact_counts_by_route_and_rcode_and_exempt_cgroups_none() -> any
         "{answers:?}"
     );
     let direct = Query::new(dns(UPSTREAM_A_V4), Transport::UdpConnected);
-    let answers = ask(sandbox, &pod_b, direct, 2)?;
+    let answers = ask(sandbox, pod_b, direct, 2)?;
     assert!(
         answers
             .iter()
@@ -221,5 +226,221 @@ fn two_pods_get_exact_counts_by_route_and_rcode_and_exempt_cgroups_none() -> any
             cgroup.path().display()
         );
     }
+
+    // The agent's node totals, from its readings since it started: every count above, nothing
+    // of the exempt cgroups.
+    harness.wait_until(
+        "the agent's totals reach the kernel's counts",
+        Duration::from_secs(10),
+        |harness| {
+            Ok(harness.agent.stats.workloads().is_some_and(|view| {
+                view.queries_total == [6, 6, 1, 2] && view.replies_total == [8, 6, 0, 0, 0]
+            }))
+        },
+    )?;
+
+    // `status` names both pods by their UIDs, from their cgroups' names alone.
+    let status = redirector(&[
+        "status",
+        "--config",
+        "/nonexistent",
+        "--pin-dir",
+        &harness.sandbox.pin_dir().display().to_string(),
+    ])?;
+    assert_eq!(status.code, 0, "{status:?}");
+    let row = |uid: &str| {
+        status
+            .stdout
+            .lines()
+            .find(|line| line.starts_with(&format!("pod/{uid} ")))
+            .map(|line| line.split_whitespace().collect::<Vec<_>>())
+    };
+    assert_eq!(
+        row(SYSTEMD_POD_UID).context("pod A in status")?,
+        [
+            "pod/".to_owned() + SYSTEMD_POD_UID,
+            "6".into(),
+            "100%".into(),
+            "0%".into(),
+            "0%".into(),
+            "0%".into(),
+            "6".into(),
+            "0%".into(),
+            "0%".into()
+        ],
+        "{}",
+        status.stdout
+    );
+    assert_eq!(
+        row(CGROUPFS_POD_UID).context("pod B in status")?,
+        [
+            "pod/".to_owned() + CGROUPFS_POD_UID,
+            "9".into(),
+            "0%".into(),
+            "67%".into(),
+            "11%".into(),
+            "22%".into(),
+            "8".into(),
+            "75%".into(),
+            "0%".into()
+        ],
+        "{}",
+        status.stdout
+    );
+
+    // The metrics name the busiest workload by its pod UID while it asks.
+    let metrics = harness.agent.metrics.context("the agent serves metrics")?;
+    let series = format!(
+        "redirector_workload_query_rate{{workload=\"pod/{SYSTEMD_POD_UID}\",namespace=\"\",pod=\"\",route=\"cache\"}}"
+    );
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    loop {
+        ask(&harness.sandbox, pod_a, Query::new(node, Transport::Udp), 5)?;
+        let body = bpf_tests::http::get(metrics, "/metrics")?.body;
+        if sample(&body, &series).is_some_and(|rate| rate > 0.0) {
+            break;
+        }
+        anyhow::ensure!(
+            std::time::Instant::now() < deadline,
+            "no {series} in the metrics:\n{body}"
+        );
+    }
+
+    // `top` in a terminal: a frame, then one with pod A's queries of the window.
+    let frames = top_in_terminal(&harness, || {
+        ask(&harness.sandbox, pod_a, Query::new(node, Transport::Udp), 5).map(drop)
+    })?;
+    let last = frames
+        .rsplit("DNS per workload over")
+        .next()
+        .unwrap_or_default();
+    let line = last
+        .lines()
+        .find(|line| line.starts_with(&format!("pod/{SYSTEMD_POD_UID} ")))
+        .with_context(|| format!("pod A in top's last frame:\n{frames}"))?;
+    let cells: Vec<&str> = line.split_whitespace().collect();
+    assert!(
+        cells[1].parse::<f64>()? > 0.0 && cells[2] == "100%",
+        "{line}\n{frames}"
+    );
+    assert!(
+        frames.contains("\x1b[H\x1b[2J"),
+        "top refreshes in place: {frames:?}"
+    );
     Ok(())
+}
+
+/// The pod UID of the kubelet's cgroups under the systemd driver (`_` for `-` in the slice).
+const SYSTEMD_POD_UID: &str = "1111aaaa-2222-3333-4444-555566667777";
+/// The pod UID under the cgroupfs driver.
+const CGROUPFS_POD_UID: &str = "9999bbbb-8888-7777-6666-555544443333";
+
+/// A pod's cgroups as the kubelet lays them out, down to one container's; removed child first.
+struct KubeletCgroups {
+    /// From the top (`kubepods…`) down to the container.
+    levels: Vec<TestCgroup>,
+}
+
+impl KubeletCgroups {
+    /// Burstable, systemd driver, containerd.
+    fn systemd(parent: &TestCgroup) -> anyhow::Result<Self> {
+        let slice = SYSTEMD_POD_UID.replace('-', "_");
+        Self::chain(
+            parent,
+            &[
+                "kubepods.slice",
+                "kubepods-burstable.slice",
+                &format!("kubepods-burstable-pod{slice}.slice"),
+                &format!("cri-containerd-{}.scope", "a1".repeat(32)),
+            ],
+        )
+    }
+
+    /// BestEffort, cgroupfs driver.
+    fn cgroupfs(parent: &TestCgroup) -> anyhow::Result<Self> {
+        Self::chain(
+            parent,
+            &[
+                "kubepods",
+                "besteffort",
+                &format!("pod{CGROUPFS_POD_UID}"),
+                &"b2".repeat(32),
+            ],
+        )
+    }
+
+    fn chain(parent: &TestCgroup, names: &[&str]) -> anyhow::Result<Self> {
+        let mut levels: Vec<TestCgroup> = Vec::new();
+        for name in names {
+            let next = levels.last().unwrap_or(parent).child(name)?;
+            levels.push(next);
+        }
+        Ok(Self { levels })
+    }
+
+    /// The container's cgroup, where its processes run.
+    fn container(&self) -> &TestCgroup {
+        self.levels.last().expect("a chain has levels")
+    }
+}
+
+impl Drop for KubeletCgroups {
+    fn drop(&mut self) {
+        // Children before parents.
+        while let Some(level) = self.levels.pop() {
+            drop(level);
+        }
+    }
+}
+
+/// Runs `redirector top --count 2` against the sandbox's pins with its output on a pseudo-
+/// terminal, runs `between` once the first frame is shown, and returns everything it printed.
+fn top_in_terminal(
+    harness: &Harness,
+    between: impl FnOnce() -> anyhow::Result<()>,
+) -> anyhow::Result<String> {
+    use std::io::Read as _;
+    let pty = nix::pty::openpty(None, None).context("opening a pseudo-terminal")?;
+    let mut child = std::process::Command::new(redirector_bin())
+        .args([
+            "top",
+            "--config",
+            "/nonexistent",
+            "--pin-dir",
+            &harness.sandbox.pin_dir().display().to_string(),
+            "--count",
+            "2",
+            "--interval-ms",
+            "1500",
+        ])
+        .stdout(std::process::Stdio::from(pty.slave.try_clone()?))
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .context("starting redirector top")?;
+    drop(pty.slave);
+    let mut master = std::fs::File::from(pty.master);
+    let mut printed = Vec::new();
+    let mut chunk = [0_u8; 4096];
+    let mut between = Some(between);
+    loop {
+        match master.read(&mut chunk) {
+            Ok(0) => break,
+            Ok(read) => printed.extend_from_slice(&chunk[..read]),
+            // EIO: the child closed the terminal's last writer (it exited).
+            Err(error) if error.raw_os_error() == Some(libc::EIO) => break,
+            Err(error) => return Err(error).context("reading the pseudo-terminal"),
+        }
+        if String::from_utf8_lossy(&printed).contains("DNS per workload over")
+            && let Some(between) = between.take()
+        {
+            between()?;
+        }
+    }
+    let status = child.wait()?;
+    let mut stderr = String::new();
+    if let Some(mut pipe) = child.stderr.take() {
+        pipe.read_to_string(&mut stderr)?;
+    }
+    anyhow::ensure!(status.success(), "redirector top failed: {stderr}");
+    Ok(String::from_utf8_lossy(&printed).into_owned())
 }

@@ -10,6 +10,7 @@ use redirector::config::DEFAULT_CONFIG_PATH;
 
 use crate::cli::{
     drain::DrainArgs, probe::ProbeArgs, run::RunArgs, state::StateArgs, status::StatusArgs,
+    top::TopArgs,
 };
 
 #[derive(Parser, Debug)]
@@ -41,6 +42,9 @@ enum Command {
     /// Show every listener's state, the programs, the conntrack bypass and whether an agent
     /// runs, from the pinned maps (works while the agent is stopped).
     Status(StatusArgs),
+    /// Show the busiest workloads' DNS live: queries per second, the share of each route, and
+    /// their NXDOMAIN and SERVFAIL ratios, refreshed like top (from the pinned maps).
+    Top(TopArgs),
     /// Run the embedded caching DNS forwarder (a small stand-in for CoreDNS on a dev box or in
     /// a demo) until SIGINT or SIGTERM. Only in builds with the `embedded-cache` feature.
     Cache {
@@ -68,6 +72,7 @@ fn main() -> ExitCode {
         Command::Drain(args) => cli::drain::drain(&args),
         Command::Probe(args) => cli::probe::probe(&args),
         Command::Status(args) => cli::status::status(&args),
+        Command::Top(args) => cli::top::top(&args),
         Command::Cache { config, log_level } => cli::cache::cache(&config, &log_level),
         Command::CheckConfig { config } => cli::check_config::check_config(&config),
     };

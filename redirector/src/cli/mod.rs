@@ -8,6 +8,7 @@ pub(crate) mod probe;
 pub(crate) mod run;
 pub(crate) mod state;
 pub(crate) mod status;
+pub(crate) mod top;
 pub(crate) mod uninstall;
 
 use anyhow::Context as _;

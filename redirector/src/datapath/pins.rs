@@ -456,7 +456,11 @@ mod tests {
     #[test]
     fn an_empty_pin_directory_is_a_first_start() {
         let dir = std::env::temp_dir().join(format!("redirector-pins-{}", std::process::id()));
-        let plan = plan(&dir, 65_536, false).expect("nothing to inspect");
+        let sizes = MapSizes {
+            reverse_nat: 65_536,
+            workloads: 4096,
+        };
+        let plan = plan(&dir, sizes, false).expect("nothing to inspect");
         assert_eq!(plan.verdict(), Verdict::Empty);
         assert_eq!(
             plan.count(|action| *action == MapAction::Create),

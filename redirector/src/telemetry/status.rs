@@ -14,6 +14,10 @@ use crate::{
         lock,
         netns::NetnsError,
     },
+    workloads::{
+        self, ROUTE_LABELS,
+        counts::{self, WorkloadCounts},
+    },
 };
 
 /// Everything `status` reports.
@@ -31,7 +35,21 @@ pub struct StatusReport {
     pub kernel: KernelState,
     /// Every listener.
     pub listeners: Vec<ListenerSnapshot>,
+    /// DNS per workload.
+    pub workloads: WorkloadsState,
 }
+
+/// The workloads `status` shows: the busiest by queries since the kernel first counted them.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct WorkloadsState {
+    /// Workloads the kernel counts now (their cgroups summed).
+    pub counted: usize,
+    /// The busiest [`STATUS_WORKLOADS`], busiest first.
+    pub busiest: Vec<WorkloadCounts>,
+}
+
+/// Workloads `status` lists.
+pub const STATUS_WORKLOADS: usize = 10;
 
 /// The build that runs `status` (`release`).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -198,6 +216,12 @@ pub async fn gather(
     kernel: &KernelSupport,
 ) -> Result<StatusReport, DatapathError> {
     let listeners = snapshot::listeners(maps)?;
+    let mut resolver = workloads::host_resolver(std::time::Duration::ZERO);
+    let mut busiest = counts::by_workload(&maps.workload_counts()?, |cgroup| {
+        workloads::name_of(resolver.as_mut(), cgroup)
+    });
+    let counted = busiest.len();
+    busiest.truncate(STATUS_WORKLOADS);
     let pid = lock::holder(lock_file);
     let listed = match nft {
         Ok(nft) => nft
@@ -245,6 +269,7 @@ pub async fn gather(
         conntrack_bypass,
         kernel: KernelState::of(kernel),
         listeners,
+        workloads: WorkloadsState { counted, busiest },
     })
 }
 
@@ -456,7 +481,52 @@ moves the kernel made itself, and drains, since the maps were created:
         ]);
     }
     table(&mut text, &rows);
+    render_workloads(&mut text, &report.workloads);
     text
+}
+
+/// The workloads' section: the busiest, their routes and what came back.
+fn render_workloads(text: &mut String, workloads: &WorkloadsState) {
+    if workloads.busiest.is_empty() {
+        text.push_str(
+            "\nDNS per workload: none counted (workloads.accounting is off, or no workload has \
+             asked since the agent started counting)\n",
+        );
+        return;
+    }
+    let _ = write!(
+        text,
+        "\nDNS per workload since each was first counted, the {} busiest of {} (`redirector top` \
+         shows rates):\n",
+        workloads.busiest.len(),
+        workloads.counted
+    );
+    let mut header = vec!["WORKLOAD".to_owned(), "QUERIES".to_owned()];
+    header.extend(ROUTE_LABELS.iter().map(|route| route.to_uppercase()));
+    header.extend(["REPLIES", "NXDOMAIN", "SERVFAIL"].map(str::to_owned));
+    let mut rows: Vec<[String; 9]> = vec![header.try_into().unwrap_or_default()];
+    for workload in &workloads.busiest {
+        let total = workload.total_queries();
+        let mut row = vec![workload.workload.clone(), total.to_string()];
+        row.extend(
+            workload
+                .queries
+                .iter()
+                .map(|count| percent(counts::share(*count, total))),
+        );
+        row.extend([
+            workload.total_replies().to_string(),
+            percent(workload.nxdomain_share()),
+            percent(workload.servfail_share()),
+        ]);
+        rows.push(row.try_into().unwrap_or_default());
+    }
+    table(text, &rows);
+}
+
+/// A share as a whole percentage.
+fn percent(share: f64) -> String {
+    format!("{:.0}%", share * 100.0)
 }
 
 /// Writes `rows` as left-aligned columns.
@@ -533,6 +603,17 @@ mod tests {
                 counters: CounterSnapshot::default(),
                 flips: FlipCounts::default(),
             }],
+            workloads: WorkloadsState {
+                counted: 3,
+                busiest: vec![WorkloadCounts {
+                    workload: "pod/default/web-0".to_owned(),
+                    namespace: "default".to_owned(),
+                    pod: "web-0".to_owned(),
+                    cgroups: 2,
+                    queries: [60, 30, 0, 10],
+                    replies: [70, 20, 0, 0, 10],
+                }],
+            },
         }
     }
 
@@ -624,5 +705,45 @@ mod tests {
         assert_eq!(json["conntrack_bypass"]["table"], "present");
         assert_eq!(json["kernel"]["degraded"][0]["since"], "6.1");
         assert_eq!(json["kernel"]["missing"], serde_json::json!([]));
+        assert_eq!(json["workloads"]["busiest"][0]["pod"], "web-0");
+        assert_eq!(json["workloads"]["busiest"][0]["queries"][1], 30);
+    }
+
+    #[test]
+    fn the_workloads_section_gives_each_routes_and_what_came_back() {
+        let text = render_table(&report(true));
+        assert!(text.contains("the 1 busiest of 3"), "{text}");
+        let header = text
+            .lines()
+            .find(|line| line.starts_with("WORKLOAD"))
+            .unwrap();
+        assert_eq!(
+            header.split_whitespace().collect::<Vec<_>>(),
+            [
+                "WORKLOAD", "QUERIES", "CACHE", "UPSTREAM", "REFUSED", "DIRECT", "REPLIES",
+                "NXDOMAIN", "SERVFAIL"
+            ]
+        );
+        let row = text
+            .lines()
+            .find(|line| line.starts_with("pod/default/web-0"))
+            .unwrap();
+        assert_eq!(
+            row.split_whitespace().collect::<Vec<_>>(),
+            [
+                "pod/default/web-0",
+                "100",
+                "60%",
+                "30%",
+                "0%",
+                "10%",
+                "100",
+                "20%",
+                "0%"
+            ]
+        );
+        let mut none = report(true);
+        none.workloads.busiest.clear();
+        assert!(render_table(&none).contains("DNS per workload: none counted"));
     }
 }

@@ -6,6 +6,7 @@
 //! in [`rates`]; [`View`] is what the agent publishes of them.
 
 pub mod cgroups;
+pub mod counts;
 pub mod identity;
 pub mod pods;
 pub mod rates;
@@ -146,6 +147,15 @@ impl Resolver {
         }
     }
 
+    /// The same resolver, naming pods from `pods` too.
+    #[must_use]
+    pub fn with_pods(self, pods: PodNames) -> Self {
+        Self {
+            pods: Some(pods),
+            ..self
+        }
+    }
+
     /// The name of cgroup `cgroup_id`.
     pub fn describe(&mut self, cgroup_id: u64) -> WorkloadName {
         self.describe_at(cgroup_id, Instant::now())
@@ -258,6 +268,32 @@ impl From<&WorkloadName> for Name {
             workload: name.to_string(),
             namespace: name.namespace.clone().unwrap_or_default(),
             pod: name.name.clone().unwrap_or_default(),
+        }
+    }
+}
+
+/// A name for cgroup `cgroup` from `resolver`, or its id where there is none (the hierarchy
+/// could not be found).
+pub fn name_of(resolver: Option<&mut Resolver>, cgroup: u64) -> Name {
+    resolver.map_or_else(
+        || Name {
+            workload: format!("cgroup/{cgroup}"),
+            ..Name::default()
+        },
+        |resolver| Name::from(&resolver.describe(cgroup)),
+    )
+}
+
+/// A resolver of this host's cgroups, without the API server (pods named by UID), walking the
+/// hierarchy again at most once `rescan_after` for an id not seen yet; `None` (logged) where the
+/// hierarchy cannot be found.
+#[must_use]
+pub fn host_resolver(rescan_after: Duration) -> Option<Resolver> {
+    match CgroupNames::open(cgroups::ScanLimits::default(), rescan_after) {
+        Ok(cgroups) => Some(Resolver::new(cgroups, None)),
+        Err(error) => {
+            warn!(error = %crate::error_chain(&error), "cannot find the cgroup hierarchy; workloads are named by their cgroup ids");
+            None
         }
     }
 }

@@ -127,6 +127,36 @@ fn new_since(before: &WorkloadCounters, after: &WorkloadCounters) -> WorkloadCou
     }
 }
 
+/// `rates` of the cgroups that `name` gives one workload (a pod's containers, a unit's
+/// sub-cgroups) summed into one, keyed by its lowest cgroup id, with the name of each.
+pub fn by_workload(
+    rates: Vec<WorkloadRate>,
+    mut name: impl FnMut(u64) -> super::Name,
+) -> (Vec<WorkloadRate>, HashMap<u64, super::Name>) {
+    let mut merged: HashMap<String, (super::Name, WorkloadRate)> = HashMap::new();
+    for rate in rates {
+        let named = name(rate.cgroup);
+        match merged.get_mut(&named.workload) {
+            Some((_, sum)) => {
+                sum.cgroup = sum.cgroup.min(rate.cgroup);
+                sum.add(&rate);
+            }
+            None => {
+                merged.insert(named.workload.clone(), (named, rate));
+            }
+        }
+    }
+    let mut names = HashMap::with_capacity(merged.len());
+    let rates = merged
+        .into_values()
+        .map(|(named, rate)| {
+            names.insert(rate.cgroup, named);
+            rate
+        })
+        .collect();
+    (rates, names)
+}
+
 /// The `n` busiest of `rates` by query rate (ties by cgroup id, so the choice is stable), and
 /// the rest summed.
 #[must_use]
@@ -204,6 +234,35 @@ mod tests {
         let window = Duration::from_secs(1);
         rates.read(vec![(7, counts(1, 0, 0))], window);
         assert!(rates.read(vec![(7, counts(1, 0, 0))], window).is_empty());
+    }
+
+    #[test]
+    fn a_pods_containers_are_one_workload() {
+        let rate = |cgroup, queries| WorkloadRate {
+            cgroup,
+            queries: [queries, 0.0, 0.0, 0.0],
+            replies: [0.0; RCODE_CLASSES],
+        };
+        let (merged, names) = by_workload(
+            vec![rate(12, 1.0), rate(11, 2.0), rate(20, 4.0)],
+            |cgroup| super::super::Name {
+                workload: if cgroup < 20 {
+                    "pod/a/web"
+                } else {
+                    "unit/x.service"
+                }
+                .to_owned(),
+                ..super::super::Name::default()
+            },
+        );
+        let mut merged: Vec<(u64, f64)> = merged
+            .iter()
+            .map(|rate| (rate.cgroup, rate.query_rate()))
+            .collect();
+        merged.sort_by_key(|(cgroup, _)| *cgroup);
+        assert_eq!(merged, [(11, 3.0), (20, 4.0)]);
+        assert_eq!(names[&11].workload, "pod/a/web");
+        assert_eq!(names[&20].workload, "unit/x.service");
     }
 
     #[test]

@@ -195,21 +195,10 @@ pub(super) fn read_workloads(
                     failing = false;
                     let tracked = counts.len();
                     let read = rates.read(counts, window);
+                    let (read, names) = workloads::rates::by_workload(read, |cgroup| {
+                        workloads::name_of(names.as_mut(), cgroup)
+                    });
                     let top = workloads::rates::top(read, settings.top);
-                    let names = top
-                        .busiest
-                        .iter()
-                        .map(|rate| {
-                            let name = names.as_mut().map_or_else(
-                                || workloads::Name {
-                                    workload: format!("cgroup/{}", rate.cgroup),
-                                    ..workloads::Name::default()
-                                },
-                                |names| workloads::Name::from(&names.describe(rate.cgroup)),
-                            );
-                            (rate.cgroup, name)
-                        })
-                        .collect();
                     stats.record_workloads(workloads::View {
                         top,
                         names,
@@ -240,29 +229,23 @@ fn workload_names(
     kube_client: Option<kube::Client>,
     node: &str,
 ) -> (Option<workloads::Resolver>, TaskGuard) {
-    let cgroups = match workloads::cgroups::CgroupNames::open(
-        workloads::cgroups::ScanLimits::default(),
-        interval,
-    ) {
-        Ok(cgroups) => cgroups,
-        Err(error) => {
-            warn!(error = %crate::error_chain(&error), "cannot find the cgroup hierarchy; workloads are named by their cgroup ids");
-            return (None, TaskGuard(None));
-        }
+    let Some(resolver) = workloads::host_resolver(interval) else {
+        return (None, TaskGuard(None));
+    };
+    let Some(client) = kube_client else {
+        return (Some(resolver), TaskGuard(None));
     };
     let pods = workloads::pods::PodNames::new();
-    let follower = kube_client.and_then(|client| match pods.follow(client, node) {
-        Ok(follow) => Some(tokio::spawn(follow)),
+    match pods.follow(client, node) {
+        Ok(follow) => (
+            Some(resolver.with_pods(pods)),
+            TaskGuard(Some(tokio::spawn(follow))),
+        ),
         Err(error) => {
             warn!(error = %crate::error_chain(&error), "pods are named by their UIDs");
-            None
+            (Some(resolver), TaskGuard(None))
         }
-    });
-    let pods = follower.is_some().then_some(pods);
-    (
-        Some(workloads::Resolver::new(cgroups, pods)),
-        TaskGuard(follower),
-    )
+    }
 }
 
 /// Adds each cgroup of `listed` that exists now and is not in `exempt` yet, and writes the set.

@@ -8,6 +8,7 @@ use anyhow::Context as _;
 use bpf_tests::{
     cgroup::TestCgroup,
     cli::redirector,
+    dns::QueryOutcome,
     harness::{CLUSTER_ID, Harness, standard_listeners},
     http::sample,
     sandbox::{Ns, Query, Sandbox, Transport, redirector_bin},
@@ -17,8 +18,8 @@ use bpf_tests::{
 use redirector_common::{
     settings::Mode,
     workloads::{
-        RCODE_CLASSES, RCODE_NOERROR, RCODE_NXDOMAIN, ROUTE_CACHE, ROUTE_DIRECT, ROUTE_REFUSED,
-        ROUTE_UPSTREAM, ROUTES, WorkloadCounters,
+        RCODE_CLASSES, RCODE_NOERROR, RCODE_NXDOMAIN, ROUTE_CACHE, ROUTE_DIRECT, ROUTE_LIMITED,
+        ROUTE_REFUSED, ROUTE_UPSTREAM, ROUTES, WorkloadCounters,
     },
 };
 
@@ -234,7 +235,7 @@ fn two_pods_get_exact_counts_by_route_and_rcode_and_exempt_cgroups_none() -> any
         Duration::from_secs(10),
         |harness| {
             Ok(harness.agent.stats.workloads().is_some_and(|view| {
-                view.queries_total == [6, 6, 1, 2] && view.replies_total == [8, 6, 0, 0, 0]
+                view.queries_total == [6, 6, 1, 2, 0] && view.replies_total == [8, 6, 0, 0, 0]
             }))
         },
     )?;
@@ -264,6 +265,7 @@ fn two_pods_get_exact_counts_by_route_and_rcode_and_exempt_cgroups_none() -> any
             "0%".into(),
             "0%".into(),
             "0%".into(),
+            "0%".into(),
             "6".into(),
             "0%".into(),
             "0%".into()
@@ -280,6 +282,7 @@ fn two_pods_get_exact_counts_by_route_and_rcode_and_exempt_cgroups_none() -> any
             "67%".into(),
             "11%".into(),
             "22%".into(),
+            "0%".into(),
             "8".into(),
             "75%".into(),
             "0%".into()
@@ -444,3 +447,157 @@ fn top_in_terminal(
     anyhow::ensure!(status.success(), "redirector top failed: {stderr}");
     Ok(String::from_utf8_lossy(&printed).into_owned())
 }
+
+/// The flood's limit: queries per second, and the burst after a quiet moment.
+const LIMIT_QPS: u64 = 50;
+/// See [`LIMIT_QPS`].
+const LIMIT_BURST: u64 = 10;
+
+#[test]
+fn a_flooding_pod_is_held_to_its_rate_and_a_quiet_pod_beside_it_loses_nothing() -> anyhow::Result<()>
+{
+    let harness = Harness::start(tools!(), Sandbox::start_standard_servers, |sandbox| {
+        format!(
+            "{}\n[workloads]\ninterval_ms = 1000\nrate_limit_qps = {LIMIT_QPS}\n\
+             rate_limit_burst = {LIMIT_BURST}\nrate_limit_exempt_cgroups = [{:?}]\n",
+            standard_listeners(sandbox),
+            sandbox
+                .cgroup()
+                .path()
+                .join(UNLIMITED)
+                .display()
+                .to_string()
+        )
+    })?;
+    let sandbox = &harness.sandbox;
+    let flooder = sandbox.cgroup().child("flooder")?;
+    let quiet = sandbox.cgroup().child("quiet")?;
+    let unlimited = sandbox.cgroup().child(UNLIMITED)?;
+    let node = Query::new(dns(NODE_LISTENER), Transport::Udp);
+
+    // The flood: one query after the other from fresh sockets, as fast as they are answered or
+    // refused, until the quiet pod is done.
+    let (mut command, _procs) = sandbox.client_command(
+        Ns::Pod,
+        &flooder,
+        &sandbox.tools().dns_query.display().to_string(),
+    )?;
+    command
+        .args(["--server", &node.server.to_string(), "--transport", "udp"])
+        .args(["--count", "60000", "--timeout-ms", "1000"])
+        .stdout(std::process::Stdio::piped());
+    let started = std::time::Instant::now();
+    let mut flood = command.spawn().context("starting the flood")?;
+    // Read as it is printed: a full pipe would stop the flood.
+    let mut stdout = flood.stdout.take().context("the flood's output")?;
+    let printed = std::thread::spawn(move || {
+        let mut printed = String::new();
+        let _ = std::io::Read::read_to_string(&mut stdout, &mut printed);
+        printed
+    });
+    let mut quiet_answers = Vec::new();
+    for _ in 0..40 {
+        quiet_answers.extend(ask(sandbox, &quiet, node, 1)?);
+        std::thread::sleep(Duration::from_millis(25));
+    }
+    bpf_tests::command::kill_pid(flood.id());
+    let _ = flood.wait();
+    let elapsed = started.elapsed();
+    let printed = printed
+        .join()
+        .map_err(|_| anyhow::anyhow!("reading the flood's output panicked"))?;
+    // The last line may be cut off by the kill.
+    let outcomes: Vec<QueryOutcome> = printed
+        .lines()
+        .filter_map(|line| serde_json::from_str(line).ok())
+        .collect();
+
+    // The quiet pod, at 40 queries/s beside the flood, lost nothing.
+    assert!(
+        quiet_answers
+            .iter()
+            .all(|answer| answer.starts_with("cache")),
+        "{quiet_answers:?}"
+    );
+    let calm = counted(&harness, quiet.path())?.context("the quiet pod was counted")?;
+    assert_eq!(
+        (calm.queries[ROUTE_CACHE], calm.queries[ROUTE_LIMITED]),
+        (40, 0),
+        "{calm:?}"
+    );
+
+    // The flood got its burst and its rate, no more; the rest was refused at once, with the
+    // errno resolvers take as "try again".
+    let flood_counts = counted(&harness, flooder.path())?.context("the flood was counted")?;
+    let admitted = flood_counts.queries[ROUTE_CACHE];
+    let refused = flood_counts.queries[ROUTE_LIMITED];
+    let allowed = LIMIT_BURST + (LIMIT_QPS as f64 * elapsed.as_secs_f64()).ceil() as u64 + 1;
+    eprintln!(
+        "the flood: {admitted} admitted, {refused} refused in {elapsed:?} (at most {allowed} allowed)"
+    );
+    assert!(
+        (LIMIT_BURST..=allowed).contains(&admitted) && refused > 10 * admitted,
+        "admitted {admitted} (at most {allowed} in {elapsed:?}), refused {refused}"
+    );
+    let expected_errno = if redirector::sys::kernel_support::KernelSupport::probe(&[])
+        .has(redirector::sys::kernel_support::SET_RETVAL)
+    {
+        ECONNREFUSED
+    } else {
+        EPERM
+    };
+    let errnos: std::collections::BTreeSet<Option<i32>> = outcomes
+        .iter()
+        .filter(|outcome| !outcome.ok)
+        .map(|outcome| outcome.errno)
+        .collect();
+    assert_eq!(
+        errnos,
+        [Some(expected_errno)].into(),
+        "every refused query fails with one errno"
+    );
+    assert!(
+        outcomes.iter().filter(|outcome| outcome.ok).count() as u64 <= admitted,
+        "the flood saw more answers than the kernel admitted"
+    );
+
+    // A cgroup exempt from the limit is counted, never held.
+    let unlimited_id = cgroup_id(unlimited.path())?;
+    harness.wait_until(
+        "the agent exempts the cgroup created after its start from the limit",
+        Duration::from_secs(10),
+        |harness| Ok(harness.maps.exempt_cgroups().contains(&unlimited_id)),
+    )?;
+    let answers = ask(&harness.sandbox, &unlimited, node, 200)?;
+    assert!(
+        answers.iter().all(|answer| answer.starts_with("cache")),
+        "{answers:?}"
+    );
+    let free = counted(&harness, unlimited.path())?.context("the exempt cgroup was counted")?;
+    assert_eq!(
+        (free.queries[ROUTE_CACHE], free.queries[ROUTE_LIMITED]),
+        (200, 0),
+        "{free:?}"
+    );
+
+    // The agent's node totals count the refusals under their own route.
+    harness.wait_until(
+        "the agent's totals count the limited queries",
+        Duration::from_secs(10),
+        |harness| {
+            Ok(harness
+                .agent
+                .stats
+                .workloads()
+                .is_some_and(|view| view.queries_total[ROUTE_LIMITED] == refused))
+        },
+    )?;
+    Ok(())
+}
+
+/// The cgroup the configuration exempts from the rate limit.
+const UNLIMITED: &str = "unlimited";
+/// `ECONNREFUSED`: a query over its workload's rate, where the kernel lets the programs say so.
+const ECONNREFUSED: i32 = 111;
+/// `EPERM`: the same before Linux 6.1.
+const EPERM: i32 = 1;

@@ -167,6 +167,13 @@ pub const GLOBAL_ATOMIC_FETCH: &str = "ATOMIC_FETCH_OK";
 /// (`workloads.accounting`). At 0 the verifier removes the counting as dead code, so the
 /// programs cost what they cost without it.
 pub const GLOBAL_WORKLOADS: &str = "WORKLOADS_ON";
+/// The programs' read-only global (`u64`): the rate limit's interval, 1 s / the rate per
+/// workload in ns (`workloads.rate_limit_qps`); 0 while the limit is off, and the verifier
+/// removes it.
+pub const GLOBAL_RATE_INTERVAL: &str = "RATE_INTERVAL_NS";
+/// The programs' read-only global (`u64`): how far ahead of its schedule a workload may ask,
+/// (burst - 1) x the interval, in ns (`workloads.rate_limit_burst`).
+pub const GLOBAL_RATE_TOLERANCE: &str = "RATE_TOLERANCE_NS";
 
 #[cfg(test)]
 mod tests {

@@ -31,8 +31,10 @@ pub const ROUTE_REFUSED: usize = 2;
 /// (a pod asking kube-dns's Service or a public resolver itself: around the cache), or a listener
 /// left untouched (the `pass` policy with an empty pool).
 pub const ROUTE_DIRECT: usize = 3;
+/// A query the programs refused because its workload was over its rate (`workloads.rate_limit`).
+pub const ROUTE_LIMITED: usize = 4;
 /// Routes a query is counted under.
-pub const ROUTES: usize = 4;
+pub const ROUTES: usize = 5;
 
 /// A reply with rcode 0.
 pub const RCODE_NOERROR: usize = 0;
@@ -72,6 +74,43 @@ pub const fn is_reply(flags_high: u8) -> bool {
 /// `WorkloadCounters::flags`: the cgroup is exempt (the caches, the agent, and the cgroups the
 /// operator lists, with their descendants): the programs count nothing for it.
 pub const WORKLOAD_FLAG_EXEMPT: u32 = 1;
+/// `WorkloadCounters::flags`: the cgroup is counted but never held to the rate limit.
+pub const WORKLOAD_FLAG_UNLIMITED: u32 = 2;
+
+/// `ExemptCgroup::exempt_from`: not counted (nor limited).
+pub const EXEMPT_ACCOUNTING: u32 = 1;
+/// `ExemptCgroup::exempt_from`: counted, never limited.
+pub const EXEMPT_RATE_LIMIT: u32 = 2;
+
+/// The flags a cgroup is entered with, from the `exempt_from` bits of it and its ancestors.
+#[inline(always)]
+#[must_use]
+pub const fn entry_flags(exempt_from: u32) -> u32 {
+    let mut flags = 0;
+    if exempt_from & EXEMPT_ACCOUNTING != 0 {
+        flags |= WORKLOAD_FLAG_EXEMPT;
+    }
+    if exempt_from & EXEMPT_RATE_LIMIT != 0 {
+        flags |= WORKLOAD_FLAG_UNLIMITED;
+    }
+    flags
+}
+
+/// The rate limit's decision for a query at `now_ns` (the generic cell rate algorithm: one
+/// stamp per workload, the time its next query is due): `next_ns` is the workload's stamp,
+/// `interval_ns` the time one query's token takes to come back (1 s / rate), `tolerance_ns` how
+/// far ahead of its due time a query may come ((burst - 1) x interval). Returns the new stamp
+/// when the query is admitted, `None` when it is over the limit (the stamp stays).
+#[inline(always)]
+#[must_use]
+pub const fn admit(now_ns: u64, next_ns: u64, interval_ns: u64, tolerance_ns: u64) -> Option<u64> {
+    let due = if next_ns > now_ns { next_ns } else { now_ns };
+    if due - now_ns > tolerance_ns {
+        None
+    } else {
+        Some(due + interval_ns)
+    }
+}
 
 /// Value of `WORKLOADS`, keyed by cgroup id. Shared by every CPU and changed by atomic adds only
 /// (one entry per cgroup, not one per CPU: a node's thousands of cgroups times its CPUs would be
@@ -83,18 +122,26 @@ pub struct WorkloadCounters {
     pub queries: [u64; ROUTES],
     /// Replies received by rcode class (`RCODE_*`).
     pub replies: [u64; RCODE_CLASSES],
-    /// `WORKLOAD_FLAG_EXEMPT`, or zero.
+    /// `WORKLOAD_FLAG_*` bits, set when the programs enter the cgroup.
     pub flags: u32,
     /// Zero.
     pub _padding: u32,
+    /// The rate limit's stamp (monotonic ns, `admit`): when the workload's next query is due.
+    pub next_ns: u64,
 }
-const _: () = assert!(size_of::<WorkloadCounters>() == 80);
+const _: () = assert!(size_of::<WorkloadCounters>() == 96);
 
 impl WorkloadCounters {
     /// Whether the programs count nothing for this cgroup.
     #[must_use]
     pub const fn is_exempt(&self) -> bool {
         self.flags & WORKLOAD_FLAG_EXEMPT != 0
+    }
+
+    /// Whether the rate limit never holds this cgroup.
+    #[must_use]
+    pub const fn is_unlimited(&self) -> bool {
+        self.flags & WORKLOAD_FLAG_UNLIMITED != 0
     }
 
     /// Every query, whatever its route.
@@ -110,15 +157,15 @@ impl WorkloadCounters {
     }
 }
 
-/// Value of `WORKLOAD_EXEMPT`, keyed by cgroup id: this cgroup and its descendants are not
-/// counted.
+/// Value of `WORKLOAD_EXEMPT`, keyed by cgroup id: what this cgroup and its descendants are
+/// exempt from.
 #[repr(C)]
 #[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
 pub struct ExemptCgroup {
     /// The cgroup's level (root is 0), for the agent's records.
     pub level: u32,
-    /// Zero.
-    pub _padding: u32,
+    /// `EXEMPT_ACCOUNTING` and/or `EXEMPT_RATE_LIMIT`.
+    pub exempt_from: u32,
 }
 const _: () = assert!(size_of::<ExemptCgroup>() == 8);
 
@@ -150,12 +197,39 @@ mod tests {
     }
 
     #[test]
+    fn a_burst_is_admitted_then_one_query_per_interval() {
+        let (interval, burst) = (10, 3);
+        let tolerance = (burst - 1) * interval;
+        let mut next = 0;
+        let mut admitted = 0;
+        // 10 queries at once at t=1000: the burst passes, the rest are held.
+        for _ in 0..10 {
+            if let Some(stamp) = admit(1000, next, interval, tolerance) {
+                next = stamp;
+                admitted += 1;
+            }
+        }
+        assert_eq!(admitted, burst);
+        assert_eq!(admit(1000, next, interval, tolerance), None);
+        // One interval later, one more.
+        assert!(admit(1010, next, interval, tolerance).is_some());
+        // A workload idle for long starts again with a whole burst, not a backlog.
+        assert_eq!(admit(1_000_000, next, interval, tolerance), Some(1_000_010));
+    }
+
+    #[test]
+    fn exemptions_become_entry_flags() {
+        assert_eq!(entry_flags(0), 0);
+        assert_eq!(entry_flags(EXEMPT_ACCOUNTING), WORKLOAD_FLAG_EXEMPT);
+        assert_eq!(entry_flags(EXEMPT_RATE_LIMIT), WORKLOAD_FLAG_UNLIMITED);
+    }
+
+    #[test]
     fn totals_add_every_route_and_class() {
         let counters = WorkloadCounters {
-            queries: [1, 2, 3, 4],
+            queries: [1, 2, 3, 4, 0],
             replies: [5, 6, 7, 8, 9],
-            flags: 0,
-            _padding: 0,
+            ..WorkloadCounters::default()
         };
         assert_eq!(counters.total_queries(), 10);
         assert_eq!(counters.total_replies(), 35);

@@ -58,7 +58,7 @@ const VERDICT_SOCK_ALLOW: i32 = 1;
 fn steering_verdict(result: Result<(), steer::Refused>) -> i32 {
     match result {
         Ok(()) => VERDICT_ALLOW,
-        Err(steer::Refused::EmptyPool) => VERDICT_REJECT,
+        Err(steer::Refused::EmptyPool | steer::Refused::RateLimited) => VERDICT_REJECT,
     }
 }
 

@@ -171,3 +171,13 @@ pub static ATOMIC_FETCH_OK: Global<u8> = Global::new(0);
 /// programs cost what they cost without it.
 #[unsafe(no_mangle)]
 pub static WORKLOADS_ON: Global<u8> = Global::new(0);
+
+/// `names::GLOBAL_RATE_INTERVAL`: the rate limit's interval, 1 s / the rate (ns); 0 while the
+/// limit is off, and the verifier removes it. A read-only global like `WORKLOADS_ON`.
+#[unsafe(no_mangle)]
+pub static RATE_INTERVAL_NS: Global<u64> = Global::new(0);
+
+/// `names::GLOBAL_RATE_TOLERANCE`: how far ahead of its schedule a workload may ask, (burst - 1)
+/// x the interval (ns). A read-only global.
+#[unsafe(no_mangle)]
+pub static RATE_TOLERANCE_NS: Global<u64> = Global::new(0);

@@ -40,7 +40,7 @@ use crate::{
     maps::{LISTENERS, POOLS, STEERED_SOCKS},
     skb,
     steer::{self, count},
-    workloads,
+    workloads::Workload,
 };
 
 /// `AF_INET6`; anything else with a DNS port is IPv4 here.
@@ -80,7 +80,9 @@ pub fn try_check_egress(ctx: &SkBuffContext) -> Egress {
     // target, else the listener it connected to untouched.
     let listener_addr = steered.map_or(peer, |steered| steered.listener);
     let Some(listener) = LISTENERS.get_ptr(listener_addr) else {
-        workloads::count_query_of_skb(ctx, ROUTE_DIRECT);
+        if let Some(workload) = Workload::of_skb(ctx) {
+            workload.count(ROUTE_DIRECT);
+        }
         return Egress::Pass;
     };
     // SAFETY: the agent replaces LISTENERS entries whole.
@@ -128,16 +130,22 @@ pub fn try_check_egress(ctx: &SkBuffContext) -> Egress {
     let counters = counter_index(listener.id, PROTOCOL_UDP);
     match standing(route, on_cache, in_pool, pool_len, grace) {
         Standing::Current => {
+            let Some(workload) = Workload::of_skb(ctx) else {
+                return Egress::Pass;
+            };
+            // A datagram over its workload's rate is dropped: the send fails with EPERM.
+            if workload.over_limit() {
+                return Egress::Refuse;
+            }
             // Where this datagram goes: the cache, the upstream connect steered it to, or the
             // listener's address untouched (the `pass` policy).
-            let to = if on_cache {
+            workload.count(if on_cache {
                 ROUTE_CACHE
             } else if steered.is_some() {
                 ROUTE_UPSTREAM
             } else {
                 ROUTE_DIRECT
-            };
-            workloads::count_query_of_skb(ctx, to);
+            });
             Egress::Pass
         }
         Standing::MoveToCache => {

@@ -28,7 +28,7 @@ use crate::{
         CACHE_ACTIVITY, CACHE_HEALTH, COUNTERS, DATAPATH_CONFIG, LISTENER_MODE, LISTENERS, POOLS,
         REVERSE_NAT, SET_RETVAL_OK, SKIP_CGROUPS, SOCKET_COUNTS, STEERED_SOCKS,
     },
-    workloads,
+    workloads::Workload,
 };
 
 /// `EHOSTUNREACH`: what a client sees when a listener's cache is down and its pool is empty under
@@ -36,10 +36,15 @@ use crate::{
 /// once, instead of waiting out a timeout.
 const EHOSTUNREACH: i32 = 113;
 
+/// `ECONNREFUSED`: what a client over its workload's rate sees (`rate_limited`).
+const ECONNREFUSED: i32 = 111;
+
 /// Why a syscall must fail.
 pub enum Refused {
     /// Upstream wanted, the pool is empty and the listener's policy is `fail`.
     EmptyPool,
+    /// The workload is over its rate.
+    RateLimited,
 }
 
 /// Which syscall the program sees.
@@ -67,12 +72,28 @@ pub fn try_steer(ctx: &SockAddrContext, family: Family, hook: Hook) -> Result<()
     };
     let listener_addr = context::user_addr(ctx, family);
     let Some(listener) = LISTENERS.get_ptr(listener_addr) else {
-        count_workload(hook, protocol, port_be(DNS_PORT), ROUTE_DIRECT);
+        count_workload(
+            Workload::of_task(),
+            hook,
+            protocol,
+            port_be(DNS_PORT),
+            ROUTE_DIRECT,
+        );
         return Ok(());
     };
     // SAFETY: the agent only ever replaces LISTENERS entries whole (a new element under RCU); a
     // stale copy is still a complete configuration.
     let listener = unsafe { context::snapshot(listener) };
+    let workload = Workload::of_task();
+    // A workload over its rate is refused before anything is decided for its query, where its
+    // queries are counted: an unconnected datagram, a TCP connection (a connected UDP socket's
+    // datagrams at egress).
+    if let Some(workload) = workload
+        && (hook == Hook::Sendmsg || protocol == PROTOCOL_TCP)
+        && workload.over_limit()
+    {
+        return rate_limited(ctx, &listener);
+    }
     let counters = counter_index(listener.id, protocol);
     let Some(mut route) = current_route(&listener) else {
         return Ok(());
@@ -87,7 +108,7 @@ pub fn try_steer(ctx: &SockAddrContext, family: Family, hook: Hook) -> Result<()
         // has stopped reading.
         if !activity::cache_stalled(listener.id) {
             count(counters, |c| c.to_cache += 1);
-            count_workload(hook, protocol, port_be(DNS_PORT), ROUTE_CACHE);
+            count_workload(workload, hook, protocol, port_be(DNS_PORT), ROUTE_CACHE);
             return Ok(());
         }
         route = Route::Upstream;
@@ -110,6 +131,7 @@ pub fn try_steer(ctx: &SockAddrContext, family: Family, hook: Hook) -> Result<()
         Route::Cache => {
             count(counters, |c| c.to_cache += 1);
             count_workload(
+                workload,
                 hook,
                 protocol,
                 listener.cache.port_be(protocol),
@@ -122,7 +144,13 @@ pub fn try_steer(ctx: &SockAddrContext, family: Family, hook: Hook) -> Result<()
             match pick_upstream(cookie, listener.id) {
                 Some(target) => {
                     count(counters, |c| c.to_upstream += 1);
-                    count_workload(hook, protocol, target.port_be(protocol), ROUTE_UPSTREAM);
+                    count_workload(
+                        workload,
+                        hook,
+                        protocol,
+                        target.port_be(protocol),
+                        ROUTE_UPSTREAM,
+                    );
                     // Compiled in, but removed by the verifier unless the agent runs with
                     // `kernel_log` (AYA_LOG_LEVEL is a read-only global): no cost otherwise.
                     info!(
@@ -134,7 +162,7 @@ pub fn try_steer(ctx: &SockAddrContext, family: Family, hook: Hook) -> Result<()
                     );
                     (target, Some(cookie))
                 }
-                None => return empty_pool(ctx, &listener, counters, hook, protocol),
+                None => return empty_pool(ctx, &listener, counters, workload, hook, protocol),
             }
         }
     };
@@ -229,6 +257,7 @@ fn empty_pool(
     ctx: &SockAddrContext,
     listener: &ListenerConfig,
     counters: u32,
+    workload: Option<Workload>,
     hook: Hook,
     protocol: u32,
 ) -> Result<(), Refused> {
@@ -241,7 +270,9 @@ fn empty_pool(
     if listener.empty_pool_policy == EMPTY_POOL_FAIL {
         count(counters, |c| c.failed_empty_pool += 1);
         // Counted here whatever the syscall: no datagram follows a refused connect.
-        workloads::count_query_of_task(ROUTE_REFUSED);
+        if let Some(workload) = workload {
+            workload.count(ROUTE_REFUSED);
+        }
         // bpf_set_retval makes the rejected syscall fail with this errno instead of EPERM;
         // sock_addr programs may call it since 6.1 (5.18 added it for sockopt, sysctl and device
         // programs only). Where the agent's probe found it missing, the verifier drops the call
@@ -253,7 +284,7 @@ fn empty_pool(
         Err(Refused::EmptyPool)
     } else {
         count(counters, |c| c.passed_through += 1);
-        count_workload(hook, protocol, port_be(DNS_PORT), ROUTE_DIRECT);
+        count_workload(workload, hook, protocol, port_be(DNS_PORT), ROUTE_DIRECT);
         Ok(())
     }
 }
@@ -354,14 +385,37 @@ pub fn in_skipped_cgroup(listener_id: u32, ancestor: impl Fn(i32) -> u64) -> boo
 /// other than 53 (whose datagrams egress does not look at). A UDP socket connected to port 53 is
 /// counted at egress, datagram by datagram.
 #[inline(always)]
-fn count_workload(hook: Hook, protocol: u32, destination_port_be: u16, route: usize) {
-    if !workloads::enabled() {
-        return;
-    }
-    if hook == Hook::Sendmsg || protocol == PROTOCOL_TCP || destination_port_be != port_be(DNS_PORT)
+fn count_workload(
+    workload: Option<Workload>,
+    hook: Hook,
+    protocol: u32,
+    destination_port_be: u16,
+    route: usize,
+) {
+    if let Some(workload) = workload
+        && (hook == Hook::Sendmsg
+            || protocol == PROTOCOL_TCP
+            || destination_port_be != port_be(DNS_PORT))
     {
-        workloads::count_query_of_task(route);
+        workload.count(route);
     }
+}
+
+/// A query over its workload's rate: refused with `ECONNREFUSED` where the kernel lets the
+/// program say so (6.1), else `EPERM`. Resolvers take either at once as "this server cannot
+/// answer now" (glibc returns EAI_AGAIN, Go a temporary error, c-ares ECONNREFUSED, musl after
+/// its timeout); never `EAGAIN`, on which glibc resends at once and c-ares waits.
+#[inline(always)]
+fn rate_limited(ctx: &SockAddrContext, listener: &ListenerConfig) -> Result<(), Refused> {
+    info!(
+        ctx,
+        "listener {}: a workload over its rate is refused", listener.id
+    );
+    if SET_RETVAL_OK.load() != 0 {
+        // SAFETY: plain helper call (sock_addr programs, 6.1; see `empty_pool`).
+        unsafe { bpf_set_retval(-ECONNREFUSED) };
+    }
+    Err(Refused::RateLimited)
 }
 
 /// Adds to this CPU's counters of a (listener, protocol) row.

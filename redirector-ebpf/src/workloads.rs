@@ -14,21 +14,25 @@
 //! anything else reads the packet's first bytes in place (direct packet access, 4.20 for
 //! `cgroup_skb`) and returns.
 //!
-//! The whole of it is dead code the verifier removes while `WORKLOADS_ON` is 0.
+//! A workload may be held to a rate (`workloads.rate_limit_qps`): where a query is counted, one
+//! over the rate is refused instead (`Workload::over_limit`), before any packet exists.
+//!
+//! The whole of it is dead code the verifier removes while `WORKLOADS_ON` is 0, and the limit
+//! while `RATE_INTERVAL_NS` is 0.
 //!
 //! Kernel features: `bpf_get_current_cgroup_id` and `bpf_get_current_ancestor_cgroup_id` in
 //! sock_addr programs 5.7; `bpf_skb_cgroup_id` 5.3 and `bpf_skb_ancestor_cgroup_id` 4.19 in
 //! `cgroup_skb` programs; `bpf_skb_load_bytes` 4.5; LRU hash maps 4.10; `BPF_ADD` atomics (every
 //! JIT).
 
-use core::ptr::{addr_of, addr_of_mut, read_volatile};
+use core::ptr::{addr_of, addr_of_mut, read_volatile, write_volatile};
 
 use aya_ebpf::{
     EbpfContext as _,
     bindings::BPF_NOEXIST,
     helpers::{
-        bpf_get_current_ancestor_cgroup_id, bpf_get_current_cgroup_id, bpf_skb_ancestor_cgroup_id,
-        bpf_skb_cgroup_id, bpf_skb_load_bytes,
+        bpf_get_current_ancestor_cgroup_id, bpf_get_current_cgroup_id, bpf_ktime_get_ns,
+        bpf_skb_ancestor_cgroup_id, bpf_skb_cgroup_id, bpf_skb_load_bytes,
     },
     programs::SkBuffContext,
 };
@@ -36,12 +40,17 @@ use redirector_common::{
     DNS_PORT,
     counters::{IPPROTO_TCP, IPPROTO_UDP},
     reverse::reply_port_bit,
-    workloads::{MAX_EXEMPT_LEVEL, WORKLOAD_FLAG_EXEMPT, WorkloadCounters, is_reply, rcode_class},
+    workloads::{
+        MAX_EXEMPT_LEVEL, ROUTE_LIMITED, WORKLOAD_FLAG_EXEMPT, WORKLOAD_FLAG_UNLIMITED,
+        WorkloadCounters, admit, entry_flags, is_reply, rcode_class,
+    },
 };
 
 use crate::{
-    atomic::add_u64,
-    maps::{REPLY_PORTS, WORKLOAD_EXEMPT, WORKLOADS, WORKLOADS_ON},
+    atomic::{add_u64, compare_exchange_u64, fetching},
+    maps::{
+        RATE_INTERVAL_NS, RATE_TOLERANCE_NS, REPLY_PORTS, WORKLOAD_EXEMPT, WORKLOADS, WORKLOADS_ON,
+    },
 };
 
 /// `ETH_P_IP` as `__sk_buff.protocol` holds it (network byte order).
@@ -63,32 +72,91 @@ pub fn enabled() -> bool {
     WORKLOADS_ON.load() != 0
 }
 
-/// Counts a query of the calling task's cgroup under `route` (`ROUTE_*`), from a sock_addr
-/// program.
-#[inline(always)]
-pub fn count_query_of_task(route: usize) {
-    if !enabled() {
-        return;
-    }
-    // SAFETY: plain helper calls (sock_addr programs, 5.7); an ancestor above the task's own
-    // level is 0.
-    let cgroup = unsafe { bpf_get_current_cgroup_id() };
-    if let Some(counters) = counters(cgroup, |level| unsafe {
-        bpf_get_current_ancestor_cgroup_id(level)
-    }) {
-        bump_query(counters, route);
-    }
-}
+/// A counted workload's entry in `WORKLOADS`.
+#[derive(Clone, Copy)]
+pub struct Workload(*mut WorkloadCounters);
 
-/// Counts a query of the cgroup of the packet's socket under `route`, from a `cgroup_skb`
-/// program.
-#[inline(always)]
-pub fn count_query_of_skb(ctx: &SkBuffContext, route: usize) {
-    if !enabled() {
-        return;
+impl Workload {
+    /// The calling task's workload, from a sock_addr program: `None` with accounting off, for an
+    /// exempt cgroup, or when the LRU could not make room.
+    #[inline(always)]
+    pub fn of_task() -> Option<Self> {
+        if !enabled() {
+            return None;
+        }
+        // SAFETY: plain helper calls (sock_addr programs, 5.7); an ancestor above the task's own
+        // level is 0.
+        let cgroup = unsafe { bpf_get_current_cgroup_id() };
+        counters(cgroup, |level| unsafe {
+            bpf_get_current_ancestor_cgroup_id(level)
+        })
+        .map(Self)
     }
-    if let Some(counters) = skb_counters(ctx) {
-        bump_query(counters, route);
+
+    /// The workload of the packet's socket, from a `cgroup_skb` program.
+    #[inline(always)]
+    pub fn of_skb(ctx: &SkBuffContext) -> Option<Self> {
+        if !enabled() {
+            return None;
+        }
+        let skb = ctx.as_ptr().cast();
+        // SAFETY: plain helper calls on the context's skb (cgroup_skb programs: 5.3 and 4.19);
+        // an ancestor above the socket's cgroup's level is 0.
+        let cgroup = unsafe { bpf_skb_cgroup_id(skb) };
+        counters(cgroup, |level| unsafe {
+            bpf_skb_ancestor_cgroup_id(skb, level)
+        })
+        .map(Self)
+    }
+
+    /// Counts one query under `route` (`ROUTE_*`).
+    #[inline(always)]
+    pub fn count(self, route: usize) {
+        // SAFETY: an element of WORKLOADS (preallocated), 8-byte aligned, changed by atomic adds
+        // only; every caller passes a `ROUTE_*` constant, below ROUTES.
+        unsafe {
+            let queries = addr_of_mut!((*self.0).queries).cast::<u64>();
+            add_u64(queries.add(route), 1);
+        }
+    }
+
+    /// Whether this query is over the workload's rate (`workloads.rate_limit_qps`): counted as
+    /// limited if so, else it takes its place in the workload's schedule. Always false while the
+    /// limit is off (`RATE_INTERVAL_NS` 0, a constant to the verifier) and for a cgroup the
+    /// operator exempts from it.
+    #[inline(always)]
+    pub fn over_limit(self) -> bool {
+        let interval = RATE_INTERVAL_NS.load();
+        if interval == 0 {
+            return false;
+        }
+        let counters = self.0;
+        // SAFETY: as in `count`; `flags` is written only when the entry is created, `next_ns`
+        // whole, here only.
+        unsafe {
+            if read_volatile(addr_of!((*counters).flags)) & WORKLOAD_FLAG_UNLIMITED != 0 {
+                return false;
+            }
+            let stamp = addr_of_mut!((*counters).next_ns);
+            let next = read_volatile(stamp);
+            let now = bpf_ktime_get_ns();
+            match admit(now, next, interval, RATE_TOLERANCE_NS.load()) {
+                Some(later) => {
+                    // Two CPUs admitting at once: one stamp wins, and the other query passed on
+                    // the same token (at most one a racing CPU).
+                    if fetching() {
+                        compare_exchange_u64(stamp, next, later);
+                    } else {
+                        write_volatile(stamp, later);
+                    }
+                    false
+                }
+                None => {
+                    self.count(ROUTE_LIMITED);
+                    true
+                }
+            }
+        }
     }
 }
 
@@ -120,7 +188,7 @@ pub fn note_reply(ctx: &SkBuffContext) {
     if !is_reply(flags_high) {
         return;
     }
-    if let Some(counters) = skb_counters(ctx) {
+    if let Some(Workload(counters)) = Workload::of_skb(ctx) {
         // SAFETY: an element of WORKLOADS (preallocated), 8-byte aligned; changed by atomic
         // adds only. The index is below RCODE_CLASSES.
         unsafe {
@@ -130,32 +198,10 @@ pub fn note_reply(ctx: &SkBuffContext) {
     }
 }
 
-/// Adds one query under `route`.
-#[inline(always)]
-fn bump_query(counters: *mut WorkloadCounters, route: usize) {
-    // SAFETY: as in `note_reply`; every caller passes a `ROUTE_*` constant, below ROUTES.
-    unsafe {
-        let queries = addr_of_mut!((*counters).queries).cast::<u64>();
-        add_u64(queries.add(route), 1);
-    }
-}
-
-/// The counters of the cgroup of the packet's socket.
-#[inline(always)]
-fn skb_counters(ctx: &SkBuffContext) -> Option<*mut WorkloadCounters> {
-    let skb = ctx.as_ptr().cast();
-    // SAFETY: plain helper calls on the context's skb (cgroup_skb programs: 5.3 and 4.19); an
-    // ancestor above the socket's cgroup's level is 0.
-    let cgroup = unsafe { bpf_skb_cgroup_id(skb) };
-    counters(cgroup, |level| unsafe {
-        bpf_skb_ancestor_cgroup_id(skb, level)
-    })
-}
-
 /// The counters of cgroup `cgroup`, or `None` if it is exempt (or the LRU cannot make room). A
 /// cgroup seen for the first time is looked up in `WORKLOAD_EXEMPT` at each of its levels
-/// (`ancestor(level)`, 0 past its own) and entered with its verdict, so that every later count
-/// of an exempt cgroup costs the one lookup that finds it so.
+/// (`ancestor(level)`, 0 past its own) and entered with what it is exempt from, so that every
+/// later count of an exempt cgroup costs the one lookup that finds it so.
 #[inline(always)]
 fn counters(cgroup: u64, ancestor: impl Fn(i32) -> u64) -> Option<*mut WorkloadCounters> {
     if cgroup == 0 {
@@ -167,11 +213,7 @@ fn counters(cgroup: u64, ancestor: impl Fn(i32) -> u64) -> Option<*mut WorkloadC
         return (flags & WORKLOAD_FLAG_EXEMPT == 0).then_some(counters);
     }
     let fresh = WorkloadCounters {
-        flags: if is_exempt(ancestor) {
-            WORKLOAD_FLAG_EXEMPT
-        } else {
-            0
-        },
+        flags: entry_flags(exempt_from(ancestor)),
         ..WorkloadCounters::default()
     };
     // Another CPU may have entered it meanwhile: its entry stands, and is the one counted.
@@ -182,23 +224,25 @@ fn counters(cgroup: u64, ancestor: impl Fn(i32) -> u64) -> Option<*mut WorkloadC
     WORKLOADS.get_ptr_mut(cgroup)
 }
 
-/// Whether the cgroup, or one of its ancestors, is in `WORKLOAD_EXEMPT`. Walks its levels from
-/// the first below the root down to its own (about five on a Kubernetes node); run once per
-/// cgroup, at its first count.
+/// What the cgroup is exempt from (`EXEMPT_*`): the union of its own and its ancestors' entries
+/// in `WORKLOAD_EXEMPT`. Walks its levels from the first below the root down to its own (about
+/// five on a Kubernetes node); run once per cgroup, at its first count.
 #[inline(always)]
-fn is_exempt(ancestor: impl Fn(i32) -> u64) -> bool {
+fn exempt_from(ancestor: impl Fn(i32) -> u64) -> u32 {
+    let mut exempt = 0;
     let mut level = 1;
     while level <= MAX_EXEMPT_LEVEL {
         let id = ancestor(level);
         if id == 0 {
-            return false;
+            break;
         }
-        if WORKLOAD_EXEMPT.get_ptr(id).is_some() {
-            return true;
+        if let Some(entry) = WORKLOAD_EXEMPT.get_ptr(id) {
+            // SAFETY: entries are written whole by the agent.
+            exempt |= unsafe { (*entry).exempt_from };
         }
         level += 1;
     }
-    false
+    exempt
 }
 
 /// Whether replies come from `port_be` (a target's or a cache's port, `REPLY_PORTS`).

@@ -3,12 +3,15 @@
 
 use std::path::{Path, PathBuf};
 
-use redirector_common::datapath::{MAX_CGROUP_LEVEL, listener_bit};
-use tracing::{info, warn};
+use redirector_common::{
+    datapath::{MAX_CGROUP_LEVEL, listener_bit},
+    workloads::{EXEMPT_ACCOUNTING, EXEMPT_RATE_LIMIT},
+};
+use tracing::{debug, info, warn};
 
 use super::AgentError;
 use crate::{
-    config::Config,
+    config::{Config, WorkloadSettings},
     datapath::{ExemptEntry, SkipEntry},
     sys::cgroup::{self, Cgroup},
 };
@@ -47,8 +50,9 @@ pub(super) fn resolve_skip_cgroups(config: &Config) -> Result<Vec<Vec<Cgroup>>, 
 /// The cgroups whose DNS the programs never count, with their descendants: every skipped cgroup
 /// (the caches' own upstream queries, and the agent's probes when it runs below the attach
 /// cgroup), the agent's own cgroup wherever else it runs (unless that holds the attach cgroup:
-/// exempting it would exempt every workload), and `workloads.exempt_cgroups`, resolved (and so
-/// checked) before anything is loaded.
+/// exempting it would exempt every workload), and `workloads.exempt_cgroups`; with the cgroups
+/// of `workloads.rate_limit_exempt_cgroups`, counted but never limited. Those that exist are
+/// resolved (and so checked) before anything is loaded.
 pub(super) fn exempt_entries(
     config: &Config,
     skips: &[SkipEntry],
@@ -59,29 +63,65 @@ pub(super) fn exempt_entries(
         .map(|skip| ExemptEntry {
             id: skip.id,
             level: skip.level,
+            exempt_from: EXEMPT_ACCOUNTING,
         })
         .collect();
-    let mut add = |cgroup: &Cgroup| {
-        if !entries.iter().any(|entry| entry.id == cgroup.id) {
-            entries.push(ExemptEntry {
-                id: cgroup.id,
-                level: cgroup.level,
-            });
-        }
-    };
     match cgroup::own_cgroup() {
-        Ok(own) if !attach.path.starts_with(&own.path) => add(&own),
+        Ok(own) if !attach.path.starts_with(&own.path) => {
+            add_exempt(&mut entries, &own, EXEMPT_ACCOUNTING);
+        }
         Ok(_) => {}
         Err(error) => {
             warn!(error = %error, "cannot find the agent's own cgroup; its probes are counted as a workload's")
         }
     }
-    for (index, path) in config.workloads.exempt_cgroups.iter().enumerate() {
-        let key = format!("workloads.exempt_cgroups[{index}]");
+    for (list, exempt_from) in exempt_lists(&config.workloads) {
+        for found in existing_cgroups(list.key, list.paths, attach)? {
+            add_exempt(&mut entries, &found, exempt_from);
+        }
+    }
+    Ok(entries)
+}
+
+/// A configured list of exempt cgroups: its key and paths.
+pub(super) struct ExemptList<'a> {
+    pub(super) key: &'static str,
+    pub(super) paths: &'a [PathBuf],
+}
+
+/// The lists of exempt cgroups the configuration gives, with what each exempts from.
+pub(super) fn exempt_lists(settings: &WorkloadSettings) -> [(ExemptList<'_>, u32); 2] {
+    [
+        (
+            ExemptList {
+                key: "workloads.exempt_cgroups",
+                paths: &settings.exempt_cgroups,
+            },
+            EXEMPT_ACCOUNTING,
+        ),
+        (
+            ExemptList {
+                key: "workloads.rate_limit_exempt_cgroups",
+                paths: &settings.rate_limit_exempt_cgroups,
+            },
+            EXEMPT_RATE_LIMIT,
+        ),
+    ]
+}
+
+/// The cgroups of `paths` (the list `key`) that exist now, resolved. One that does not yet (a
+/// service not started) is exempt from the moment it exists: the agent looks again at every
+/// reading of the counts.
+pub(super) fn existing_cgroups(
+    key: &str,
+    paths: &[PathBuf],
+    attach: &Cgroup,
+) -> Result<Vec<Cgroup>, AgentError> {
+    let mut found = Vec::new();
+    for (index, path) in paths.iter().enumerate() {
+        let key = format!("{key}[{index}]");
         if !path.exists() {
-            // A service not started yet: exempt from the moment it exists (the agent looks
-            // again at every reading of the counts).
-            info!(key = %key, cgroup = %path.display(), "an exempt cgroup does not exist yet; it is exempt once it does");
+            debug!(key = %key, cgroup = %path.display(), "an exempt cgroup does not exist yet; it is exempt once it does");
             continue;
         }
         let cgroup = Cgroup::resolve(&key, path)?;
@@ -92,9 +132,33 @@ pub(super) fn exempt_entries(
                 attach: attach.path.clone(),
             });
         }
-        add(&cgroup);
+        found.push(cgroup);
     }
-    Ok(entries)
+    Ok(found)
+}
+
+/// Adds `cgroup`'s exemption `exempt_from` to `entries` (merged into the one it has); whether
+/// that changed anything.
+pub(super) fn add_exempt(
+    entries: &mut Vec<ExemptEntry>,
+    cgroup: &Cgroup,
+    exempt_from: u32,
+) -> bool {
+    match entries.iter_mut().find(|entry| entry.id == cgroup.id) {
+        Some(entry) if entry.exempt_from & exempt_from == exempt_from => false,
+        Some(entry) => {
+            entry.exempt_from |= exempt_from;
+            true
+        }
+        None => {
+            entries.push(ExemptEntry {
+                id: cgroup.id,
+                level: cgroup.level,
+                exempt_from,
+            });
+            true
+        }
+    }
 }
 
 /// The skipped cgroups as the maps hold them: one entry per cgroup with the bits of every

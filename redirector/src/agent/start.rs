@@ -129,6 +129,7 @@ impl Agent {
             let options = LoadOptions {
                 sizes: pins::map_sizes(config),
                 workloads: config.workloads.accounting,
+                rate_limit_ns: config.workloads.rate_limit.map(|limit| limit.schedule_ns()),
                 pin_dir: config.pin_dir.clone(),
                 kernel_log: config.kernel_log,
                 set_retval: kernel.has(kernel_support::SET_RETVAL),
@@ -306,7 +307,17 @@ impl Agent {
         let node_events = kube_client.as_ref().map(|client| {
             telemetry::node_events::NodeEvents::start(client.clone(), &node, Arc::clone(&stats))
         });
-        let workload_readings = read_workloads(config, &stats, exempt, kube_client.clone(), &node);
+        let workload_readings = read_workloads(
+            config,
+            &stats,
+            attach.clone(),
+            exempt,
+            kube_client.clone(),
+            &node,
+            node_events
+                .as_ref()
+                .map(telemetry::node_events::NodeEvents::queue),
+        );
         let (events, sources) = start_sources(config, &ids, kube_client);
         let mut agent = Self {
             datapath,

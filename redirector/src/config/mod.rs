@@ -29,7 +29,7 @@ pub use self::{
         ConntrackSettings, DEFAULT_INTERFACE, DEFAULT_METRICS_ADDRESS, InterfaceKind,
         InterfaceSettings, KubernetesSettings, MetricsSettings,
     },
-    workloads::WorkloadSettings,
+    workloads::{RateLimit, WorkloadSettings},
 };
 use self::{
     listener::{check_static_upstreams, validate_listener},

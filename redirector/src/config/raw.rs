@@ -67,6 +67,10 @@ pub(super) struct RawWorkloads {
     pub(super) interval_ms: Option<u64>,
     #[serde(default)]
     pub(super) exempt_cgroups: Vec<PathBuf>,
+    pub(super) rate_limit_qps: Option<u32>,
+    pub(super) rate_limit_burst: Option<u32>,
+    #[serde(default)]
+    pub(super) rate_limit_exempt_cgroups: Vec<PathBuf>,
 }
 
 #[derive(Deserialize, Default)]

@@ -632,3 +632,66 @@ fn upstream_checks_wait_for_slow_answers_on_their_own_timeout() {
     .unwrap();
     assert_eq!(off.probe.upstream_interval, None);
 }
+
+const ONE_LISTENER: &str = "[[listener]]\nname = \"n\"\naddress = \"169.254.20.10\"\n";
+
+#[test]
+fn counts_per_workload_by_default_and_limits_nothing() {
+    let config = Config::parse(ONE_LISTENER).expect("valid");
+    assert!(config.workloads.accounting);
+    assert_eq!(config.workloads.tracked, 4096);
+    assert_eq!(config.workloads.top, 5);
+    assert_eq!(config.workloads.interval, Duration::from_secs(10));
+    assert_eq!(config.workloads.rate_limit, None);
+}
+
+#[test]
+fn a_rate_limit_bursts_one_seconds_worth_unless_told() {
+    let text = format!("[workloads]\nrate_limit_qps = 200\n{ONE_LISTENER}");
+    let limit = Config::parse(&text).expect("valid").workloads.rate_limit;
+    assert_eq!(
+        limit,
+        Some(RateLimit {
+            qps: 200,
+            burst: 200
+        })
+    );
+    assert_eq!(
+        limit.map(|limit| limit.schedule_ns()),
+        Some((5_000_000, 199 * 5_000_000))
+    );
+    let text = format!("[workloads]\nrate_limit_qps = 10\nrate_limit_burst = 1\n{ONE_LISTENER}");
+    let limit = Config::parse(&text).expect("valid").workloads.rate_limit;
+    assert_eq!(
+        limit.map(|limit| limit.schedule_ns()),
+        Some((100_000_000, 0))
+    );
+}
+
+#[test]
+fn refuses_workload_settings_that_cannot_work_naming_the_key() {
+    for (table, key) in [
+        ("tracked = 10", "workloads.tracked"),
+        ("top = 1000", "workloads.top"),
+        ("interval_ms = 10", "workloads.interval_ms"),
+        ("rate_limit_burst = 10", "workloads.rate_limit_burst"),
+        (
+            "rate_limit_qps = 10\nrate_limit_burst = 0",
+            "workloads.rate_limit_burst",
+        ),
+        (
+            "rate_limit_qps = 10\naccounting = false",
+            "workloads.rate_limit_qps",
+        ),
+        ("rate_limit_qps = 2000000", "workloads.rate_limit_qps"),
+    ] {
+        let message = refusal(&format!("[workloads]\n{table}\n{ONE_LISTENER}"));
+        assert!(message.starts_with(key), "{table}: {message}");
+    }
+    // 0 is no limit, without a burst.
+    let text = format!("[workloads]\nrate_limit_qps = 0\n{ONE_LISTENER}");
+    assert_eq!(
+        Config::parse(&text).expect("valid").workloads.rate_limit,
+        None
+    );
+}

@@ -32,7 +32,33 @@ pub struct WorkloadSettings {
     /// cgroup v2 directories whose DNS, with their descendants', is not counted, besides the
     /// caches' (`listener.skip_cgroups`) and the agent's own.
     pub exempt_cgroups: Vec<PathBuf>,
+    /// The per-workload rate limit, if on.
+    pub rate_limit: Option<RateLimit>,
+    /// cgroup v2 directories counted but never held to the rate limit (with their descendants).
+    pub rate_limit_exempt_cgroups: Vec<PathBuf>,
 }
+
+/// A rate every workload is held to at the syscall.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub struct RateLimit {
+    /// Queries per second, sustained.
+    pub qps: u32,
+    /// Queries at once after a quiet moment.
+    pub burst: u32,
+}
+
+impl RateLimit {
+    /// The programs' schedule: one query's interval (1 s / qps) and how far ahead of it a query
+    /// may come ((burst - 1) intervals), in ns.
+    #[must_use]
+    pub fn schedule_ns(&self) -> (u64, u64) {
+        let interval = 1_000_000_000 / u64::from(self.qps.max(1));
+        (interval, interval * u64::from(self.burst.max(1) - 1))
+    }
+}
+
+/// Most queries per second a limit may allow (a higher one holds nothing back).
+const MAX_RATE: u32 = 1_000_000;
 
 impl Default for WorkloadSettings {
     fn default() -> Self {
@@ -42,6 +68,8 @@ impl Default for WorkloadSettings {
             top: DEFAULT_TOP,
             interval: DEFAULT_INTERVAL,
             exempt_cgroups: Vec::new(),
+            rate_limit: None,
+            rate_limit_exempt_cgroups: Vec::new(),
         }
     }
 }
@@ -100,11 +128,86 @@ pub(super) fn validate_workloads(raw: RawWorkloads) -> Result<WorkloadSettings, 
             ),
         });
     }
+    if raw.rate_limit_exempt_cgroups.len() > room {
+        return Err(ConfigError::BadWorkloads {
+            key: "workloads.rate_limit_exempt_cgroups",
+            problem: format!(
+                "{} cgroups given; at most {room} can be exempt (a parent exempts its \
+                 descendants: list it instead)",
+                raw.rate_limit_exempt_cgroups.len()
+            ),
+        });
+    }
+    let accounting = raw.accounting.unwrap_or(defaults.accounting);
+    let rate_limit = validate_rate_limit(raw.rate_limit_qps, raw.rate_limit_burst, accounting)?;
     Ok(WorkloadSettings {
-        accounting: raw.accounting.unwrap_or(defaults.accounting),
+        accounting,
         tracked,
         top,
         interval,
         exempt_cgroups: raw.exempt_cgroups,
+        rate_limit,
+        rate_limit_exempt_cgroups: raw.rate_limit_exempt_cgroups,
     })
+}
+
+/// The rate limit: off unless `rate_limit_qps` is given and not 0; the burst defaults to one
+/// second's worth.
+fn validate_rate_limit(
+    qps: Option<u32>,
+    burst: Option<u32>,
+    accounting: bool,
+) -> Result<Option<RateLimit>, ConfigError> {
+    let qps = match qps {
+        None | Some(0) => {
+            if burst.is_some() {
+                return Err(ConfigError::BadWorkloads {
+                    key: "workloads.rate_limit_burst",
+                    problem: "a burst without a rate limits nothing; set rate_limit_qps too, \
+                              or remove it"
+                        .to_owned(),
+                });
+            }
+            return Ok(None);
+        }
+        Some(qps) if qps > MAX_RATE => {
+            return Err(ConfigError::BadWorkloads {
+                key: "workloads.rate_limit_qps",
+                problem: format!(
+                    "{qps} is more than any workload sends; give at most {MAX_RATE}, or 0 for no limit"
+                ),
+            });
+        }
+        Some(qps) => qps,
+    };
+    if !accounting {
+        return Err(ConfigError::BadWorkloads {
+            key: "workloads.rate_limit_qps",
+            problem: "the rate limit keeps its schedule in the per-workload counts, which \
+                      workloads.accounting = false turns off; turn accounting on, or remove \
+                      rate_limit_qps"
+                .to_owned(),
+        });
+    }
+    let burst = match burst {
+        Some(0) => {
+            return Err(ConfigError::BadWorkloads {
+                key: "workloads.rate_limit_burst",
+                problem: "0 would refuse every query; give at least 1 (the default is the \
+                          rate: one second's worth)"
+                    .to_owned(),
+            });
+        }
+        Some(burst) if burst > MAX_RATE => {
+            return Err(ConfigError::BadWorkloads {
+                key: "workloads.rate_limit_burst",
+                problem: format!(
+                    "{burst} is more than any workload sends at once; give at most {MAX_RATE}"
+                ),
+            });
+        }
+        Some(burst) => burst,
+        None => qps,
+    };
+    Ok(Some(RateLimit { qps, burst }))
 }

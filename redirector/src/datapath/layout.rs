@@ -160,7 +160,7 @@ pub const RELEASED: [Released; 24] = [
     // start.
     released(names::MAP_CACHE_PENDING, ARRAY, 4, 8, 0, Kind::Config),
     // #42: each workload's DNS, by cgroup id (an LRU, sized by `workloads.tracked`).
-    released(names::MAP_WORKLOADS, LRU_HASH, 8, 80, 0, Kind::Kept),
+    released(names::MAP_WORKLOADS, LRU_HASH, 8, 96, 0, Kind::Kept),
     // #42: the cgroups whose DNS is not counted, written whole at every start.
     released(names::MAP_WORKLOAD_EXEMPT, HASH, 8, 8, 0, Kind::Config),
 ];

@@ -169,6 +169,10 @@ pub struct LoadOptions {
     /// The programs count DNS per workload (`workloads.accounting`); without it the read-only
     /// switch stays 0 and the verifier removes the counting.
     pub workloads: bool,
+    /// The rate limit's schedule, one query's interval and the tolerance ahead of it in ns
+    /// (`workloads.rate_limit_qps`); `None`: the read-only switch stays 0 and the verifier
+    /// removes the limit.
+    pub rate_limit_ns: Option<(u64, u64)>,
     /// Where the maps and links are pinned.
     pub pin_dir: PathBuf,
     /// The programs' aya-log statements are live (`AYA_LOG_LEVEL` at debug); without it the
@@ -217,6 +221,9 @@ impl Datapath {
         loader.map_max_entries(names::MAP_WORKLOADS, options.sizes.workloads);
         let workloads = u8::from(options.workloads);
         loader.override_global(names::GLOBAL_WORKLOADS, &workloads, true);
+        let (interval_ns, tolerance_ns) = options.rate_limit_ns.unwrap_or((0, 0));
+        loader.override_global(names::GLOBAL_RATE_INTERVAL, &interval_ns, true);
+        loader.override_global(names::GLOBAL_RATE_TOLERANCE, &tolerance_ns, true);
         loader.override_global(aya_log::LEVEL, &log_level, true);
         let set_retval = u8::from(options.set_retval);
         loader.override_global(names::GLOBAL_SET_RETVAL, &set_retval, true);

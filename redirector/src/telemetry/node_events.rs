@@ -1,8 +1,9 @@
 //! Kubernetes Events on this node's Node object when a listener's route changes: `DNSFailover`
 //! (Warning) when its DNS leaves the cache, `DNSFailback` (Normal) when it returns; and
 //! `DNSUpstreamsRefused` (Warning) when a source offers upstreams that cannot be used at all (an
-//! EndpointSlice without a DNS port), so that `kubectl describe node` and event-based alerting
-//! see what the metrics see.
+//! EndpointSlice without a DNS port); and `DNSRateLimited` (Warning) when the rate limit first
+//! holds a workload back, so that `kubectl describe node` and event-based alerting see what the
+//! metrics see.
 //!
 //! Published off the control loop, by one task fed through a bounded queue: an API server that
 //! is slow or down never delays a probe or a pool write, and a change that finds the queue full
@@ -43,10 +44,27 @@ pub const FAILBACK: &str = "DNSFailback";
 /// Reason of an Event for upstreams a source offered and redirector refused wholesale (an
 /// EndpointSlice without a usable DNS port).
 pub const UPSTREAMS_REFUSED: &str = "DNSUpstreamsRefused";
+/// Reason of an Event for a workload the rate limit held back for the first time.
+pub const RATE_LIMITED: &str = "DNSRateLimited";
 /// Changes waiting for the API server before new ones are dropped.
 const QUEUE: usize = 64;
 /// The recorder key (and reporting instance suffix) of Events about pools, not listeners.
 const POOLS: &str = "pools";
+/// The recorder key of Events about workloads.
+const WORKLOADS: &str = "workloads";
+
+/// A workload the rate limit held back for the first time since the agent started.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Limited {
+    /// Its name (`pod/NAMESPACE/NAME`, `pod/UID`, `unit/NAME`, a path).
+    pub workload: String,
+    /// The limit: queries per second.
+    pub qps: u32,
+    /// The limit's burst.
+    pub burst: u32,
+    /// Its queries refused per second over the window the agent saw it in.
+    pub refused_per_second: f64,
+}
 
 /// What a source offered that redirector refused as a whole.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -60,10 +78,11 @@ pub struct Refusal {
 }
 
 /// What one Event on the Node reports.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 enum NodeEvent {
     Route(RouteChange),
     Refused(Refusal),
+    Limited(Limited),
 }
 
 /// One listener's change of route, as the control loop saw it.
@@ -113,9 +132,28 @@ impl NodeEvents {
         }
     }
 
+    /// A handle that queues Events from another task.
+    #[must_use]
+    pub fn queue(&self) -> EventQueue {
+        EventQueue(self.queue.clone())
+    }
+
     /// Stops publishing (what is queued is dropped).
     pub fn stop(&self) {
         self.task.abort();
+    }
+}
+
+/// Queues Events from a task other than the control loop's.
+#[derive(Clone, Debug)]
+pub struct EventQueue(mpsc::Sender<NodeEvent>);
+
+impl EventQueue {
+    /// Queues an Event for `limited`; drops it when the queue is full.
+    pub fn limited(&self, limited: Limited) {
+        if let Err(error) = self.0.try_send(NodeEvent::Limited(limited)) {
+            warn!(error = %error, "the API server is behind: an Event about a rate-limited workload is dropped");
+        }
     }
 }
 
@@ -186,6 +224,23 @@ pub fn refusal_event(refusal: &Refusal) -> Event {
     }
 }
 
+/// The Event for `limited`.
+#[must_use]
+pub fn limited_event(limited: &Limited) -> Event {
+    Event {
+        type_: EventType::Warning,
+        reason: RATE_LIMITED.to_owned(),
+        note: Some(format!(
+            "{} asks for DNS faster than {} queries/s (burst {}): {:.0} queries/s over it are \
+             refused at the syscall (ECONNREFUSED, or EPERM before Linux 6.1), which resolvers \
+             take as \"try again\"; `redirector top --sort limited` on this node shows it",
+            limited.workload, limited.qps, limited.burst, limited.refused_per_second
+        )),
+        action: "LimitDNS".to_owned(),
+        secondary: None,
+    }
+}
+
 /// Who reports the Events of `listener` on `node`.
 fn reporter(node: &str, listener: &str) -> Reporter {
     Reporter {
@@ -206,6 +261,7 @@ async fn publish(
         let (about, event) = match &change {
             NodeEvent::Route(change) => (change.listener.as_str(), event_for(change)),
             NodeEvent::Refused(refusal) => (POOLS, refusal_event(refusal)),
+            NodeEvent::Limited(limited) => (WORKLOADS, limited_event(limited)),
         };
         let recorder = recorders
             .entry(about.to_owned())
@@ -241,6 +297,26 @@ mod tests {
             Some(
                 "kubernetes offered EndpointSlice kube-dns-abcde, refused (no DNS port): none of its endpoints is in an upstream pool"
             )
+        );
+    }
+
+    #[test]
+    fn a_limited_workload_is_a_warning_naming_it_and_the_limit() {
+        let event = limited_event(&Limited {
+            workload: "pod/default/crawler-0".to_owned(),
+            qps: 200,
+            burst: 400,
+            refused_per_second: 1234.4,
+        });
+        assert_eq!(event.type_, EventType::Warning);
+        assert_eq!(event.reason, RATE_LIMITED);
+        let note = event.note.expect("a note");
+        assert!(
+            note.starts_with(
+                "pod/default/crawler-0 asks for DNS faster than 200 queries/s (burst 400): 1234 \
+                 queries/s over it are refused"
+            ),
+            "{note}"
         );
     }
 

@@ -504,7 +504,7 @@ fn render_workloads(text: &mut String, workloads: &WorkloadsState) {
     let mut header = vec!["WORKLOAD".to_owned(), "QUERIES".to_owned()];
     header.extend(ROUTE_LABELS.iter().map(|route| route.to_uppercase()));
     header.extend(["REPLIES", "NXDOMAIN", "SERVFAIL"].map(str::to_owned));
-    let mut rows: Vec<[String; 9]> = vec![header.try_into().unwrap_or_default()];
+    let mut rows: Vec<[String; 10]> = vec![header.try_into().unwrap_or_default()];
     for workload in &workloads.busiest {
         let total = workload.total_queries();
         let mut row = vec![workload.workload.clone(), total.to_string()];
@@ -610,7 +610,7 @@ mod tests {
                     namespace: "default".to_owned(),
                     pod: "web-0".to_owned(),
                     cgroups: 2,
-                    queries: [60, 30, 0, 10],
+                    queries: [60, 30, 0, 5, 5],
                     replies: [70, 20, 0, 0, 10],
                 }],
             },
@@ -720,8 +720,8 @@ mod tests {
         assert_eq!(
             header.split_whitespace().collect::<Vec<_>>(),
             [
-                "WORKLOAD", "QUERIES", "CACHE", "UPSTREAM", "REFUSED", "DIRECT", "REPLIES",
-                "NXDOMAIN", "SERVFAIL"
+                "WORKLOAD", "QUERIES", "CACHE", "UPSTREAM", "REFUSED", "DIRECT", "LIMITED",
+                "REPLIES", "NXDOMAIN", "SERVFAIL"
             ]
         );
         let row = text
@@ -736,7 +736,8 @@ mod tests {
                 "60%",
                 "30%",
                 "0%",
-                "10%",
+                "5%",
+                "5%",
                 "100",
                 "20%",
                 "0%"

@@ -4,7 +4,7 @@
 use std::{collections::HashMap, fmt::Write as _, time::Duration};
 
 use redirector_common::workloads::{
-    RCODE_NXDOMAIN, RCODE_SERVFAIL, ROUTE_DIRECT, ROUTE_REFUSED, ROUTE_UPSTREAM,
+    RCODE_NXDOMAIN, RCODE_SERVFAIL, ROUTE_DIRECT, ROUTE_LIMITED, ROUTE_REFUSED, ROUTE_UPSTREAM,
 };
 use serde::Serialize;
 
@@ -19,8 +19,10 @@ pub enum SortKey {
     Upstream,
     /// Queries per second to servers that are no listener.
     Direct,
-    /// Queries per second refused.
+    /// Queries per second refused (the `fail` policy with an empty pool).
     Refused,
+    /// Queries per second refused over the workload's rate.
+    Limited,
     /// NXDOMAIN replies per second.
     Nxdomain,
     /// SERVFAIL replies per second.
@@ -34,6 +36,7 @@ impl SortKey {
             Self::Upstream => rate.queries[ROUTE_UPSTREAM],
             Self::Direct => rate.queries[ROUTE_DIRECT],
             Self::Refused => rate.queries[ROUTE_REFUSED],
+            Self::Limited => rate.queries[ROUTE_LIMITED],
             Self::Nxdomain => rate.replies[RCODE_NXDOMAIN],
             Self::Servfail => rate.replies[RCODE_SERVFAIL],
         }
@@ -280,6 +283,7 @@ mod tests {
                 "100.0",
                 "50%",
                 "50%",
+                "0%",
                 "0%",
                 "0%",
                 "80%",

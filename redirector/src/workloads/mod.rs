@@ -19,7 +19,7 @@ use std::{
 
 use redirector_common::workloads::{
     RCODE_CLASSES, RCODE_NOERROR, RCODE_NXDOMAIN, RCODE_OTHER, RCODE_REFUSED, RCODE_SERVFAIL,
-    ROUTE_CACHE, ROUTE_DIRECT, ROUTE_REFUSED, ROUTE_UPSTREAM, ROUTES,
+    ROUTE_CACHE, ROUTE_DIRECT, ROUTE_LIMITED, ROUTE_REFUSED, ROUTE_UPSTREAM, ROUTES,
 };
 
 use tracing::warn;
@@ -219,6 +219,7 @@ pub const ROUTE_LABELS: [&str; ROUTES] = {
     labels[ROUTE_UPSTREAM] = "upstream";
     labels[ROUTE_REFUSED] = "refused";
     labels[ROUTE_DIRECT] = "direct";
+    labels[ROUTE_LIMITED] = "limited";
     labels
 };
 

@@ -240,7 +240,7 @@ mod tests {
     fn a_pods_containers_are_one_workload() {
         let rate = |cgroup, queries| WorkloadRate {
             cgroup,
-            queries: [queries, 0.0, 0.0, 0.0],
+            queries: [queries, 0.0, 0.0, 0.0, 0.0],
             replies: [0.0; RCODE_CLASSES],
         };
         let (merged, names) = by_workload(
@@ -270,7 +270,7 @@ mod tests {
         let rates: Vec<WorkloadRate> = (1..=1000_u64)
             .map(|cgroup| WorkloadRate {
                 cgroup,
-                queries: [cgroup as f64, 0.0, 0.0, 0.0],
+                queries: [cgroup as f64, 0.0, 0.0, 0.0, 0.0],
                 replies: [0.0, 1.0, 0.0, 0.0, 0.0],
             })
             .collect();
@@ -283,7 +283,7 @@ mod tests {
         let few = super::top(
             vec![WorkloadRate {
                 cgroup: 1,
-                queries: [1.0, 0.0, 0.0, 0.0],
+                queries: [1.0, 0.0, 0.0, 0.0, 0.0],
                 replies: [0.0; RCODE_CLASSES],
             }],
             5,

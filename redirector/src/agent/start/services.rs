@@ -4,17 +4,19 @@
 
 use std::{net::SocketAddr, path::Path, sync::Arc};
 
+use redirector_common::workloads::ROUTE_LIMITED;
 use tokio::task::JoinHandle;
 use tracing::{info, warn};
 
 use crate::{
-    agent::AgentError,
-    config::Config,
+    agent::{AgentError, environment},
+    config::{Config, RateLimit, WorkloadSettings},
     conntrack_bypass::{self, BypassStatus, ConntrackBypass, nft::Nft, ruleset::Ruleset},
     datapath::{ExemptEntry, Maps},
     sys::netns::NetnsWorker,
     telemetry::{
         self,
+        node_events::{EventQueue, Limited},
         stats::{AgentStats, ErrorKind},
     },
     workloads::{self, rates::Rates},
@@ -145,13 +147,16 @@ pub(super) fn forward_kernel_log(
 pub(super) fn read_workloads(
     config: &Config,
     stats: &Arc<AgentStats>,
+    attach: crate::sys::cgroup::Cgroup,
     mut exempt: Vec<ExemptEntry>,
     kube_client: Option<kube::Client>,
     node: &str,
+    events: Option<EventQueue>,
 ) -> Option<JoinHandle<()>> {
     if !config.workloads.accounting {
         return None;
     }
+    let mut limited = LimitedWorkloads::new(config.workloads.rate_limit, events);
     let settings = config.workloads.clone();
     let pin_dir = config.pin_dir.clone();
     let stats = Arc::clone(stats);
@@ -185,9 +190,7 @@ pub(super) fn read_workloads(
                     continue;
                 }
             };
-            if let Err(error) =
-                exempt_new_cgroups(&mut opened, &settings.exempt_cgroups, &mut exempt)
-            {
+            if let Err(error) = exempt_new_cgroups(&mut opened, &settings, &attach, &mut exempt) {
                 warn!(error = %crate::error_chain(&error), "cannot exempt a cgroup created since the start");
             }
             match opened.workload_counts() {
@@ -198,6 +201,7 @@ pub(super) fn read_workloads(
                     let (read, names) = workloads::rates::by_workload(read, |cgroup| {
                         workloads::name_of(names.as_mut(), cgroup)
                     });
+                    limited.report(&read, &names);
                     let top = workloads::rates::top(read, settings.top);
                     stats.record_workloads(workloads::View {
                         top,
@@ -219,6 +223,57 @@ pub(super) fn read_workloads(
             maps = Some(opened);
         }
     }))
+}
+
+/// The workloads the rate limit has held back since the agent started: each is told once, in
+/// the log and as an Event on the Node.
+struct LimitedWorkloads {
+    limit: Option<RateLimit>,
+    events: Option<EventQueue>,
+    told: std::collections::HashSet<String>,
+}
+
+impl LimitedWorkloads {
+    fn new(limit: Option<RateLimit>, events: Option<EventQueue>) -> Self {
+        Self {
+            limit,
+            events,
+            told: std::collections::HashSet::new(),
+        }
+    }
+
+    /// Tells each workload of `rates` (named by `names`) held back for the first time.
+    fn report(
+        &mut self,
+        rates: &[workloads::rates::WorkloadRate],
+        names: &std::collections::HashMap<u64, workloads::Name>,
+    ) {
+        let Some(limit) = self.limit else {
+            return;
+        };
+        for rate in rates {
+            let refused = rate.queries[ROUTE_LIMITED];
+            if refused <= 0.0 {
+                continue;
+            }
+            let Some(name) = names.get(&rate.cgroup) else {
+                continue;
+            };
+            // Bounded by the workloads the kernel tracks that were ever limited.
+            if !self.told.insert(name.workload.clone()) {
+                continue;
+            }
+            warn!(workload = %name.workload, qps = limit.qps, burst = limit.burst, refused_per_second = refused, "a workload asks for DNS faster than the rate limit: its queries over it are refused");
+            if let Some(events) = &self.events {
+                events.limited(Limited {
+                    workload: name.workload.clone(),
+                    qps: limit.qps,
+                    burst: limit.burst,
+                    refused_per_second: refused,
+                });
+            }
+        }
+    }
 }
 
 /// What names the workloads: their cgroups' paths (walked again at most once an `interval` for
@@ -248,28 +303,22 @@ fn workload_names(
     }
 }
 
-/// Adds each cgroup of `listed` that exists now and is not in `exempt` yet, and writes the set.
+/// Adds each listed exempt cgroup that exists now and was not exempt yet (a service started
+/// since), and writes the set.
 fn exempt_new_cgroups(
     maps: &mut Maps,
-    listed: &[std::path::PathBuf],
+    settings: &WorkloadSettings,
+    attach: &crate::sys::cgroup::Cgroup,
     exempt: &mut Vec<ExemptEntry>,
 ) -> Result<(), AgentError> {
     let mut added = false;
-    for (index, path) in listed.iter().enumerate() {
-        if !path.exists() {
-            continue;
+    for (list, exempt_from) in environment::exempt_lists(settings) {
+        for cgroup in environment::existing_cgroups(list.key, list.paths, attach)? {
+            if environment::add_exempt(exempt, &cgroup, exempt_from) {
+                info!(cgroup = %cgroup.path.display(), list = list.key, "an exempt cgroup exists now; it is exempt from here on");
+                added = true;
+            }
         }
-        let key = format!("workloads.exempt_cgroups[{index}]");
-        let cgroup = crate::sys::cgroup::Cgroup::resolve(&key, path)?;
-        if exempt.iter().any(|entry| entry.id == cgroup.id) {
-            continue;
-        }
-        info!(cgroup = %cgroup.path.display(), "an exempt cgroup exists now; its DNS is not counted from here on");
-        exempt.push(ExemptEntry {
-            id: cgroup.id,
-            level: cgroup.level,
-        });
-        added = true;
     }
     if added {
         maps.set_exempt_cgroups(exempt)?;

@@ -16,13 +16,18 @@ pub struct ExemptEntry {
     pub id: u64,
     /// cgroup level.
     pub level: u32,
+    /// What it is exempt from: `EXEMPT_ACCOUNTING` (nothing counted) and/or `EXEMPT_RATE_LIMIT`
+    /// (counted, never limited).
+    pub exempt_from: u32,
 }
 
 impl Maps {
     /// Replaces the exempt cgroups (removing those no longer wanted), then forgets every cgroup
-    /// the programs entered as exempt, so that each is judged again against this set at its next
-    /// count (a cgroup entered as counted keeps its counts: one that is exempt now is removed
-    /// by [`Maps::forget_workloads`] when the caller names it).
+    /// the programs entered with an exemption and every cgroup of the set, so that each is
+    /// judged again against this set at its next count (a cgroup entered without one and not in
+    /// the set keeps its counts; a descendant of a newly exempt cgroup is judged again when the
+    /// LRU evicts it, or at the agent's next start, which forgets it too if the caller names
+    /// it).
     pub fn set_exempt_cgroups(&mut self, exempt: &[ExemptEntry]) -> Result<(), DatapathError> {
         for entry in exempt {
             self.workload_exempt
@@ -30,7 +35,7 @@ impl Maps {
                     entry.id,
                     ExemptCgroup {
                         level: entry.level,
-                        _padding: 0,
+                        exempt_from: entry.exempt_from,
                     },
                     0,
                 )
@@ -52,7 +57,7 @@ impl Maps {
             .iter()
             .filter_map(Result::ok)
             .filter(|(id, counters)| {
-                counters.is_exempt() || exempt.iter().any(|entry| entry.id == *id)
+                counters.flags != 0 || exempt.iter().any(|entry| entry.id == *id)
             })
             .map(|(id, _)| id)
             .collect();

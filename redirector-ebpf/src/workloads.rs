@@ -84,11 +84,11 @@ impl Workload {
         if !enabled() {
             return None;
         }
-        // SAFETY: plain helper calls (sock_addr programs, 5.7); an ancestor above the task's own
-        // level is 0.
+        // SAFETY: plain helper call (sock_addr programs, 5.7).
         let cgroup = unsafe { bpf_get_current_cgroup_id() };
-        counters(cgroup, |level| unsafe {
-            bpf_get_current_ancestor_cgroup_id(level)
+        counters(cgroup, |level| {
+            // SAFETY: plain helper call (sock_addr programs, 5.7); 0 above the task's level.
+            unsafe { bpf_get_current_ancestor_cgroup_id(level) }
         })
         .map(Self)
     }
@@ -100,11 +100,12 @@ impl Workload {
             return None;
         }
         let skb = ctx.as_ptr().cast();
-        // SAFETY: plain helper calls on the context's skb (cgroup_skb programs: 5.3 and 4.19);
-        // an ancestor above the socket's cgroup's level is 0.
+        // SAFETY: plain helper call on the context's skb (cgroup_skb programs, 5.3).
         let cgroup = unsafe { bpf_skb_cgroup_id(skb) };
-        counters(cgroup, |level| unsafe {
-            bpf_skb_ancestor_cgroup_id(skb, level)
+        counters(cgroup, |level| {
+            // SAFETY: plain helper call on the context's skb (cgroup_skb programs, 4.19); 0
+            // above the socket's cgroup's level.
+            unsafe { bpf_skb_ancestor_cgroup_id(skb, level) }
         })
         .map(Self)
     }

@@ -52,6 +52,41 @@ impl Accounting {
     }
 }
 
+/// One attached program's size as the kernel holds it (`bpftool prog show`'s `xlated` and
+/// `jited`): what the verifier left of it, and the machine code of that.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct ProgramSize {
+    /// The program's name (`redirector_common::names`).
+    pub program: &'static str,
+    /// Bytes of translated instructions (8 each).
+    pub translated_bytes: u32,
+    /// Bytes of JIT-compiled code.
+    pub jited_bytes: u32,
+}
+
+/// The size of every program redirector attached from `pin_dir`, in `ALL_PROGRAMS` order.
+pub fn sizes(pin_dir: &Path) -> anyhow::Result<Vec<ProgramSize>> {
+    let loaded: Vec<aya::programs::ProgramInfo> = aya::programs::loaded_programs()
+        .collect::<Result<_, _>>()
+        .context("listing the loaded programs")?;
+    let mut sizes: Vec<ProgramSize> = Vec::new();
+    for (program, id) in redirector::datapath::pinned_program_ids(pin_dir) {
+        if sizes.iter().any(|size| size.program == program) {
+            continue;
+        }
+        let info = loaded
+            .iter()
+            .find(|info| info.id() == id)
+            .with_context(|| format!("program {program} (id {id}) is not loaded"))?;
+        sizes.push(ProgramSize {
+            program,
+            translated_bytes: info.size_translated().unwrap_or_default(),
+            jited_bytes: info.size_jitted(),
+        });
+    }
+    Ok(sizes)
+}
+
 /// One program's accumulated runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub struct Runs {

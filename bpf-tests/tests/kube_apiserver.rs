@@ -1,8 +1,9 @@
 //! The agent against a real kube-apiserver and etcd (`bpf-tests/go/kube`) with RBAC on: the
 //! shipped `deploy/kubernetes` manifests applied with kubectl (`overlays/kube-system`: the
-//! ServiceAccount, the EndpointSlice Role and RoleBinding, the node-events Role and RoleBinding),
-//! and the agent on a token of that ServiceAccount. Every request it makes is audited: it uses
-//! exactly the verbs the Roles grant, and a verb taken away is reported, not retried silently.
+//! ServiceAccount, the EndpointSlice Role and RoleBinding, the pods ClusterRole and
+//! ClusterRoleBinding, the node-events Role and RoleBinding), and the agent on a token of that
+//! ServiceAccount. Every request it makes is audited: it uses exactly the verbs the Roles and the
+//! ClusterRole grant, and a verb taken away is reported, not retried silently.
 //! The fake API server (`kubernetes.rs`) keeps the faults a real one cannot be made to produce.
 
 use std::{collections::BTreeSet, net::IpAddr, time::Duration};
@@ -78,12 +79,17 @@ fn config_text(sandbox: &Sandbox, kube: &KubeApiserver) -> anyhow::Result<String
     Ok(kube_dns_config(sandbox, &kubeconfig, false))
 }
 
-/// What the shipped Roles grant: (verb, API group, resource, namespace).
+/// What the shipped Roles and ClusterRole grant: (verb, API group, resource, namespace). The
+/// ClusterRole's pods are every namespace's: the agent lists and watches them across all
+/// namespaces (its node's, by field selector), which the audit log writes with no namespace.
 fn granted() -> BTreeSet<(&'static str, &'static str, &'static str, &'static str)> {
     [
         ("get", "discovery.k8s.io", "endpointslices", "kube-system"),
         ("list", "discovery.k8s.io", "endpointslices", "kube-system"),
         ("watch", "discovery.k8s.io", "endpointslices", "kube-system"),
+        ("get", "", "pods", ""),
+        ("list", "", "pods", ""),
+        ("watch", "", "pods", ""),
         ("create", "events.k8s.io", "events", "default"),
         ("patch", "events.k8s.io", "events", "default"),
     ]
@@ -91,8 +97,8 @@ fn granted() -> BTreeSet<(&'static str, &'static str, &'static str, &'static str
     .collect()
 }
 
-/// Asserts that the agent made requests, every one of them one the Roles grant, and that none
-/// was refused.
+/// Asserts that the agent made requests, every one of them one the Roles and the ClusterRole
+/// grant, and that none was refused.
 fn assert_only_granted(requests: &[AuditedRequest]) {
     assert!(
         !requests.is_empty(),
@@ -111,7 +117,7 @@ fn assert_only_granted(requests: &[AuditedRequest]) {
                 object.resource.as_str(),
                 object.namespace.as_str()
             )),
-            "the agent asked for what the Roles do not grant: {request:?}"
+            "the agent asked for what the Roles and the ClusterRole do not grant: {request:?}"
         );
         assert_ne!(
             request.status.as_ref().map(|status| status.code),
@@ -141,7 +147,7 @@ fn verbs(requests: &[AuditedRequest]) -> BTreeSet<(String, String)> {
 /// With the shipped RBAC only: the pool follows kube-dns's slice through an endpoint added, a
 /// port change and the slice's deletion; the API server restarts (the watch is cut) and the pool
 /// comes back true, following a change made once it is back; a failover and a failback are
-/// Events on the Node. Every request the agent made is one the Roles grant.
+/// Events on the Node. Every request the agent made is one the Roles and the ClusterRole grant.
 #[test]
 fn the_agent_follows_a_real_api_server_on_exactly_the_shipped_rbac() -> anyhow::Result<()> {
     let mut sandbox = Sandbox::new(tools!())?;

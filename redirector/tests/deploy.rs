@@ -1402,7 +1402,7 @@ fn promtool(args: &[&str]) -> String {
 #[test]
 fn the_alert_rules_are_valid_and_fire_as_their_tests_say() {
     let checked = promtool(&["check", "rules", "redirector.rules.yml"]);
-    assert!(checked.contains("SUCCESS: 14 rules found"), "{checked}");
+    assert!(checked.contains("SUCCESS: 16 rules found"), "{checked}");
     promtool(&["test", "rules", "redirector.rules.test.yml"]);
     // Every alert has a unit test, and every metric an alert reads is one the agent serves.
     let rules = read("deploy/prometheus/redirector.rules.yml");
@@ -1426,6 +1426,8 @@ fn the_alert_rules_are_valid_and_fire_as_their_tests_say() {
         "redirector_pool_backends",
         "redirector_conntrack_bypass_active",
         "redirector_ready",
+        "redirector_workload_reply_rate",
+        "redirector_workload_queries_total",
     ] {
         assert!(rules.contains(metric), "{metric}");
         let family = metric.trim_end_matches("_total");
@@ -1816,9 +1818,17 @@ fn each_cache_drain_example_drains_every_listener_its_configuration_gives_the_ca
     }
 }
 
+/// The setting of a line that shows one commented out (`# key = value`).
+fn commented_setting(line: &str) -> Option<&str> {
+    let setting = line.strip_prefix("# ")?;
+    let (key, _) = setting.split_once(" = ")?;
+    (!key.contains(' ')).then_some(setting)
+}
+
 /// The sample in docs/configuration.md: a copy starts under the shipped unit. It parses; every
-/// setting shown commented out parses when uncommented; the sections show their defaults; and
-/// what it needs (no `cache_netns`: CAP_SYS_ADMIN) is in the unit's bounding set.
+/// setting shown commented out parses when uncommented (with the commented settings right above
+/// it, which it needs: `rate_limit_burst` under `rate_limit_qps`); the sections show their
+/// defaults; and what it needs (no `cache_netns`: CAP_SYS_ADMIN) is in the unit's bounding set.
 #[test]
 fn the_documented_sample_configuration_starts_under_the_unit() {
     let page = read("docs/configuration.md");
@@ -1851,17 +1861,18 @@ fn the_documented_sample_configuration_starts_under_the_unit() {
     let lines: Vec<&str> = sample.lines().collect();
     let mut commented = 0;
     for (index, line) in lines.iter().enumerate() {
-        let Some(setting) = line.strip_prefix("# ") else {
+        let Some(setting) = commented_setting(line) else {
             continue;
         };
-        let Some((key, _)) = setting.split_once(" = ") else {
-            continue;
-        };
-        if key.contains(' ') {
-            continue;
-        }
+        let key = setting.split_once(" = ").map_or(setting, |(key, _)| key);
         let mut uncommented = lines.clone();
         uncommented[index] = setting;
+        for above in (0..index).rev() {
+            let Some(needed) = commented_setting(lines[above]) else {
+                break;
+            };
+            uncommented[above] = needed;
+        }
         let text = uncommented.join("\n");
         if key == "cache_netns" {
             // Entering a namespace needs CAP_SYS_ADMIN: the line says so.

@@ -24,8 +24,15 @@ use redirector::{
         snapshot::{ListenerSnapshot, reason_label},
         stats::{AgentStats, ErrorKind, Transition},
     },
+    workloads::rates::WorkloadRate,
 };
-use redirector_common::listener::{Reason, Route};
+use redirector_common::{
+    listener::{Reason, Route},
+    workloads::{
+        RCODE_CLASSES, RCODE_NOERROR, RCODE_NXDOMAIN, ROUTE_CACHE, ROUTE_DIRECT, ROUTE_LIMITED,
+        ROUTES,
+    },
+};
 
 mod common;
 mod markdown;
@@ -61,6 +68,11 @@ struct Node {
     source_answers: bool,
     /// Every node kube-state-metrics lists.
     inventory: Vec<&'static str>,
+    /// The busiest workload's DNS per second, by route and rcode class (the rest ask 100
+    /// queries a second through the cache, all answered).
+    workload: WorkloadRate,
+    /// The agent's totals of every workload's queries and replies since it started.
+    workload_totals: ([u64; ROUTES], [u64; RCODE_CLASSES]),
 }
 
 impl Node {
@@ -78,6 +90,17 @@ impl Node {
             probes_answer: true,
             source_answers: true,
             inventory: vec![NODE],
+            workload: {
+                let mut pod = WorkloadRate {
+                    cgroup: 1,
+                    queries: [0.0; ROUTES],
+                    replies: [0.0; RCODE_CLASSES],
+                };
+                pod.queries[ROUTE_CACHE] = 40.0;
+                pod.replies[RCODE_NOERROR] = 40.0;
+                pod
+            },
+            workload_totals: ([0; ROUTES], [0; RCODE_CLASSES]),
         }
     }
 
@@ -96,6 +119,21 @@ impl Node {
             stats.record_source_sync("kubernetes", Duration::from_millis(1));
             stats.record_source_contact("kubernetes");
         }
+        // The agent's readings of the workloads: the busiest pod and the rest's 100 a second.
+        let (queries, replies) = &mut self.workload_totals;
+        queries[ROUTE_CACHE] += 100 * 60;
+        replies[RCODE_NOERROR] += 100 * 60;
+        for (total, rate) in queries.iter_mut().zip(self.workload.queries) {
+            *total += (rate * 60.0) as u64;
+        }
+        for (total, rate) in replies.iter_mut().zip(self.workload.replies) {
+            *total += (rate * 60.0) as u64;
+        }
+        stats.record_workloads(served::workloads_view(
+            self.workload.clone(),
+            *queries,
+            *replies,
+        ));
     }
 
     /// What one scrape of the node stores, by series (`name{labels}`), the target's labels added.
@@ -321,6 +359,31 @@ const CASES: &[Case] = &[
         query: "increase(redirector_errors_total[15m])",
         kind: Kind::Read,
         trouble: |_, _| {},
+    },
+    Case {
+        query: "sum by (instance, workload, route) (redirector_workload_query_rate)",
+        kind: Kind::Read,
+        trouble: |_, _| {},
+    },
+    Case {
+        query: r#"redirector_workload_query_rate{route="direct",workload!="other"} > 0"#,
+        kind: Kind::Watch,
+        // The pod asks a server that is no listener (kube-dns's Service, say) for some of it.
+        trouble: |node, _| node.workload.queries[ROUTE_DIRECT] = 10.0,
+    },
+    Case {
+        query: r#"redirector_workload_reply_rate{rcode="nxdomain",workload!="other"} >= 20 and ignoring (rcode) redirector_workload_reply_rate{rcode="nxdomain",workload!="other"} / ignoring (rcode) sum without (rcode) (redirector_workload_reply_rate) >= 0.5"#,
+        kind: Kind::Watch,
+        // Its search path: three names that do not exist before the one that does.
+        trouble: |node, _| {
+            node.workload.queries[ROUTE_CACHE] = 160.0;
+            node.workload.replies[RCODE_NXDOMAIN] = 120.0;
+        },
+    },
+    Case {
+        query: r#"rate(redirector_workload_queries_total{route="limited"}[5m]) > 0"#,
+        kind: Kind::Watch,
+        trouble: |node, _| node.workload.queries[ROUTE_LIMITED] = 500.0,
     },
 ];
 
@@ -677,9 +740,11 @@ fn concrete(command: &str) -> Vec<String> {
     for (index, token) in tokens.iter().enumerate() {
         let token = token.trim_matches(|c| c == '[' || c == ']');
         let token = token.split('|').next().unwrap_or(token);
-        // Short placeholders: F (a file), D (a directory), S (a socket), MS (milliseconds).
+        // Short placeholders: F (a file), D (a directory), S (a socket), MS (milliseconds), N (a
+        // number).
         let value = match token {
             "MS" => "1000",
+            "N" => "1",
             "F" => "/etc/redirector/config.toml",
             "D" => "/sys/fs/bpf/redirector",
             "S" => "/run/redirector/drain.sock",

@@ -3,15 +3,22 @@
 
 use std::{path::PathBuf, time::Duration};
 
-use redirector_common::workloads::{MAX_LISTED_EXEMPT_CGROUPS, WORKLOADS_DEFAULT_ENTRIES};
+use redirector_common::workloads::{
+    MAX_LISTED_EXEMPT_CGROUPS, RCODE_CLASSES, ROUTES, WORKLOADS_DEFAULT_ENTRIES,
+};
 
 use super::{ConfigError, raw::RawWorkloads};
 
+/// Series a named workload has on every node: a query rate per route, a reply rate per class.
+const SERIES_PER_WORKLOAD: usize = ROUTES + RCODE_CLASSES;
+
 /// Fewest cgroups `workloads.tracked` accepts: fewer would evict a node's busy workloads.
 const MIN_TRACKED: u32 = 64;
-/// Most cgroups `workloads.tracked` accepts (about 150 MB of kernel memory).
+/// Most cgroups `workloads.tracked` accepts (168 MiB of kernel memory: 168 bytes an entry, the
+/// 96-byte value, 8-byte key, 48-byte element header and a 16-byte hash bucket).
 const MAX_TRACKED: u32 = 1 << 20;
-/// Most workloads `workloads.top` names in the metrics: each is 9 series on every node.
+/// Most workloads `workloads.top` names in the metrics: each is 10 series on every node (5 routes,
+/// 5 rcode classes).
 pub const MAX_TOP: usize = 100;
 /// The default `workloads.top`.
 pub const DEFAULT_TOP: usize = 5;
@@ -96,7 +103,7 @@ pub(super) fn validate_workloads(raw: RawWorkloads) -> Result<WorkloadSettings, 
                 problem: format!(
                     "{value} workloads would be {} series on every node; give at most {MAX_TOP} \
                      (the default is {DEFAULT_TOP}; 0 names none)",
-                    value * 9
+                    value * SERIES_PER_WORKLOAD
                 ),
             });
         }

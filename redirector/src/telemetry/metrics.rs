@@ -93,7 +93,7 @@ fn register_workloads(registry: &mut Registry, view: &crate::workloads::View) {
         "workload_queries",
         "DNS queries of the node's workloads (the caches and the agent left out), by route: \
          cache, upstream, refused (the `fail` policy), direct (a server that is no listener, or \
-         a listener left untouched)",
+         a listener left untouched), limited (over the workload's rate)",
         queries.clone(),
     );
     let replies = CounterFamily::default();
@@ -458,7 +458,7 @@ fn register_agent(registry: &mut Registry, stats: &AgentStats, now: SystemTime) 
     let errors = CounterFamily::default();
     registry.register(
         "errors",
-        "Errors the agent survived, by kind (pool_write, nftables, kube_api)",
+        "Errors the agent survived, by kind (pool_write, nftables, kube_api, workload_read)",
         errors.clone(),
     );
     let seen = stats.errors();

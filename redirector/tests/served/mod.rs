@@ -1,7 +1,9 @@
-//! What the agent serves, made without a kernel: a listener as the maps would show it, and the
-//! `/metrics` text of an agent that has seen one of everything it counts.
+//! What the agent serves, made without a kernel: a listener as the maps would show it, the
+//! workloads as the agent reads them, and the `/metrics` text of an agent that has seen one of
+//! everything it counts.
 
 use std::{
+    collections::HashMap,
     net::IpAddr,
     time::{Duration, SystemTime},
 };
@@ -13,8 +15,15 @@ use redirector::{
         snapshot::{CounterSnapshot, FlipCounts, ListenerSnapshot, PoolTarget},
         stats::{AgentStats, ErrorKind, Transition},
     },
+    workloads::{
+        Name, View,
+        rates::{Top, WorkloadRate},
+    },
 };
-use redirector_common::listener::{Reason, Route};
+use redirector_common::{
+    listener::{Reason, Route},
+    workloads::{RCODE_CLASSES, ROUTES},
+};
 
 /// The listener `name` on 169.254.20.10, on its cache, with one upstream target at `target`.
 pub fn healthy_listener(name: &str, target: IpAddr) -> ListenerSnapshot {
@@ -66,6 +75,51 @@ pub fn metrics_text() -> String {
     stats.record_error(ErrorKind::KubeApi);
     stats.record_conntrack_bypass(BypassStatus::Active, 1);
     stats.set_ready();
+    stats.record_workloads(workloads_view(
+        WorkloadRate {
+            cgroup: 1,
+            queries: [30.0, 2.0, 0.0, 5.0, 1.0],
+            replies: [20.0, 12.0, 1.0, 0.0, 0.0],
+        },
+        [1_000, 20, 0, 50, 10],
+        [900, 300, 10, 0, 0],
+    ));
     let listener = healthy_listener(listener, IpAddr::from([10, 96, 0, 10]));
     metrics::render(&[listener], &stats, SystemTime::now())
+}
+
+/// The pod the busiest workload is: `shop/checkout-7d9f`, as the API server names it.
+pub fn busiest_pod() -> Name {
+    Name {
+        workload: "pod/shop/checkout-7d9f".to_owned(),
+        namespace: "shop".to_owned(),
+        pod: "checkout-7d9f".to_owned(),
+    }
+}
+
+/// What the agent reads of the workloads: `pod` (its rates per second, named [`busiest_pod`])
+/// the busiest, another workload asking 100 queries a second through the cache (summed under
+/// `workload="other"`), and the node's totals since the agent started. Every route and rcode
+/// class is a series of its own, so each is served.
+pub fn workloads_view(
+    pod: WorkloadRate,
+    queries_total: [u64; ROUTES],
+    replies_total: [u64; RCODE_CLASSES],
+) -> View {
+    let rest = WorkloadRate {
+        cgroup: 0,
+        queries: [100.0, 0.0, 0.0, 0.0, 0.0],
+        replies: [100.0, 0.0, 0.0, 0.0, 0.0],
+    };
+    View {
+        names: HashMap::from([(pod.cgroup, busiest_pod())]),
+        top: Top {
+            busiest: vec![pod],
+            rest: Some(rest),
+        },
+        queries_total,
+        replies_total,
+        tracked: 40,
+        window: Duration::from_secs(10),
+    }
 }

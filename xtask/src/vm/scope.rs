@@ -90,6 +90,12 @@ pub const HOST_ONLY: &[HostOnly] = &[
               test times the window before it on the host",
     },
     HostOnly {
+        binary: "workloads",
+        skip: &["status_the_metrics_and_top_name_each_pod"],
+        why: "how status, the metrics and top name the workloads is userspace over the counts \
+              the kernel-subset test checks on every kernel",
+    },
+    HostOnly {
         binary: "resolvers",
         skip: &[],
         why: "how c-ares, glibc and musl answer the egress program's EPERM is userspace; \
@@ -192,6 +198,12 @@ pub const KERNEL_SUBSET: &[(&str, &[&str])] = &[
     (
         "lifecycle",
         &["restarts_under_a_query_stream_lose_no_query_and_keep_state"],
+    ),
+    // Each workload's queries by route and replies by rcode (the ingress program's packet
+    // reads), over every transport, and the exempt cgroups.
+    (
+        "workloads",
+        &["two_pods_get_exact_counts_by_route_and_rcode_and_exempt_cgroups_none"],
     ),
 ];
 

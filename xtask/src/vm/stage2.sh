@@ -55,6 +55,8 @@ mount -t sysfs sysfs /sys || fatal "mounting /sys"
 mount -t cgroup2 cgroup2 /sys/fs/cgroup || fatal "mounting cgroup2"
 mount -t bpf bpf /sys/fs/bpf || fatal "mounting bpffs"
 mount -t tmpfs -o mode=0755 tmpfs /run || fatal "mounting /run"
+# Pseudo-terminals, for the tests of what a terminal shows (`redirector top`).
+mkdir -p /dev/pts && mount -t devpts -o ptmxmode=0666 devpts /dev/pts || fatal "mounting devpts"
 echo /sbin/modprobe > /proc/sys/kernel/modprobe || fatal "setting the modprobe path"
 echo vm-test > /proc/sys/kernel/hostname
 ip link set lo up || fatal "bringing lo up"

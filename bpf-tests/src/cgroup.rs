@@ -161,3 +161,66 @@ impl Drop for CpuQuota {
         }
     }
 }
+
+/// A pod's cgroups as the kubelet lays them out, down to one container's, below a test cgroup;
+/// removed child first.
+#[derive(Debug)]
+pub struct KubeletCgroups {
+    /// From the top (`kubepods…`) down to the container.
+    levels: Vec<TestCgroup>,
+}
+
+impl KubeletCgroups {
+    /// Pod `uid`'s, Burstable, under the systemd driver, with a containerd container
+    /// (`kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod<uid, _ for ->.slice/
+    /// cri-containerd-<id>.scope`).
+    pub fn systemd(parent: &TestCgroup, uid: &str) -> anyhow::Result<Self> {
+        let slice = uid.replace('-', "_");
+        Self::chain(
+            parent,
+            &[
+                "kubepods.slice",
+                "kubepods-burstable.slice",
+                &format!("kubepods-burstable-pod{slice}.slice"),
+                &format!("cri-containerd-{}.scope", "a1".repeat(32)),
+            ],
+        )
+    }
+
+    /// Pod `uid`'s, BestEffort, under the cgroupfs driver (`kubepods/besteffort/pod<uid>/<id>`).
+    pub fn cgroupfs(parent: &TestCgroup, uid: &str) -> anyhow::Result<Self> {
+        Self::chain(
+            parent,
+            &[
+                "kubepods",
+                "besteffort",
+                &format!("pod{uid}"),
+                &"b2".repeat(32),
+            ],
+        )
+    }
+
+    fn chain(parent: &TestCgroup, names: &[&str]) -> anyhow::Result<Self> {
+        let mut levels: Vec<TestCgroup> = Vec::new();
+        for name in names {
+            let next = levels.last().unwrap_or(parent).child(name)?;
+            levels.push(next);
+        }
+        Ok(Self { levels })
+    }
+
+    /// The container's cgroup, where its processes run.
+    #[must_use]
+    pub fn container(&self) -> &TestCgroup {
+        self.levels.last().expect("a chain has levels")
+    }
+}
+
+impl Drop for KubeletCgroups {
+    fn drop(&mut self) {
+        // Children before parents.
+        while let Some(level) = self.levels.pop() {
+            drop(level);
+        }
+    }
+}

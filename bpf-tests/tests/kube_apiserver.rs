@@ -9,13 +9,15 @@
 use std::{collections::BTreeSet, net::IpAddr, time::Duration};
 
 use bpf_tests::{
+    cgroup::KubeletCgroups,
     cli::{start_agent, stop_agent, uninstall},
     fake_kube::endpoint_slice,
     harness::{CLUSTER_ID, Harness, kube_dns_config},
     kube_apiserver::{AuditedRequest, KubeApiserver, manifests},
     pace::wait_until,
-    sandbox::Sandbox,
+    sandbox::{Ns, Query, Sandbox, Transport},
     tools,
+    topology::{NODE_LISTENER, dns},
 };
 use redirector_common::addr::port_from_be;
 
@@ -76,7 +78,11 @@ fn cluster(sandbox: &Sandbox) -> anyhow::Result<KubeApiserver> {
 /// real API server, with the ServiceAccount's token.
 fn config_text(sandbox: &Sandbox, kube: &KubeApiserver) -> anyhow::Result<String> {
     let kubeconfig = sandbox.write_file("kubeconfig", &kube.agent_kubeconfig()?)?;
-    Ok(kube_dns_config(sandbox, &kubeconfig, false))
+    // The workloads read every second, for the test of their names.
+    Ok(format!(
+        "{}\n[workloads]\ninterval_ms = 1000\n",
+        kube_dns_config(sandbox, &kubeconfig, false)
+    ))
 }
 
 /// What the shipped Roles and ClusterRole grant: (verb, API group, resource, namespace). The
@@ -156,6 +162,7 @@ fn the_agent_follows_a_real_api_server_on_exactly_the_shipped_rbac() -> anyhow::
     let text = config_text(&sandbox, &kube)?;
     let harness = Harness::with_config(sandbox, &text)?;
     wait_for_pool(&harness, &expect(&["198.18.2.2"], 53)?, "initial list")?;
+    a_pod_of_this_node_is_named_by_namespace_and_name(&kube, &harness)?;
 
     apply_slice(&kube, &["198.18.2.2", "198.18.2.3"], 53)?;
     wait_for_pool(
@@ -274,6 +281,77 @@ fn the_agent_follows_a_real_api_server_on_exactly_the_shipped_rbac() -> anyhow::
         verbs(&requests)
     );
     Ok(())
+}
+
+/// A Pod bound to this node (no scheduler or kubelet runs here: `spec.nodeName` is set by hand),
+/// and DNS from a cgroup named as the kubelet names its container's: the agent names the workload
+/// `pod/NAMESPACE/NAME`, from its watch of this node's pods through the ClusterRole.
+fn a_pod_of_this_node_is_named_by_namespace_and_name(
+    kube: &KubeApiserver,
+    harness: &Harness,
+) -> anyhow::Result<()> {
+    let node = redirector::sources::node_name();
+    // The ServiceAccount admission wants the Pod's account to exist; no controller makes it here.
+    kube.apply(
+        &serde_json::json!({
+            "apiVersion": "v1",
+            "kind": "ServiceAccount",
+            "metadata": {"name": "default", "namespace": "default"},
+        })
+        .to_string(),
+    )?;
+    kube.apply(
+        &serde_json::json!({
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "web-0", "namespace": "default"},
+            "spec": {
+                "nodeName": node,
+                "automountServiceAccountToken": false,
+                "containers": [{"name": "web", "image": "registry.invalid/web:1"}],
+            },
+        })
+        .to_string(),
+    )?;
+    let uid = kube.kubectl(&[
+        "get",
+        "pod",
+        "web-0",
+        "--namespace",
+        "default",
+        "--output",
+        "jsonpath={.metadata.uid}",
+    ])?;
+    let pod = KubeletCgroups::systemd(harness.sandbox.cgroup(), uid.trim())?;
+    let query = Query::new(dns(NODE_LISTENER), Transport::Udp);
+    wait_until(
+        "the agent names the pod by its namespace and name",
+        Duration::from_secs(30),
+        Duration::from_millis(200),
+        || {
+            harness
+                .sandbox
+                .queries_in(Ns::Pod, pod.container(), query, 3)?;
+            Ok(harness.agent.stats.workloads().is_some_and(|view| {
+                view.names.values().any(|name| {
+                    name.workload == "pod/default/web-0"
+                        && name.namespace == "default"
+                        && name.pod == "web-0"
+                })
+            }))
+        },
+    )
+    .map_err(|error| {
+        let names: Vec<String> = harness
+            .agent
+            .stats
+            .workloads()
+            .map(|view| view.names.into_values().map(|name| name.workload).collect())
+            .unwrap_or_default();
+        error.context(format!(
+            "the agent's names: {names:?} (the pod's UID {uid})"
+        ))
+    })
 }
 
 /// The EndpointSlice Role without `watch`: the agent's watch is refused (403 in the audit log),

@@ -6,7 +6,7 @@ use std::{net::SocketAddr, os::unix::fs::MetadataExt as _, path::Path, time::Dur
 
 use anyhow::Context as _;
 use bpf_tests::{
-    cgroup::TestCgroup,
+    cgroup::{KubeletCgroups, TestCgroup},
     cli::redirector,
     dns::QueryOutcome,
     harness::{CLUSTER_ID, Harness, standard_listeners},
@@ -128,8 +128,8 @@ fn two_pods_get_exact_counts_by_route_and_rcode_and_exempt_cgroups_none() -> any
     let sandbox = &harness.sandbox;
     // Named as the kubelet names them: pod A's container under the systemd driver, pod B's
     // under the cgroupfs driver.
-    let systemd = KubeletCgroups::systemd(sandbox.cgroup())?;
-    let cgroupfs = KubeletCgroups::cgroupfs(sandbox.cgroup())?;
+    let systemd = KubeletCgroups::systemd(sandbox.cgroup(), SYSTEMD_POD_UID)?;
+    let cgroupfs = KubeletCgroups::cgroupfs(sandbox.cgroup(), CGROUPFS_POD_UID)?;
     let (pod_a, pod_b) = (systemd.container(), cgroupfs.container());
     let exempt = sandbox.cgroup().child(EXEMPT)?;
 
@@ -255,8 +255,8 @@ fn status_the_metrics_and_top_name_each_pod_by_its_cgroup() -> anyhow::Result<()
         )
     })?;
     let sandbox = &harness.sandbox;
-    let systemd = KubeletCgroups::systemd(sandbox.cgroup())?;
-    let cgroupfs = KubeletCgroups::cgroupfs(sandbox.cgroup())?;
+    let systemd = KubeletCgroups::systemd(sandbox.cgroup(), SYSTEMD_POD_UID)?;
+    let cgroupfs = KubeletCgroups::cgroupfs(sandbox.cgroup(), CGROUPFS_POD_UID)?;
     let (pod_a, pod_b) = (systemd.container(), cgroupfs.container());
     let node = dns(NODE_LISTENER);
     let answers = ask(sandbox, pod_a, Query::new(node, Transport::Udp), 6)?;
@@ -370,64 +370,6 @@ fn status_the_metrics_and_top_name_each_pod_by_its_cgroup() -> anyhow::Result<()
 const SYSTEMD_POD_UID: &str = "1111aaaa-2222-3333-4444-555566667777";
 /// The pod UID under the cgroupfs driver.
 const CGROUPFS_POD_UID: &str = "9999bbbb-8888-7777-6666-555544443333";
-
-/// A pod's cgroups as the kubelet lays them out, down to one container's; removed child first.
-struct KubeletCgroups {
-    /// From the top (`kubepods…`) down to the container.
-    levels: Vec<TestCgroup>,
-}
-
-impl KubeletCgroups {
-    /// Burstable, systemd driver, containerd.
-    fn systemd(parent: &TestCgroup) -> anyhow::Result<Self> {
-        let slice = SYSTEMD_POD_UID.replace('-', "_");
-        Self::chain(
-            parent,
-            &[
-                "kubepods.slice",
-                "kubepods-burstable.slice",
-                &format!("kubepods-burstable-pod{slice}.slice"),
-                &format!("cri-containerd-{}.scope", "a1".repeat(32)),
-            ],
-        )
-    }
-
-    /// BestEffort, cgroupfs driver.
-    fn cgroupfs(parent: &TestCgroup) -> anyhow::Result<Self> {
-        Self::chain(
-            parent,
-            &[
-                "kubepods",
-                "besteffort",
-                &format!("pod{CGROUPFS_POD_UID}"),
-                &"b2".repeat(32),
-            ],
-        )
-    }
-
-    fn chain(parent: &TestCgroup, names: &[&str]) -> anyhow::Result<Self> {
-        let mut levels: Vec<TestCgroup> = Vec::new();
-        for name in names {
-            let next = levels.last().unwrap_or(parent).child(name)?;
-            levels.push(next);
-        }
-        Ok(Self { levels })
-    }
-
-    /// The container's cgroup, where its processes run.
-    fn container(&self) -> &TestCgroup {
-        self.levels.last().expect("a chain has levels")
-    }
-}
-
-impl Drop for KubeletCgroups {
-    fn drop(&mut self) {
-        // Children before parents.
-        while let Some(level) = self.levels.pop() {
-            drop(level);
-        }
-    }
-}
 
 /// Runs `redirector top --count 2` against the sandbox's pins with its output on a pseudo-
 /// terminal, runs `between` once the first frame is shown, and returns everything it printed.

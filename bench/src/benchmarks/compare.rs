@@ -5,11 +5,7 @@
 //! changed (`cost-compare --baseline-set`, the per-workload accounting of `workloads`).
 
 use std::{
-    collections::BTreeMap,
-    fmt::Write as _,
-    path::{Path, PathBuf},
-    process::Command,
-    time::Duration,
+    collections::BTreeMap, fmt::Write as _, path::PathBuf, process::Command, time::Duration,
 };
 
 use anyhow::Context as _;
@@ -87,11 +83,7 @@ pub fn measure(rig: &Rig, sides: &[Side; 2], trials: usize) -> anyhow::Result<Co
         let order = if trial % 2 == 0 { [0, 1] } else { [1, 0] };
         for index in order {
             let side = &sides[index];
-            eprintln!(
-                "compare: trial {} of {trials}, {}",
-                trial + 1,
-                side.label
-            );
+            eprintln!("compare: trial {} of {trials}, {}", trial + 1, side.label);
             let agent = bpf_tests::cli::start_agent_of(&side.binary, &side.config, &[], &[])?;
             std::thread::sleep(SETTLE);
             let stopped = rig.stop_agent(agent)?;
@@ -218,7 +210,11 @@ impl Comparison {
             "| operation | program | runs per operation | {first}, ns per run | {second}, ns per run | difference of medians | paired difference per run | paired difference per operation |\n\
              | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |\n"
         );
-        for row in self.rows.iter().filter(|row| row.runs_per_operation >= 0.01) {
+        for row in self
+            .rows
+            .iter()
+            .filter(|row| row.runs_per_operation >= 0.01)
+        {
             let _ = writeln!(
                 text,
                 "| {} | `{}` | {:.2} | {} | {} | {:+.0} | {} | {} |",
@@ -228,8 +224,8 @@ impl Comparison {
                 row.ns_per_run[0].show(0),
                 row.ns_per_run[1].show(0),
                 row.ns_per_run[1].median - row.ns_per_run[0].median,
-                signed(&row.difference_per_run),
-                signed(&row.difference_per_operation),
+                Spread::show_signed(&row.difference_per_run),
+                Spread::show_signed(&row.difference_per_operation),
             );
         }
         text
@@ -278,14 +274,6 @@ impl Comparison {
     }
 }
 
-/// `median (min–max)` with signs.
-fn signed(spread: &Spread) -> String {
-    format!(
-        "{:+.0} ({:+.0}–{:+.0})",
-        spread.median, spread.min, spread.max
-    )
-}
-
 /// A configuration edit: `KEY=VALUE` for `--baseline-set`, where KEY is a key of any table
 /// (`stall_after_ms`, every line that sets it) or `TABLE.KEY` (`workloads.accounting`: inside
 /// `[TABLE]`, which is appended at the end of the file if there is none).
@@ -300,7 +288,11 @@ pub fn parse_setting(text: &str) -> Result<(String, String), String> {
 /// applied (see [`parse_setting`]). A plain key must be in the file; a dotted one is added to its
 /// table, or to a table appended at the end (after the last `[[listener]]`, which the table's
 /// header closes).
-pub fn edit_config(text: &str, drop: &[String], set: &[(String, String)]) -> anyhow::Result<String> {
+pub fn edit_config(
+    text: &str,
+    drop: &[String],
+    set: &[(String, String)],
+) -> anyhow::Result<String> {
     let mut table = String::new();
     // (table, line) of each kept line.
     let mut lines: Vec<(String, String)> = Vec::new();
@@ -364,7 +356,7 @@ pub fn edit_config(text: &str, drop: &[String], set: &[(String, String)]) -> any
     Ok(edited)
 }
 
-/// Writes `rig`'s configuration edited by `set` beside it as `name`.
+/// Writes `rig`'s configuration, edited as [`edit_config`] does, beside it as `name`.
 pub fn edited_config(
     rig: &Rig,
     name: &str,
@@ -372,8 +364,7 @@ pub fn edited_config(
     set: &[(String, String)],
 ) -> anyhow::Result<PathBuf> {
     let text = std::fs::read_to_string(&rig.config)?;
-    let path: &Path = &rig.config;
-    let edited = path.with_file_name(name);
+    let edited = rig.config.with_file_name(name);
     std::fs::write(&edited, edit_config(&text, drop, set)?)?;
     Ok(edited)
 }
@@ -391,7 +382,10 @@ mod tests {
     #[test]
     fn a_plain_key_is_changed_where_it_is() {
         let edited = edit_config(CONFIG, &[], &[setting("stall_after_ms=0")]).unwrap();
-        assert_eq!(edited, CONFIG.replace("stall_after_ms = 80", "stall_after_ms = 0"));
+        assert_eq!(
+            edited,
+            CONFIG.replace("stall_after_ms = 80", "stall_after_ms = 0")
+        );
         assert!(edit_config(CONFIG, &[], &[setting("nowhere=1")]).is_err());
     }
 
@@ -413,8 +407,11 @@ mod tests {
         let edited = edit_config(CONFIG, &[], &[setting("probe.timeout_ms=250")]).unwrap();
         assert!(edited.contains("[probe]\ntimeout_ms = 250\ninterval_ms = 100\n"));
         let edited = edit_config(CONFIG, &[], &[setting("probe.interval_ms=500")]).unwrap();
-        assert_eq!(edited, CONFIG.replace("interval_ms = 100", "interval_ms = 500"));
-        assert!(edit_config(CONFIG, &[], &[setting("listener.name=x")]).is_err());
+        assert_eq!(
+            edited,
+            CONFIG.replace("interval_ms = 100", "interval_ms = 500")
+        );
+        assert!(edit_config(CONFIG, &[], &[setting("listener.cache=x")]).is_err());
     }
 
     #[test]

@@ -3,6 +3,7 @@
 //! something). Every figure is the median of repeated trials with its spread. Nothing here is
 //! asserted: the tests assert correctness, the bench reports numbers.
 
+pub mod compare;
 pub mod conntrack;
 pub mod failover;
 pub mod layouts;
@@ -13,6 +14,7 @@ pub mod sizing;
 pub mod soak;
 pub mod steering;
 pub mod sync;
+pub mod workloads;
 
 use serde::Serialize;
 
@@ -55,6 +57,12 @@ impl Spread {
             "{:.decimals$} ({:.decimals$}–{:.decimals$})",
             self.median, self.min, self.max
         )
+    }
+
+    /// `+median (+min–+max)` with signs and no decimals: a difference.
+    #[must_use]
+    pub fn show_signed(&self) -> String {
+        format!("{:+.0} ({:+.0}–{:+.0})", self.median, self.min, self.max)
     }
 }
 
@@ -144,4 +152,6 @@ pub struct Report {
     pub memory: setup::Memory,
     /// The same per `reverse_nat_entries`.
     pub sizing: Vec<sizing::Sized>,
+    /// What DNS per workload costs: per run with accounting off and on, and per tracked cgroup.
+    pub workloads: workloads::WorkloadCost,
 }

@@ -24,6 +24,23 @@ pub fn write(report: &Report, dir: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Writes one benchmark's results alone (`bench --only`): `NAME.json` and `NAME.md` (`text`) into
+/// `dir`.
+pub fn write_one(
+    dir: &Path,
+    name: &str,
+    results: &impl serde::Serialize,
+    text: &str,
+) -> anyhow::Result<()> {
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    std::fs::write(
+        dir.join(format!("{name}.json")),
+        serde_json::to_string_pretty(results)?,
+    )?;
+    std::fs::write(dir.join(format!("{name}.md")), text)?;
+    Ok(())
+}
+
 fn ratio(value: f64, baseline: f64) -> String {
     if baseline == 0.0 {
         "-".to_owned()
@@ -313,6 +330,7 @@ pub fn markdown(report: &Report) -> String {
         "\n**Sizing**: the agent started with each `reverse_nat_entries` (the one setting that sizes a map), on pins migrated to it:\n\n{}",
         super::sizing::markdown(&report.sizing)
     );
+    let _ = write!(text, "\n{}", super::workloads::markdown(&report.workloads));
     text
 }
 

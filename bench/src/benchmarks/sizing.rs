@@ -1,16 +1,67 @@
 //! Sizing a node: the agent's memory and each map's kernel memory for each value of
-//! `reverse_nat_entries`, the one setting that sizes a map (every other map's size is fixed by
-//! the build: `docs/datapath.md` lists them).
+//! `reverse_nat_entries`; and the kernel memory of `WORKLOADS` for values of `workloads.tracked`,
+//! the two settings that size a map (every other map's size is fixed by the build:
+//! `docs/datapath.md` lists them).
 
 use std::time::Duration;
 
 use bpf_tests::cli::{start_agent, stop_agent, uninstall};
 use serde::Serialize;
 
-use super::{rig::Rig, setup};
+use super::{compare, rig::Rig, setup};
 
 /// The values measured: the smallest accepted, the default, and two larger ones.
 pub const REVERSE_NAT_ENTRIES: [u32; 4] = [1024, 65_536, 262_144, 1_048_576];
+
+/// The values of `workloads.tracked` measured: the difference over the difference in entries is
+/// the memory of one tracked cgroup.
+pub const TRACKED: [u32; 2] = [4096, 65_536];
+
+/// `WORKLOADS` with one `workloads.tracked`.
+#[derive(Clone, Debug, Serialize)]
+pub struct TrackedSize {
+    /// The setting.
+    pub tracked: u32,
+    /// `WORKLOADS`' kernel memory (bpftool's `bytes_memlock`), bytes.
+    pub workloads_bytes: u64,
+    /// Every pinned map's, bytes.
+    pub maps_total_bytes: u64,
+}
+
+/// Starts the agent once per value of [`TRACKED`] (accounting on), reads the pinned maps' kernel
+/// memory, and uninstalls after each.
+pub fn workloads_tracked(rig: &Rig) -> anyhow::Result<Vec<TrackedSize>> {
+    let mut rows = Vec::new();
+    for tracked in TRACKED {
+        let config = compare::edited_config(
+            rig,
+            &format!("tracked-{tracked}.toml"),
+            &[],
+            &[
+                ("workloads.accounting".to_owned(), "true".to_owned()),
+                ("workloads.tracked".to_owned(), tracked.to_string()),
+            ],
+        )?;
+        let mut agent = start_agent(&config)?;
+        std::thread::sleep(setup::SETTLE);
+        let maps = setup::pinned_map_memory(rig);
+        let stopped = stop_agent(&mut agent);
+        uninstall(&config)?;
+        stopped?;
+        let maps = maps?;
+        let workloads_bytes = maps
+            .iter()
+            .find(|(name, _)| name == redirector_common::names::MAP_WORKLOADS)
+            .map(|(_, bytes)| *bytes)
+            .ok_or_else(|| anyhow::anyhow!("no WORKLOADS map is pinned"))?;
+        rows.push(TrackedSize {
+            tracked,
+            workloads_bytes,
+            maps_total_bytes: maps.iter().map(|(_, bytes)| bytes).sum(),
+        });
+    }
+    Ok(rows)
+}
 
 /// One agent started with one `reverse_nat_entries`.
 #[derive(Clone, Debug, Serialize)]

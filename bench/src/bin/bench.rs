@@ -4,7 +4,7 @@
 use std::{collections::BTreeMap, path::PathBuf, time::Duration};
 
 use bpf_tests::caches::CacheKind;
-use clap::Parser;
+use clap::{Parser, ValueEnum};
 use redirector_bench::benchmarks::{
     Machine, Report, Spread, conntrack,
     failover::{self, Event, FailoverTrials},
@@ -12,7 +12,7 @@ use redirector_bench::benchmarks::{
     rig::Rig,
     setup, sizing, soak, steering,
     steering::{HOOK_OPERATIONS, Path, TRIALS},
-    sync,
+    sync, workloads,
 };
 
 /// Failover trials of redirector per event (about 8 s each).
@@ -34,6 +34,20 @@ struct Args {
     /// How long each load at and past the cache's capacity runs, seconds.
     #[arg(long, default_value_t = 300)]
     load_seconds: u64,
+    /// Interleaved trials of the per-workload accounting's cost (off and on).
+    #[arg(long, default_value_t = workloads::TRIALS)]
+    workload_trials: usize,
+    /// Run only this benchmark; its results go to `--out` as `NAME.json` and `NAME.md`.
+    #[arg(long, value_enum)]
+    only: Option<Only>,
+}
+
+/// The benchmarks that run alone.
+#[derive(ValueEnum, Clone, Copy, Debug)]
+enum Only {
+    /// What DNS per workload costs (`workloads.accounting` off and on, per run, and the memory
+    /// per tracked cgroup).
+    Workloads,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -44,6 +58,26 @@ fn main() -> anyhow::Result<()> {
         machine.date, machine.cpu_model, machine.kernel
     );
     let mut rig = Rig::new()?;
+    if let Some(Only::Workloads) = args.only {
+        eprintln!(
+            "bench: DNS per workload, accounting off and on, {} interleaved trials",
+            args.workload_trials
+        );
+        let cost = workloads::measure(&rig, args.workload_trials)?;
+        drop(rig);
+        let text = format!(
+            "Run {} on {} ({} CPUs), kernel {}.\n\n{}",
+            machine.date,
+            machine.cpu_model,
+            machine.cpus,
+            machine.kernel,
+            workloads::markdown(&cost)
+        );
+        output::write_one(&args.out, "workloads", &cost, &text)?;
+        println!("{text}");
+        eprintln!("bench: results in {}", args.out.display());
+        return Ok(());
+    }
 
     // Trials interleave the paths, attaching and detaching redirector between them, so that the
     // machine's drifts hit every path alike.
@@ -186,6 +220,11 @@ fn main() -> anyhow::Result<()> {
     rig.stop_and_uninstall(agent)?;
     eprintln!("bench: sizing, the agent with each reverse_nat_entries");
     let sizing = sizing::measure(&rig)?;
+    eprintln!(
+        "bench: DNS per workload, accounting off and on, {} interleaved trials",
+        args.workload_trials
+    );
+    let workloads = workloads::measure(&rig, args.workload_trials)?;
 
     eprintln!(
         "bench: soak, {} s at {:.0} % of the cache's capacity ({capacity_qps:.0} queries/s)",
@@ -269,6 +308,7 @@ fn main() -> anyhow::Result<()> {
         sync,
         memory,
         sizing,
+        workloads,
     };
     output::write(&report, &args.out)?;
     println!("{}", output::markdown(&report));

@@ -93,7 +93,6 @@ fn granted() -> BTreeSet<(&'static str, &'static str, &'static str, &'static str
         ("get", "discovery.k8s.io", "endpointslices", "kube-system"),
         ("list", "discovery.k8s.io", "endpointslices", "kube-system"),
         ("watch", "discovery.k8s.io", "endpointslices", "kube-system"),
-        ("get", "", "pods", ""),
         ("list", "", "pods", ""),
         ("watch", "", "pods", ""),
         ("create", "events.k8s.io", "events", "default"),

@@ -23,6 +23,18 @@ use redirector_common::{
     },
 };
 
+/// The standard listeners, but no listener skips the cache's cgroup: as NodeLocal DNSCache's
+/// layout has it, where the cache is a pod of its own.
+fn unskipped_listeners(sandbox: &Sandbox) -> String {
+    let skip = format!(
+        "skip_cgroups = [{:?}]",
+        sandbox.skipped_cgroup().path().display().to_string()
+    );
+    let listeners = standard_listeners(sandbox);
+    assert!(listeners.contains(&skip), "{listeners}");
+    listeners.replace(&skip, "")
+}
+
 /// The cgroup the configuration exempts, created after the agent starts.
 const EXEMPT: &str = "exempt-pod";
 
@@ -120,7 +132,7 @@ fn two_pods_get_exact_counts_by_route_and_rcode_and_exempt_cgroups_none() -> any
             // Listed before it exists, as a service's cgroup not started yet at boot.
             format!(
                 "{}\n[workloads]\ninterval_ms = 1000\nexempt_cgroups = [{:?}]\n",
-                standard_listeners(sandbox),
+                unskipped_listeners(sandbox),
                 sandbox.cgroup().path().join(EXEMPT).display().to_string()
             )
         },
@@ -132,7 +144,27 @@ fn two_pods_get_exact_counts_by_route_and_rcode_and_exempt_cgroups_none() -> any
     let cgroupfs = KubeletCgroups::cgroupfs(sandbox.cgroup(), CGROUPFS_POD_UID)?;
     let (pod_a, pod_b) = (systemd.container(), cgroupfs.container());
     let exempt = sandbox.cgroup().child(EXEMPT)?;
+    // The agent sees it exist at a reading and forgets every count then (exemptions are decided
+    // when a cgroup is first counted): waited for before anything is counted.
+    // So is the cache's cgroup, which no listener skips: the agent found the cache by its
+    // sockets (it was there before the agent).
+    let exempt_id = cgroup_id(exempt.path())?;
+    let cache_id = cgroup_id(sandbox.skipped_cgroup().path())?;
+    harness.wait_until(
+        "the agent exempts the cache's cgroup and the one created after its start",
+        Duration::from_secs(10),
+        |harness| {
+            let exempt = harness.maps.exempt_cgroups();
+            Ok(exempt.contains(&exempt_id) && exempt.contains(&cache_id))
+        },
+    )?;
 
+    // The agent's first reading is its baseline: its totals count what comes after.
+    harness.wait_until(
+        "the agent's first reading of the workloads",
+        Duration::from_secs(10),
+        |harness| Ok(harness.agent.stats.workloads().is_some()),
+    )?;
     // Pod A asks the node listener, whose cache serves: every way a resolver sends.
     let node = dns(NODE_LISTENER);
     let mut answers = ask(sandbox, pod_a, Query::new(node, Transport::Udp), 3)?;
@@ -184,13 +216,8 @@ fn two_pods_get_exact_counts_by_route_and_rcode_and_exempt_cgroups_none() -> any
         "{answers:?}"
     );
 
-    // The cache's cgroup (skipped) and the listed one, once the agent has seen it exist.
-    let exempt_id = cgroup_id(exempt.path())?;
-    harness.wait_until(
-        "the agent exempts the cgroup created after its start",
-        Duration::from_secs(10),
-        |harness| Ok(harness.maps.exempt_cgroups().contains(&exempt_id)),
-    )?;
+    // The cache's cgroup (no listener skips it: exempt as the cgroup a cache bound from, which
+    // the agent found at its start) and the listed one, once the agent has seen it exist.
     let sandbox = &harness.sandbox;
     for cgroup in [sandbox.skipped_cgroup(), &exempt] {
         let answers = ask(sandbox, cgroup, direct, 2)?;
@@ -448,6 +475,12 @@ fn a_flooding_pod_is_held_to_its_rate_and_a_quiet_pod_beside_it_loses_nothing() 
     let flooder = sandbox.cgroup().child("flooder")?;
     let quiet = sandbox.cgroup().child("quiet")?;
     let unlimited = sandbox.cgroup().child(UNLIMITED)?;
+    let unlimited_id = cgroup_id(unlimited.path())?;
+    harness.wait_until(
+        "the agent exempts the cgroup created after its start from the limit",
+        Duration::from_secs(10),
+        |harness| Ok(harness.maps.exempt_cgroups().contains(&unlimited_id)),
+    )?;
     let node = Query::new(dns(NODE_LISTENER), Transport::Udp);
 
     // The flood: one query after the other from fresh sockets, as fast as they are answered or
@@ -536,13 +569,38 @@ fn a_flooding_pod_is_held_to_its_rate_and_a_quiet_pod_beside_it_loses_nothing() 
         "the flood saw more answers than the kernel admitted"
     );
 
+    // A connected UDP socket's datagrams are held at egress (the send fails with EPERM), a TCP
+    // connection at connect: each flooding workload gets its burst and its rate.
+    for (name, transport, errno) in [
+        ("connected-flooder", Transport::UdpConnected, EPERM),
+        ("tcp-flooder", Transport::Tcp, expected_errno),
+    ] {
+        let cgroup = harness.sandbox.cgroup().child(name)?;
+        let started = std::time::Instant::now();
+        let outcomes = harness.sandbox.queries_in(
+            Ns::Pod,
+            &cgroup,
+            Query::new(dns(NODE_LISTENER), transport),
+            300,
+        )?;
+        let elapsed = started.elapsed();
+        let counts = counted(&harness, cgroup.path())?.context("the flood was counted")?;
+        let (admitted, refused) = (counts.queries[ROUTE_CACHE], counts.queries[ROUTE_LIMITED]);
+        let allowed = LIMIT_BURST + (LIMIT_QPS as f64 * elapsed.as_secs_f64()).ceil() as u64 + 1;
+        eprintln!("{name}: {admitted} admitted, {refused} refused in {elapsed:?}");
+        assert!(
+            (LIMIT_BURST..=allowed).contains(&admitted) && admitted + refused == 300,
+            "{name}: admitted {admitted} (at most {allowed} in {elapsed:?}), refused {refused}"
+        );
+        let errnos: std::collections::BTreeSet<Option<i32>> = outcomes
+            .iter()
+            .filter(|outcome| !outcome.ok)
+            .map(|outcome| outcome.errno)
+            .collect();
+        assert_eq!(errnos, [Some(errno)].into(), "{name}");
+    }
+
     // A cgroup exempt from the limit is counted, never held.
-    let unlimited_id = cgroup_id(unlimited.path())?;
-    harness.wait_until(
-        "the agent exempts the cgroup created after its start from the limit",
-        Duration::from_secs(10),
-        |harness| Ok(harness.maps.exempt_cgroups().contains(&unlimited_id)),
-    )?;
     let answers = ask(&harness.sandbox, &unlimited, node, 200)?;
     assert!(
         answers.iter().all(|answer| answer.starts_with("cache")),

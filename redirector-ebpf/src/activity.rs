@@ -44,6 +44,13 @@ use crate::{
     skb,
 };
 
+/// Whether `port_be` is a port a cache listens on (`CACHE_PORTS`).
+#[inline(always)]
+pub fn is_cache_port(port_be: u16) -> bool {
+    let (word, bit) = reply_port_bit(port_be);
+    CACHE_PORTS.get(word).is_some_and(|ports| *ports & bit != 0)
+}
+
 /// On the cache route: whether the cache has left a query unread past its limit. The first
 /// program to see the stall flips the listener (a new `down_epoch`, as the last close records
 /// one); every program that sees it routes upstream. While the cache reads, this is two array

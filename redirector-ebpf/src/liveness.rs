@@ -30,6 +30,7 @@ use redirector_common::{
 use crate::{
     atomic::{add_then_read_i64, add_u64, fetch_add_i64, fetch_or_u64, fetching},
     maps::{CACHE_BINDS, CACHE_MARKS, CACHE_SOCKETS, CACHE_TASKS, DATAPATH_CONFIG, SOCKET_COUNTS},
+    workloads,
 };
 
 /// The address family of the `post_bind` hook (the verifier lets each read only its own family's
@@ -128,6 +129,8 @@ fn record_task(listeners: u64) {
     let (pid_tgid, cgroup_id) =
         unsafe { (bpf_get_current_pid_tgid(), bpf_get_current_cgroup_id()) };
     let tgid = (pid_tgid >> 32) as u32;
+    // A cache's own DNS (its upstream queries, their replies) is no workload's.
+    workloads::exempt_cache(cgroup_id);
     let task = CacheTask {
         listeners,
         cgroup_id,

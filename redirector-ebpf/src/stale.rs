@@ -40,7 +40,7 @@ use crate::{
     maps::{LISTENERS, POOLS, STEERED_SOCKS},
     skb,
     steer::{self, count},
-    workloads::Workload,
+    workloads::{self, Workload},
 };
 
 /// `AF_INET6`; anything else with a DNS port is IPv4 here.
@@ -64,7 +64,7 @@ pub fn try_check_egress(ctx: &SkBuffContext) -> Egress {
     // the socket's `skc_dport`, as a 32-bit network-order value.
     let remote_port = unsafe { read_volatile(addr_of!((*skb).remote_port)) };
     if remote_port != u32::from(DNS_PORT).to_be() {
-        return Egress::Pass;
+        return count_elsewhere(ctx, remote_port);
     }
     // The sending socket.
     let Some(sk) = skb::full_socket(ctx) else {
@@ -157,6 +157,55 @@ pub fn try_check_egress(ctx: &SkBuffContext) -> Egress {
             Egress::Refuse
         }
     }
+}
+
+/// A datagram of a socket connected to a port other than 53: when connect steered it there (a
+/// cache or a target listening on another port), it is a query of its workload, counted and held
+/// to the rate like one to port 53 (`workloads`); such a socket is never moved (`standing` looks
+/// at port 53 only). Anything else returns after two array lookups when the port is neither a
+/// cache's nor a target's, and at once with the accounting off.
+#[inline(always)]
+fn count_elsewhere(ctx: &SkBuffContext, remote_port: u32) -> Egress {
+    if !workloads::enabled() || remote_port == 0 {
+        return Egress::Pass;
+    }
+    // `remote_port` holds the port's network-order bytes in its upper half.
+    let port_be = (remote_port >> 16) as u16;
+    if !workloads::is_reply_port(port_be) && !activity::is_cache_port(port_be) {
+        return Egress::Pass;
+    }
+    let Some(sk) = skb::full_socket(ctx) else {
+        return Egress::Pass;
+    };
+    // SAFETY: a full socket, as the verifier knows after the null check.
+    if unsafe { read_volatile(addr_of!((*sk).protocol)) } != IPPROTO_UDP {
+        return Egress::Pass;
+    }
+    let peer = remote_addr(ctx);
+    let Some(steered) = skb::storage(&STEERED_SOCKS, sk)
+        // SAFETY: non-null storage of this socket.
+        .map(|value| unsafe { context::snapshot(value) })
+        .filter(|steered| steered.peer == peer && steered.peer_port_be == port_be)
+    else {
+        return Egress::Pass;
+    };
+    let Some(listener) = LISTENERS.get_ptr(steered.listener) else {
+        return Egress::Pass;
+    };
+    // SAFETY: the agent replaces LISTENERS entries whole.
+    let cache = unsafe { context::snapshot(listener) }.cache;
+    let Some(workload) = Workload::of_skb(ctx) else {
+        return Egress::Pass;
+    };
+    if workload.over_limit() {
+        return Egress::Refuse;
+    }
+    workload.count(if peer == cache.addr && port_be == cache.udp_port_be {
+        ROUTE_CACHE
+    } else {
+        ROUTE_UPSTREAM
+    });
+    Egress::Pass
 }
 
 /// Whether the listener routes upstream only because its cache was drained, less than

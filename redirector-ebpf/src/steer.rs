@@ -72,13 +72,7 @@ pub fn try_steer(ctx: &SockAddrContext, family: Family, hook: Hook) -> Result<()
     };
     let listener_addr = context::user_addr(ctx, family);
     let Some(listener) = LISTENERS.get_ptr(listener_addr) else {
-        count_workload(
-            Workload::of_task(),
-            hook,
-            protocol,
-            port_be(DNS_PORT),
-            ROUTE_DIRECT,
-        );
+        count_workload(Workload::of_task(), hook, protocol, ROUTE_DIRECT);
         return Ok(());
     };
     // SAFETY: the agent only ever replaces LISTENERS entries whole (a new element under RCU); a
@@ -108,7 +102,7 @@ pub fn try_steer(ctx: &SockAddrContext, family: Family, hook: Hook) -> Result<()
         // has stopped reading.
         if !activity::cache_stalled(listener.id) {
             count(counters, |c| c.to_cache += 1);
-            count_workload(workload, hook, protocol, port_be(DNS_PORT), ROUTE_CACHE);
+            count_workload(workload, hook, protocol, ROUTE_CACHE);
             return Ok(());
         }
         route = Route::Upstream;
@@ -130,13 +124,7 @@ pub fn try_steer(ctx: &SockAddrContext, family: Family, hook: Hook) -> Result<()
     let (target, cookie) = match route {
         Route::Cache => {
             count(counters, |c| c.to_cache += 1);
-            count_workload(
-                workload,
-                hook,
-                protocol,
-                listener.cache.port_be(protocol),
-                ROUTE_CACHE,
-            );
+            count_workload(workload, hook, protocol, ROUTE_CACHE);
             (listener.cache, None)
         }
         Route::Upstream => {
@@ -144,13 +132,7 @@ pub fn try_steer(ctx: &SockAddrContext, family: Family, hook: Hook) -> Result<()
             match pick_upstream(cookie, listener.id) {
                 Some(target) => {
                     count(counters, |c| c.to_upstream += 1);
-                    count_workload(
-                        workload,
-                        hook,
-                        protocol,
-                        target.port_be(protocol),
-                        ROUTE_UPSTREAM,
-                    );
+                    count_workload(workload, hook, protocol, ROUTE_UPSTREAM);
                     // Compiled in, but removed by the verifier unless the agent runs with
                     // `kernel_log` (AYA_LOG_LEVEL is a read-only global): no cost otherwise.
                     info!(
@@ -284,7 +266,7 @@ fn empty_pool(
         Err(Refused::EmptyPool)
     } else {
         count(counters, |c| c.passed_through += 1);
-        count_workload(workload, hook, protocol, port_be(DNS_PORT), ROUTE_DIRECT);
+        count_workload(workload, hook, protocol, ROUTE_DIRECT);
         Ok(())
     }
 }
@@ -381,21 +363,12 @@ pub fn in_skipped_cgroup(listener_id: u32, ancestor: impl Fn(i32) -> u64) -> boo
 }
 
 /// Counts a query of the calling task's workload under `route` (`workloads`), where this syscall
-/// is where it is counted: an unconnected datagram, a TCP connection, or a UDP connect to a port
-/// other than 53 (whose datagrams egress does not look at). A UDP socket connected to port 53 is
-/// counted at egress, datagram by datagram.
+/// is where it is counted: an unconnected datagram or a TCP connection. A connected UDP socket is
+/// counted at egress, datagram by datagram (`stale`).
 #[inline(always)]
-fn count_workload(
-    workload: Option<Workload>,
-    hook: Hook,
-    protocol: u32,
-    destination_port_be: u16,
-    route: usize,
-) {
+fn count_workload(workload: Option<Workload>, hook: Hook, protocol: u32, route: usize) {
     if let Some(workload) = workload
-        && (hook == Hook::Sendmsg
-            || protocol == PROTOCOL_TCP
-            || destination_port_be != port_be(DNS_PORT))
+        && (hook == Hook::Sendmsg || protocol == PROTOCOL_TCP)
     {
         workload.count(route);
     }

@@ -41,8 +41,8 @@ use redirector_common::{
     counters::{IPPROTO_TCP, IPPROTO_UDP},
     reverse::reply_port_bit,
     workloads::{
-        MAX_EXEMPT_LEVEL, ROUTE_LIMITED, WORKLOAD_FLAG_EXEMPT, WORKLOAD_FLAG_UNLIMITED,
-        WorkloadCounters, admit, entry_flags, is_reply, rcode_class,
+        EXEMPT_ACCOUNTING, ExemptCgroup, MAX_EXEMPT_LEVEL, ROUTE_LIMITED, WORKLOAD_FLAG_EXEMPT,
+        WORKLOAD_FLAG_UNLIMITED, WorkloadCounters, admit, entry_flags, is_reply, rcode_class,
     },
 };
 
@@ -161,6 +161,26 @@ impl Workload {
     }
 }
 
+/// Exempts the cgroup of a process that binds a cache socket (`post_bind`), from that moment:
+/// entered in `WORKLOAD_EXEMPT` (unless it is there already) and forgotten in `WORKLOADS`, so its
+/// next count finds it exempt. The agent keeps the entries of caches that live.
+#[inline(always)]
+pub fn exempt_cache(cgroup: u64) {
+    if !enabled() || cgroup == 0 {
+        return;
+    }
+    let exempt = ExemptCgroup {
+        level: 0,
+        exempt_from: EXEMPT_ACCOUNTING,
+    };
+    if WORKLOAD_EXEMPT
+        .insert(cgroup, exempt, u64::from(BPF_NOEXIST))
+        .is_ok()
+    {
+        let _ = WORKLOADS.remove(cgroup);
+    }
+}
+
 /// `cgroup_skb/ingress`: counts a DNS reply delivered to a workload by its rcode class.
 /// Anything that is not one returns after the packet's first bytes are read in place: a reply
 /// comes from port 53 or from a port a target or cache listens on (`REPLY_PORTS`).
@@ -246,9 +266,9 @@ fn exempt_from(ancestor: impl Fn(i32) -> u64) -> u32 {
     exempt
 }
 
-/// Whether replies come from `port_be` (a target's or a cache's port, `REPLY_PORTS`).
+/// Whether `port_be` is a port targets use (`REPLY_PORTS`): replies come from it.
 #[inline(always)]
-fn is_reply_port(port_be: u16) -> bool {
+pub fn is_reply_port(port_be: u16) -> bool {
     let (word, bit) = reply_port_bit(port_be);
     REPLY_PORTS.get(word).is_some_and(|ports| *ports & bit != 0)
 }

@@ -626,7 +626,7 @@ fn the_cluster_role_grants_only_reading_pods() {
     assert_eq!(rule.api_groups.as_deref(), Some(&[String::new()][..]));
     assert_eq!(rule.resources.as_deref(), Some(&["pods".to_owned()][..]));
     let verbs: BTreeSet<&str> = rule.verbs.iter().map(String::as_str).collect();
-    assert_eq!(verbs, BTreeSet::from(["get", "list", "watch"]));
+    assert_eq!(verbs, BTreeSet::from(["list", "watch"]));
     assert_eq!(rule.resource_names, None);
     assert_eq!(rule.non_resource_urls, None);
 

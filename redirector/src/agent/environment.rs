@@ -12,7 +12,7 @@ use tracing::{debug, info, warn};
 use super::AgentError;
 use crate::{
     config::{Config, WorkloadSettings},
-    datapath::{ExemptEntry, SkipEntry},
+    datapath::{ExemptEntry, Maps, SkipEntry},
     sys::cgroup::{self, Cgroup},
 };
 
@@ -81,6 +81,29 @@ pub(super) fn exempt_entries(
         }
     }
     Ok(entries)
+}
+
+/// `base` with the cgroups of the processes known as caches (`Maps::cache_task_cgroups`) that
+/// `exists` says are still there: their own DNS, a cache's upstream queries and their replies,
+/// is no workload's. `post_bind` exempts a cache's cgroup the moment it binds; this keeps the
+/// entries of the caches' cgroups when the agent writes the set, and lets those gone drop out.
+/// (By cgroup, not by process: the agent of a pod sees no host process ids.)
+pub(super) fn with_caches(
+    base: &[ExemptEntry],
+    maps: &Maps,
+    mut exists: impl FnMut(u64) -> bool,
+) -> Vec<ExemptEntry> {
+    let mut entries = base.to_vec();
+    for (_, cgroup) in maps.cache_task_cgroups() {
+        if cgroup != 0 && !entries.iter().any(|entry| entry.id == cgroup) && exists(cgroup) {
+            entries.push(ExemptEntry {
+                id: cgroup,
+                level: 0,
+                exempt_from: EXEMPT_ACCOUNTING,
+            });
+        }
+    }
+    entries
 }
 
 /// A configured list of exempt cgroups: its key and paths.

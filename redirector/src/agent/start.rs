@@ -45,17 +45,17 @@ mod revert;
 mod services;
 mod verdicts;
 mod watchers;
+mod workload_readings;
 
 use commit::{Commit, put_back};
 use phases::StartPhases;
 pub use pins::NEXT_LAYOUT_MAP;
 use pins::plan_pins;
 use revert::FirstStart;
-use services::{
-    TaskGuard, forward_kernel_log, read_workloads, serve_telemetry, start_conntrack_bypass,
-};
+use services::{TaskGuard, forward_kernel_log, serve_telemetry, start_conntrack_bypass};
 use verdicts::probe_caches;
 use watchers::{kube_client, start_sources};
+use workload_readings::read_workloads;
 
 impl Agent {
     /// Checks the environment against `config`, loads the datapath (adopting compatible pins),

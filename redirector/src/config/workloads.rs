@@ -135,13 +135,14 @@ pub(super) fn validate_workloads(raw: RawWorkloads) -> Result<WorkloadSettings, 
             ),
         });
     }
-    if raw.rate_limit_exempt_cgroups.len() > room {
+    let listed = raw.exempt_cgroups.len() + raw.rate_limit_exempt_cgroups.len();
+    if listed > room {
         return Err(ConfigError::BadWorkloads {
             key: "workloads.rate_limit_exempt_cgroups",
             problem: format!(
-                "{} cgroups given; at most {room} can be exempt (a parent exempts its \
-                 descendants: list it instead)",
-                raw.rate_limit_exempt_cgroups.len()
+                "{listed} cgroups given in exempt_cgroups and rate_limit_exempt_cgroups \
+                 together; at most {room} can be exempt (a parent exempts its descendants: list \
+                 it instead)"
             ),
         });
     }

@@ -499,3 +499,75 @@ fn probe_counts(probes: &CounterFamily, stats: &AgentStats) {
             .inc_by(count);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::{collections::HashMap, time::Duration};
+
+    use redirector_common::workloads::{RCODE_CLASSES, ROUTES};
+
+    use super::*;
+    use crate::workloads::{
+        Name, View,
+        rates::{WorkloadRate, top},
+    };
+
+    /// The series of `family` in `text`.
+    fn series<'a>(text: &'a str, family: &str) -> Vec<&'a str> {
+        text.lines()
+            .filter(|line| line.starts_with(&format!("{family}{{")))
+            .collect()
+    }
+
+    #[test]
+    fn a_thousand_workloads_are_the_top_n_and_other_in_the_series() {
+        let rates: Vec<WorkloadRate> = (1..=1000_u64)
+            .map(|cgroup| WorkloadRate {
+                cgroup,
+                queries: [cgroup as f64; ROUTES],
+                replies: [1.0; RCODE_CLASSES],
+            })
+            .collect();
+        let names: HashMap<u64, Name> = (1..=1000_u64)
+            .map(|cgroup| {
+                (
+                    cgroup,
+                    Name {
+                        workload: format!("pod/ns/web-{cgroup}"),
+                        namespace: "ns".to_owned(),
+                        pod: format!("web-{cgroup}"),
+                    },
+                )
+            })
+            .collect();
+        let n = 5;
+        let stats = AgentStats::default();
+        stats.record_workloads(View {
+            top: top(rates, n),
+            names,
+            tracked: 1000,
+            window: Duration::from_secs(10),
+            ..View::default()
+        });
+        let text = render(&[], &stats, SystemTime::now());
+        let queries = series(&text, "redirector_workload_query_rate");
+        assert_eq!(queries.len(), (n + 1) * ROUTES, "{queries:#?}");
+        assert_eq!(
+            series(&text, "redirector_workload_reply_rate").len(),
+            (n + 1) * RCODE_CLASSES
+        );
+        assert!(
+            queries
+                .iter()
+                .any(|line| line.contains("workload=\"pod/ns/web-1000\"")),
+            "{queries:#?}"
+        );
+        let other = queries
+            .iter()
+            .find(|line| line.contains("workload=\"other\"") && line.contains("route=\"cache\""))
+            .expect("the rest summed");
+        // Workloads 1 to 995, each its id a second on every route.
+        assert!(other.ends_with(" 495510.0"), "{other}");
+        assert_eq!(series(&text, "redirector_workload_queries_total").len(), ROUTES);
+    }
+}

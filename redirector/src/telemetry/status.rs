@@ -216,7 +216,8 @@ pub async fn gather(
     kernel: &KernelSupport,
 ) -> Result<StatusReport, DatapathError> {
     let listeners = snapshot::listeners(maps)?;
-    let mut resolver = workloads::host_resolver(std::time::Duration::ZERO);
+    // One walk of the hierarchy for the whole report: a cgroup gone is not looked for again.
+    let mut resolver = workloads::host_resolver(std::time::Duration::from_secs(3600));
     let mut busiest = counts::by_workload(&maps.workload_counts()?, |cgroup| {
         workloads::name_of(resolver.as_mut(), cgroup)
     });

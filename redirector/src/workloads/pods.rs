@@ -296,7 +296,7 @@ fn record_event(
 
 /// What the agent says when the API server refuses it pods (403).
 const RBAC_HINT: &str = "the API server refused the agent's ServiceAccount a verb it needs on \
-    pods (get, list and watch pods, cluster-wide); pods stay named by their UID alone, and the \
+    pods (list and watch pods, cluster-wide); pods stay named by their UID alone, and the \
     agent retries. Apply the ClusterRole and ClusterRoleBinding of deploy/kubernetes/base \
     (clusterrole.yaml, clusterrolebinding.yaml), bound to the ServiceAccount the agent runs as";
 

@@ -57,7 +57,9 @@ impl Commit<'_> {
             maps.remove_listener(*id)?;
         }
         maps.configure(&self.skips, self.netns_cookie, self.layout_version)?;
-        maps.set_exempt_cgroups(&self.exempt)?;
+        // Every cgroup a cache bound from: the agent's first reading drops those gone.
+        let exempt = crate::agent::environment::with_caches(&self.exempt, maps, |_| true);
+        maps.set_exempt_cgroups(&exempt)?;
         maps.set_cache_binds(self.binds)?;
         for (listener, id) in config.listeners.iter().zip(self.ids) {
             let entry = ListenerEntry {

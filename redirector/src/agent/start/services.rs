@@ -4,22 +4,19 @@
 
 use std::{net::SocketAddr, path::Path, sync::Arc};
 
-use redirector_common::workloads::ROUTE_LIMITED;
 use tokio::task::JoinHandle;
 use tracing::{info, warn};
 
 use crate::{
-    agent::{AgentError, environment},
-    config::{Config, RateLimit, WorkloadSettings},
+    agent::AgentError,
+    config::Config,
     conntrack_bypass::{self, BypassStatus, ConntrackBypass, nft::Nft, ruleset::Ruleset},
-    datapath::{ExemptEntry, Maps},
+    datapath::Maps,
     sys::netns::NetnsWorker,
     telemetry::{
         self,
-        node_events::{EventQueue, Limited},
         stats::{AgentStats, ErrorKind},
     },
-    workloads::{self, rates::Rates},
 };
 
 /// A task that ends with the start that spawned it, unless the start completes and keeps it.
@@ -138,190 +135,5 @@ pub(super) fn forward_kernel_log(
             ready.clear_ready();
         }
     });
-    Ok(())
-}
-
-/// Reads every workload's counts each `workloads.interval` (with `workloads.accounting` on):
-/// their rates, the busiest and the node's totals for the metrics; and exempts the listed cgroups
-/// that did not exist at the start once they do.
-pub(super) fn read_workloads(
-    config: &Config,
-    stats: &Arc<AgentStats>,
-    attach: crate::sys::cgroup::Cgroup,
-    mut exempt: Vec<ExemptEntry>,
-    kube_client: Option<kube::Client>,
-    node: &str,
-    events: Option<EventQueue>,
-) -> Option<JoinHandle<()>> {
-    if !config.workloads.accounting {
-        return None;
-    }
-    let mut limited = LimitedWorkloads::new(config.workloads.rate_limit, events);
-    let settings = config.workloads.clone();
-    let pin_dir = config.pin_dir.clone();
-    let stats = Arc::clone(stats);
-    let (mut names, follower) = workload_names(settings.interval, kube_client, node);
-    Some(tokio::spawn(async move {
-        // Ends with this task.
-        let _follower = follower;
-        let mut tick = tokio::time::interval(settings.interval);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut rates = Rates::default();
-        let mut maps: Option<Maps> = None;
-        let mut last = tokio::time::Instant::now();
-        let mut failing = false;
-        loop {
-            tick.tick().await;
-            let now = tokio::time::Instant::now();
-            let window = now - last;
-            last = now;
-            let opened = match maps.take() {
-                Some(opened) => Ok(opened),
-                None => Maps::open_pinned(&pin_dir),
-            };
-            let mut opened = match opened {
-                Ok(opened) => opened,
-                Err(error) => {
-                    if !failing {
-                        warn!(error = %crate::error_chain(&error), "cannot open the pinned maps to read the workloads' DNS; trying again at each interval");
-                        stats.record_error(ErrorKind::WorkloadRead);
-                    }
-                    failing = true;
-                    continue;
-                }
-            };
-            if let Err(error) = exempt_new_cgroups(&mut opened, &settings, &attach, &mut exempt) {
-                warn!(error = %crate::error_chain(&error), "cannot exempt a cgroup created since the start");
-            }
-            match opened.workload_counts() {
-                Ok(counts) => {
-                    failing = false;
-                    let tracked = counts.len();
-                    let read = rates.read(counts, window);
-                    let (read, names) = workloads::rates::by_workload(read, |cgroup| {
-                        workloads::name_of(names.as_mut(), cgroup)
-                    });
-                    limited.report(&read, &names);
-                    let top = workloads::rates::top(read, settings.top);
-                    stats.record_workloads(workloads::View {
-                        top,
-                        names,
-                        queries_total: rates.queries_total,
-                        replies_total: rates.replies_total,
-                        tracked,
-                        window,
-                    });
-                }
-                Err(error) => {
-                    if !failing {
-                        warn!(error = %crate::error_chain(&error), "cannot read the workloads' DNS counts; trying again at each interval");
-                        stats.record_error(ErrorKind::WorkloadRead);
-                    }
-                    failing = true;
-                }
-            }
-            maps = Some(opened);
-        }
-    }))
-}
-
-/// The workloads the rate limit has held back since the agent started: each is told once, in
-/// the log and as an Event on the Node.
-struct LimitedWorkloads {
-    limit: Option<RateLimit>,
-    events: Option<EventQueue>,
-    told: std::collections::HashSet<String>,
-}
-
-impl LimitedWorkloads {
-    fn new(limit: Option<RateLimit>, events: Option<EventQueue>) -> Self {
-        Self {
-            limit,
-            events,
-            told: std::collections::HashSet::new(),
-        }
-    }
-
-    /// Tells each workload of `rates` (named by `names`) held back for the first time.
-    fn report(
-        &mut self,
-        rates: &[workloads::rates::WorkloadRate],
-        names: &std::collections::HashMap<u64, workloads::Name>,
-    ) {
-        let Some(limit) = self.limit else {
-            return;
-        };
-        for rate in rates {
-            let refused = rate.queries[ROUTE_LIMITED];
-            if refused <= 0.0 {
-                continue;
-            }
-            let Some(name) = names.get(&rate.cgroup) else {
-                continue;
-            };
-            // Bounded by the workloads the kernel tracks that were ever limited.
-            if !self.told.insert(name.workload.clone()) {
-                continue;
-            }
-            warn!(workload = %name.workload, qps = limit.qps, burst = limit.burst, refused_per_second = refused, "a workload asks for DNS faster than the rate limit: its queries over it are refused");
-            if let Some(events) = &self.events {
-                events.limited(Limited {
-                    workload: name.workload.clone(),
-                    qps: limit.qps,
-                    burst: limit.burst,
-                    refused_per_second: refused,
-                });
-            }
-        }
-    }
-}
-
-/// What names the workloads: their cgroups' paths (walked again at most once an `interval` for
-/// an id not seen yet), and this node's pods from the API server when there is a client (the
-/// task following them ends with the returned guard).
-fn workload_names(
-    interval: std::time::Duration,
-    kube_client: Option<kube::Client>,
-    node: &str,
-) -> (Option<workloads::Resolver>, TaskGuard) {
-    let Some(resolver) = workloads::host_resolver(interval) else {
-        return (None, TaskGuard(None));
-    };
-    let Some(client) = kube_client else {
-        return (Some(resolver), TaskGuard(None));
-    };
-    let pods = workloads::pods::PodNames::new();
-    match pods.follow(client, node) {
-        Ok(follow) => (
-            Some(resolver.with_pods(pods)),
-            TaskGuard(Some(tokio::spawn(follow))),
-        ),
-        Err(error) => {
-            warn!(error = %crate::error_chain(&error), "pods are named by their UIDs");
-            (Some(resolver), TaskGuard(None))
-        }
-    }
-}
-
-/// Adds each listed exempt cgroup that exists now and was not exempt yet (a service started
-/// since), and writes the set.
-fn exempt_new_cgroups(
-    maps: &mut Maps,
-    settings: &WorkloadSettings,
-    attach: &crate::sys::cgroup::Cgroup,
-    exempt: &mut Vec<ExemptEntry>,
-) -> Result<(), AgentError> {
-    let mut added = false;
-    for (list, exempt_from) in environment::exempt_lists(settings) {
-        for cgroup in environment::existing_cgroups(list.key, list.paths, attach)? {
-            if environment::add_exempt(exempt, &cgroup, exempt_from) {
-                info!(cgroup = %cgroup.path.display(), list = list.key, "an exempt cgroup exists now; it is exempt from here on");
-                added = true;
-            }
-        }
-    }
-    if added {
-        maps.set_exempt_cgroups(exempt)?;
-    }
     Ok(())
 }

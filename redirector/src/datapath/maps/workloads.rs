@@ -9,6 +9,10 @@ use redirector_common::{
 use super::Maps;
 use crate::datapath::error::{DatapathError, read, write};
 
+/// The most entries one walk of `WORKLOADS` reads: twice the most `workloads.tracked` allows, for
+/// walks that start again.
+const WALK_LIMIT: usize = 2 << 20;
+
 /// An exempt cgroup as the maps hold it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ExemptEntry {
@@ -22,13 +26,26 @@ pub struct ExemptEntry {
 }
 
 impl Maps {
-    /// Replaces the exempt cgroups (removing those no longer wanted), then forgets every cgroup
-    /// the programs entered with an exemption and every cgroup of the set, so that each is
-    /// judged again against this set at its next count (a cgroup entered without one and not in
-    /// the set keeps its counts; a descendant of a newly exempt cgroup is judged again when the
-    /// LRU evicts it, or at the agent's next start, which forgets it too if the caller names
-    /// it).
+    /// Replaces the exempt cgroups (removing those no longer wanted). When that changes the set,
+    /// forgets every counted cgroup, so that each is judged again against it at its next count
+    /// (the programs decide a cgroup's exemption when they enter it, from its ancestors: a
+    /// descendant of a newly exempt cgroup must be entered again). The counts start again from
+    /// zero, which the agent's rates take as a new life. A start that finds the set it writes
+    /// keeps every count.
     pub fn set_exempt_cgroups(&mut self, exempt: &[ExemptEntry]) -> Result<(), DatapathError> {
+        let held: std::collections::BTreeSet<(u64, u32)> = self
+            .workload_exempt
+            .iter()
+            .filter_map(Result::ok)
+            .map(|(id, entry)| (id, entry.exempt_from))
+            .collect();
+        let wanted: std::collections::BTreeSet<(u64, u32)> = exempt
+            .iter()
+            .map(|entry| (entry.id, entry.exempt_from))
+            .collect();
+        if held == wanted {
+            return Ok(());
+        }
         for entry in exempt {
             self.workload_exempt
                 .insert(
@@ -52,16 +69,13 @@ impl Maps {
                 .remove(&id)
                 .map_err(write(names::MAP_WORKLOAD_EXEMPT))?;
         }
-        let judged: Vec<u64> = self
+        let counted: Vec<u64> = self
             .workloads
-            .iter()
+            .keys()
+            .take(WALK_LIMIT)
             .filter_map(Result::ok)
-            .filter(|(id, counters)| {
-                counters.flags != 0 || exempt.iter().any(|entry| entry.id == *id)
-            })
-            .map(|(id, _)| id)
             .collect();
-        self.forget_workloads(&judged)
+        self.forget_workloads(&counted)
     }
 
     /// Removes cgroups from `WORKLOADS` (one already gone is no error).
@@ -79,17 +93,32 @@ impl Maps {
     /// Every counted workload's counts, by cgroup id (exempt entries left out). One walk of the
     /// LRU: a cgroup the programs enter meanwhile is read at the next walk.
     pub fn workload_counts(&self) -> Result<Vec<(u64, WorkloadCounters)>, DatapathError> {
-        let mut counts = Vec::new();
-        for entry in self.workloads.iter() {
+        // A walk whose current key is evicted starts again from the first (the kernel's
+        // `get_next_key` of a missing key): each cgroup is kept once, and the walk is bounded.
+        let mut counts = std::collections::HashMap::new();
+        for entry in self.workloads.iter().take(WALK_LIMIT) {
             match entry {
-                Ok((id, counters)) if !counters.is_exempt() => counts.push((id, counters)),
+                Ok((id, counters)) if !counters.is_exempt() => {
+                    counts.insert(id, counters);
+                }
                 Ok(_) => {}
                 // Evicted between the walk's key and its lookup.
                 Err(aya::maps::MapError::KeyNotFound) => {}
                 Err(error) => return Err(read(names::MAP_WORKLOADS)(error)),
             }
         }
-        Ok(counts)
+        Ok(counts.into_iter().collect())
+    }
+
+    /// The cgroups of the processes known as caches (`CACHE_TASKS`, which `post_bind` and the
+    /// agent's socket passes fill), by process id: `post_bind` exempts each, and the agent keeps
+    /// those of the processes that live.
+    pub fn cache_task_cgroups(&self) -> Vec<(u32, u64)> {
+        self.cache_tasks
+            .iter()
+            .filter_map(Result::ok)
+            .map(|(tgid, task)| (tgid, task.cgroup_id))
+            .collect()
     }
 
     /// The exempt cgroups' ids.

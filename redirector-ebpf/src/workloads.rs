@@ -5,9 +5,8 @@
 //! A query is counted once, where it is certain:
 //! - an unconnected UDP datagram and a TCP connection at `sendmsg` and `connect`, where the
 //!   route is decided;
-//! - a connected UDP socket's datagrams at egress (`stale`), one by one, where their peer port is
-//!   53; its connect counts only a refusal, or a peer on another port (a cache that listens
-//!   elsewhere), which egress does not look at.
+//! - a connected UDP socket's datagrams at egress (`stale`), one by one: to port 53, or to the
+//!   cache or target connect steered it to on another port; its connect counts only a refusal.
 //!
 //! A reply is counted at `cgroup_skb` ingress: a UDP datagram or TCP segment from port 53 (or a
 //! port a target or cache uses) whose payload begins with a standard query's reply. The check of

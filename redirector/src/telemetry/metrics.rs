@@ -568,6 +568,9 @@ mod tests {
             .expect("the rest summed");
         // Workloads 1 to 995, each its id a second on every route.
         assert!(other.ends_with(" 495510.0"), "{other}");
-        assert_eq!(series(&text, "redirector_workload_queries_total").len(), ROUTES);
+        assert_eq!(
+            series(&text, "redirector_workload_queries_total").len(),
+            ROUTES
+        );
     }
 }

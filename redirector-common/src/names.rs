@@ -164,8 +164,8 @@ pub const GLOBAL_SET_RETVAL: &str = "SET_RETVAL_OK";
 /// kernel's stall detection is off.
 pub const GLOBAL_ATOMIC_FETCH: &str = "ATOMIC_FETCH_OK";
 /// The programs' read-only global (`u8`, 0 or 1): whether they count DNS per workload
-/// (`workloads.accounting`). At 0 the verifier removes the counting as dead code, so the
-/// programs cost what they cost without it.
+/// (`workloads.accounting`). At 0 the verifier removes the counting as dead code (a load of the
+/// switch and a branch stay at each place).
 pub const GLOBAL_WORKLOADS: &str = "WORKLOADS_ON";
 /// The programs' read-only global (`u64`): the rate limit's interval, 1 s / the rate per
 /// workload in ns (`workloads.rate_limit_qps`); 0 while the limit is off, and the verifier

@@ -167,8 +167,8 @@ pub static SET_RETVAL_OK: Global<u8> = Global::new(0);
 pub static ATOMIC_FETCH_OK: Global<u8> = Global::new(0);
 
 /// `names::GLOBAL_WORKLOADS`: 1 when the agent counts DNS per workload (`workloads.accounting`).
-/// A read-only global like `SET_RETVAL_OK`: at 0 the verifier removes the counting, and the
-/// programs cost what they cost without it.
+/// A read-only global like `SET_RETVAL_OK`: at 0 the verifier removes the counting (a load of the
+/// switch and a branch stay at each place).
 #[unsafe(no_mangle)]
 pub static WORKLOADS_ON: Global<u8> = Global::new(0);
 

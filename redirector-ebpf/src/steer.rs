@@ -72,18 +72,23 @@ pub fn try_steer(ctx: &SockAddrContext, family: Family, hook: Hook) -> Result<()
     };
     let listener_addr = context::user_addr(ctx, family);
     let Some(listener) = LISTENERS.get_ptr(listener_addr) else {
-        count_workload(Workload::of_task(), hook, protocol, ROUTE_DIRECT);
+        if counted_here(hook, protocol) {
+            count_workload(Workload::of_task(), ROUTE_DIRECT);
+        }
         return Ok(());
     };
     // SAFETY: the agent only ever replaces LISTENERS entries whole (a new element under RCU); a
     // stale copy is still a complete configuration.
     let listener = unsafe { context::snapshot(listener) };
-    let workload = Workload::of_task();
-    // A workload over its rate is refused before anything is decided for its query, where its
-    // queries are counted: an unconnected datagram, a TCP connection (a connected UDP socket's
-    // datagrams at egress).
+    // The workload is looked up only where its query is counted: a UDP connect counts nothing
+    // unless it is refused (its datagrams are counted at egress).
+    let workload = if counted_here(hook, protocol) {
+        Workload::of_task()
+    } else {
+        None
+    };
+    // A workload over its rate is refused before anything is decided for its query.
     if let Some(workload) = workload
-        && (hook == Hook::Sendmsg || protocol == PROTOCOL_TCP)
         && workload.over_limit()
     {
         return rate_limited(ctx, &listener);
@@ -102,7 +107,7 @@ pub fn try_steer(ctx: &SockAddrContext, family: Family, hook: Hook) -> Result<()
         // has stopped reading.
         if !activity::cache_stalled(listener.id) {
             count(counters, |c| c.to_cache += 1);
-            count_workload(workload, hook, protocol, ROUTE_CACHE);
+            count_workload(workload, ROUTE_CACHE);
             return Ok(());
         }
         route = Route::Upstream;
@@ -124,7 +129,7 @@ pub fn try_steer(ctx: &SockAddrContext, family: Family, hook: Hook) -> Result<()
     let (target, cookie) = match route {
         Route::Cache => {
             count(counters, |c| c.to_cache += 1);
-            count_workload(workload, hook, protocol, ROUTE_CACHE);
+            count_workload(workload, ROUTE_CACHE);
             (listener.cache, None)
         }
         Route::Upstream => {
@@ -132,7 +137,7 @@ pub fn try_steer(ctx: &SockAddrContext, family: Family, hook: Hook) -> Result<()
             match pick_upstream(cookie, listener.id) {
                 Some(target) => {
                     count(counters, |c| c.to_upstream += 1);
-                    count_workload(workload, hook, protocol, ROUTE_UPSTREAM);
+                    count_workload(workload, ROUTE_UPSTREAM);
                     // Compiled in, but removed by the verifier unless the agent runs with
                     // `kernel_log` (AYA_LOG_LEVEL is a read-only global): no cost otherwise.
                     info!(
@@ -144,7 +149,7 @@ pub fn try_steer(ctx: &SockAddrContext, family: Family, hook: Hook) -> Result<()
                     );
                     (target, Some(cookie))
                 }
-                None => return empty_pool(ctx, &listener, counters, workload, hook, protocol),
+                None => return empty_pool(ctx, &listener, counters, workload),
             }
         }
     };
@@ -240,8 +245,6 @@ fn empty_pool(
     listener: &ListenerConfig,
     counters: u32,
     workload: Option<Workload>,
-    hook: Hook,
-    protocol: u32,
 ) -> Result<(), Refused> {
     info!(
         ctx,
@@ -252,7 +255,7 @@ fn empty_pool(
     if listener.empty_pool_policy == EMPTY_POOL_FAIL {
         count(counters, |c| c.failed_empty_pool += 1);
         // Counted here whatever the syscall: no datagram follows a refused connect.
-        if let Some(workload) = workload {
+        if let Some(workload) = workload.or_else(Workload::of_task) {
             workload.count(ROUTE_REFUSED);
         }
         // bpf_set_retval makes the rejected syscall fail with this errno instead of EPERM;
@@ -266,7 +269,7 @@ fn empty_pool(
         Err(Refused::EmptyPool)
     } else {
         count(counters, |c| c.passed_through += 1);
-        count_workload(workload, hook, protocol, ROUTE_DIRECT);
+        count_workload(workload, ROUTE_DIRECT);
         Ok(())
     }
 }
@@ -362,14 +365,17 @@ pub fn in_skipped_cgroup(listener_id: u32, ancestor: impl Fn(i32) -> u64) -> boo
     false
 }
 
-/// Counts a query of the calling task's workload under `route` (`workloads`), where this syscall
-/// is where it is counted: an unconnected datagram or a TCP connection. A connected UDP socket is
-/// counted at egress, datagram by datagram (`stale`).
+/// Whether this syscall is where its query is counted (`workloads`): an unconnected datagram or a
+/// TCP connection. A connected UDP socket is counted at egress, datagram by datagram (`stale`).
 #[inline(always)]
-fn count_workload(workload: Option<Workload>, hook: Hook, protocol: u32, route: usize) {
-    if let Some(workload) = workload
-        && (hook == Hook::Sendmsg || protocol == PROTOCOL_TCP)
-    {
+fn counted_here(hook: Hook, protocol: u32) -> bool {
+    hook == Hook::Sendmsg || protocol == PROTOCOL_TCP
+}
+
+/// Counts a query of `workload` (looked up where `counted_here`) under `route`.
+#[inline(always)]
+fn count_workload(workload: Option<Workload>, route: usize) {
+    if let Some(workload) = workload {
         workload.count(route);
     }
 }

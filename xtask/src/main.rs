@@ -81,6 +81,11 @@ enum Task {
         /// false failovers and false stalls) runs, seconds.
         #[arg(long, default_value_t = 300)]
         load_seconds: u64,
+        /// Run only this benchmark (`workloads`: what DNS per workload costs, accounting off
+        /// and on, and the memory per tracked cgroup); its results go to `--out` as NAME.json
+        /// and NAME.md.
+        #[arg(long)]
+        only: Option<String>,
     },
     /// Remove sandboxes left by test runs that died (only those whose owner process is gone).
     Sweep,
@@ -162,9 +167,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             out,
             soak_seconds,
             load_seconds,
+            only,
         } => {
             setup::ensure()?;
-            tasks::bench(&out, soak_seconds, load_seconds)
+            tasks::bench(&out, soak_seconds, load_seconds, only.as_deref())
         }
         Task::Sweep => sweep::run(),
         Task::VmTest(args) => {

@@ -215,8 +215,14 @@ pub fn demo(cache: &str) -> anyhow::Result<()> {
 
 /// Builds the agent and the bench with optimizations and runs the bench; the results (JSON,
 /// Markdown, SVG charts) go to `out`. Run it on an otherwise idle machine: its comparisons are
-/// ratios taken in the same run, but a busy neighbour still widens every spread.
-pub fn bench(out: &std::path::Path, soak_seconds: u64, load_seconds: u64) -> anyhow::Result<()> {
+/// ratios taken in the same run, but a busy neighbour still widens every spread. `only` names the
+/// one benchmark to run (the bench's `--only`).
+pub fn bench(
+    out: &std::path::Path,
+    soak_seconds: u64,
+    load_seconds: u64,
+    only: Option<&str>,
+) -> anyhow::Result<()> {
     require_root("bench")?;
     sweep::run()?;
     cargo(
@@ -243,5 +249,8 @@ pub fn bench(out: &std::path::Path, soak_seconds: u64, load_seconds: u64) -> any
         .args(["--soak-seconds", &soak_seconds.to_string()])
         .args(["--load-seconds", &load_seconds.to_string()])
         .env("REDIRECTOR_BIN", dir.join("redirector"));
+    if let Some(only) = only {
+        bench.args(["--only", only]);
+    }
     lint::check(&mut bench, "the bench failed").context("running the bench")
 }

@@ -37,7 +37,7 @@ pub struct Row {
     pub operation: &'static str,
     /// The program.
     pub program: &'static str,
-    /// How often it ran per operation (the first side's last trial).
+    /// How often it ran per operation (the first side's last trial it ran in).
     pub runs_per_operation: f64,
     /// Nanoseconds per run, each side's trials.
     pub ns_per_run: [Spread; 2],
@@ -45,9 +45,10 @@ pub struct Row {
     /// query), each side's trials.
     pub ns_per_operation: [Spread; 2],
     /// Per run, the second side less the first, trial by trial (the two runs of a trial are
-    /// seconds apart).
+    /// seconds apart), in the trials it ran on both sides.
     pub difference_per_run: Spread,
-    /// The same per operation.
+    /// The same per operation, in every trial in order (a program that did not run in a trial
+    /// took no time in it).
     pub difference_per_operation: Spread,
 }
 
@@ -86,14 +87,15 @@ pub fn measure(rig: &Rig, sides: &[Side; 2], trials: usize) -> anyhow::Result<Co
             eprintln!("compare: trial {} of {trials}, {}", trial + 1, side.label);
             let agent = bpf_tests::cli::start_agent_of(&side.binary, &side.config, &[], &[])?;
             std::thread::sleep(SETTLE);
-            let stopped = rig.stop_agent(agent)?;
-            let measured = measure_side(rig, trial, index, &mut samples);
-            if measured.is_ok() && sizes[index].is_empty() {
-                sizes[index] = program_cost::sizes(&rig.sandbox.pin_dir())?;
-            }
+            let _stopped = rig.stop_agent(agent)?;
+            let measured = measure_side(rig, trial, index, &mut samples).and_then(|()| {
+                if sizes[index].is_empty() {
+                    sizes[index] = program_cost::sizes(&rig.sandbox.pin_dir())?;
+                }
+                Ok(())
+            });
             // Uninstalled whatever the operations did, so that the next side starts clean.
             let uninstalled = uninstall(side);
-            drop(stopped);
             measured?;
             uninstalled?;
         }
@@ -114,9 +116,9 @@ pub fn measure(rig: &Rig, sides: &[Side; 2], trials: usize) -> anyhow::Result<Co
                 program,
                 runs_per_operation: first
                     .iter()
-                    .chain(&second)
                     .flatten()
                     .next_back()
+                    .or_else(|| second.iter().flatten().next_back())
                     .map_or(0.0, |sample| sample.runs_per_operation),
                 ns_per_run: [
                     all(&first, |sample| sample.ns_per_run),
@@ -133,9 +135,16 @@ pub fn measure(rig: &Rig, sides: &[Side; 2], trials: usize) -> anyhow::Result<Co
                         .collect(),
                 ),
                 difference_per_operation: Spread::of(
-                    pairs
-                        .iter()
-                        .map(|(one, other)| other.ns_per_operation - one.ns_per_operation)
+                    (0..trials)
+                        .map(|trial| {
+                            let time = |side: &[Option<Sample>]| {
+                                side.get(trial)
+                                    .copied()
+                                    .flatten()
+                                    .map_or(0.0, |sample| sample.ns_per_operation)
+                            };
+                            time(&second) - time(&first)
+                        })
                         .collect(),
                 ),
             }

@@ -20,7 +20,7 @@ use super::{
 };
 
 /// Interleaved trials by default.
-pub const TRIALS: usize = 9;
+pub const TRIALS: usize = 21;
 
 /// The programs on the steering path: where a query is counted (`connect4` and `sendmsg4` where
 /// the route is decided, egress for a connected socket's datagrams).
@@ -38,7 +38,7 @@ pub struct PerOperation {
     pub steering_ns: Spread,
     /// `dns_ingress`'s.
     pub ingress_ns: Spread,
-    /// Every program's.
+    /// Every program's that ran at least once per 100 operations.
     pub all_ns: Spread,
 }
 
@@ -96,7 +96,11 @@ pub fn summarize(comparison: Comparison, memory: Vec<TrackedSize>) -> WorkloadCo
                     comparison
                         .rows
                         .iter()
-                        .filter(|row| row.operation == *operation && pick(row.program))
+                        .filter(|row| {
+                            row.operation == *operation
+                                && row.runs_per_operation >= 0.01
+                                && pick(row.program)
+                        })
                         .map(|row| &row.difference_per_operation.trials),
                 )
             };
@@ -132,8 +136,8 @@ pub fn summarize(comparison: Comparison, memory: Vec<TrackedSize>) -> WorkloadCo
     }
 }
 
-/// The trial-by-trial sum of several programs' paired differences (trials the shortest of them
-/// lacks are left out).
+/// The trial-by-trial sum of several programs' paired differences (each in every trial, in
+/// order).
 fn paired_sum<'a>(rows: impl Iterator<Item = &'a Vec<f64>>) -> Spread {
     let rows: Vec<&Vec<f64>> = rows.collect();
     let trials = rows.iter().map(|trials| trials.len()).min().unwrap_or(0);

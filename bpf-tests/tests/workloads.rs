@@ -481,6 +481,15 @@ fn a_flooding_pod_is_held_to_its_rate_and_a_quiet_pod_beside_it_loses_nothing() 
         Duration::from_secs(10),
         |harness| Ok(harness.maps.exempt_cgroups().contains(&unlimited_id)),
     )?;
+    // Another quiet pod, on one kept socket, whose round trips are timed without the flood and
+    // beside it (printed, not asserted: timings are the bench's).
+    let steady = sandbox.cgroup().child("steady")?;
+    let mut kept = sandbox.held_client_idle(Ns::Pod, &steady, node_query(), 80, false)?;
+    let mut alone = Vec::new();
+    for _ in 0..40 {
+        alone.push(timed_ask(&mut kept)?);
+        std::thread::sleep(Duration::from_millis(25));
+    }
     let node = Query::new(dns(NODE_LISTENER), Transport::Udp);
 
     // The flood: one query after the other from fresh sockets, as fast as they are answered or
@@ -504,8 +513,10 @@ fn a_flooding_pod_is_held_to_its_rate_and_a_quiet_pod_beside_it_loses_nothing() 
         printed
     });
     let mut quiet_answers = Vec::new();
+    let mut beside = Vec::new();
     for _ in 0..40 {
         quiet_answers.extend(ask(sandbox, &quiet, node, 1)?);
+        beside.push(timed_ask(&mut kept)?);
         std::thread::sleep(Duration::from_millis(25));
     }
     bpf_tests::command::kill_pid(flood.id());
@@ -532,6 +543,21 @@ fn a_flooding_pod_is_held_to_its_rate_and_a_quiet_pod_beside_it_loses_nothing() 
         (calm.queries[ROUTE_CACHE], calm.queries[ROUTE_LIMITED]),
         (40, 0),
         "{calm:?}"
+    );
+    let calm = counted(&harness, steady.path())?.context("the kept socket was counted")?;
+    assert_eq!(
+        (calm.queries[ROUTE_CACHE], calm.queries[ROUTE_LIMITED]),
+        (80, 0),
+        "{calm:?}"
+    );
+    drop(kept);
+    eprintln!(
+        "a quiet pod's round trips on a kept socket (the client's pipe included): median {:?}, \
+         90th percentile {:?} alone; median {:?}, 90th percentile {:?} beside the flood",
+        percentile(&mut alone, 50),
+        percentile(&mut alone, 90),
+        percentile(&mut beside, 50),
+        percentile(&mut beside, 90)
     );
 
     // The flood got its burst and its rate, no more; the rest was refused at once, with the
@@ -628,6 +654,32 @@ fn a_flooding_pod_is_held_to_its_rate_and_a_quiet_pod_beside_it_loses_nothing() 
         },
     )?;
     Ok(())
+}
+
+/// A UDP query to the node listener.
+fn node_query() -> Query {
+    Query::new(dns(NODE_LISTENER), Transport::Udp)
+}
+
+/// One query of a held client, asserted answered by the cache, and how long it took.
+fn timed_ask(client: &mut bpf_tests::sandbox::HeldClient) -> anyhow::Result<Duration> {
+    let started = std::time::Instant::now();
+    let outcome = client.ask()?;
+    let took = started.elapsed();
+    anyhow::ensure!(
+        outcome.ok && who(outcome.answer()) == "cache",
+        "the kept socket's query: {outcome:?}"
+    );
+    Ok(took)
+}
+
+/// The `p`th percentile of `samples`.
+fn percentile(samples: &mut [Duration], p: usize) -> Duration {
+    samples.sort_unstable();
+    samples
+        .get((samples.len().saturating_sub(1)) * p / 100)
+        .copied()
+        .unwrap_or_default()
 }
 
 /// The cgroup the configuration exempts from the rate limit.

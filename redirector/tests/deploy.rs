@@ -171,6 +171,21 @@ fn host_mount_covering<'a>(
     })
 }
 
+/// Asserts that `subjects` are the base's ServiceAccount alone, with no namespace (the overlay
+/// sets it).
+fn binds_the_service_account(subjects: &[k8s_openapi::api::rbac::v1::Subject]) {
+    let service_account: ServiceAccount = manifest("serviceaccount.yaml");
+    assert_eq!(subjects.len(), 1);
+    assert_eq!(subjects[0].kind, "ServiceAccount");
+    assert_eq!(
+        Some(&subjects[0].name),
+        service_account.metadata.name.as_ref()
+    );
+    assert_eq!(
+        subjects[0].namespace, None,
+        "the overlay sets the subject's namespace"
+    );
+}
 #[test]
 fn every_manifest_keeps_its_fields_through_its_type() {
     let _: DaemonSet = manifest("daemonset.yaml");
@@ -565,18 +580,7 @@ fn rbac_grants_only_reading_endpointslices() {
     let binding: RoleBinding = manifest("rolebinding.yaml");
     assert_eq!(binding.role_ref.kind, "Role");
     assert_eq!(Some(&binding.role_ref.name), role.metadata.name.as_ref());
-    let service_account: ServiceAccount = manifest("serviceaccount.yaml");
-    let subjects = binding.subjects.as_deref().unwrap_or_default();
-    assert_eq!(subjects.len(), 1);
-    assert_eq!(subjects[0].kind, "ServiceAccount");
-    assert_eq!(
-        Some(&subjects[0].name),
-        service_account.metadata.name.as_ref()
-    );
-    assert_eq!(
-        subjects[0].namespace, None,
-        "the overlay sets the subject's namespace"
-    );
+    binds_the_service_account(binding.subjects.as_deref().unwrap_or_default());
 
     // Nothing cluster-wide anywhere under deploy/kubernetes but reading pods (the next test).
     let mut files = vec![repo().join("deploy/kubernetes")];
@@ -633,18 +637,7 @@ fn the_cluster_role_grants_only_reading_pods() {
     let binding: ClusterRoleBinding = manifest("clusterrolebinding.yaml");
     assert_eq!(binding.role_ref.kind, "ClusterRole");
     assert_eq!(Some(&binding.role_ref.name), role.metadata.name.as_ref());
-    let service_account: ServiceAccount = manifest("serviceaccount.yaml");
-    let subjects = binding.subjects.as_deref().unwrap_or_default();
-    assert_eq!(subjects.len(), 1);
-    assert_eq!(subjects[0].kind, "ServiceAccount");
-    assert_eq!(
-        Some(&subjects[0].name),
-        service_account.metadata.name.as_ref()
-    );
-    assert_eq!(
-        subjects[0].namespace, None,
-        "the overlay sets the subject's namespace"
-    );
+    binds_the_service_account(binding.subjects.as_deref().unwrap_or_default());
     // The agent's refusal names the files to apply.
     let pods = read("redirector/src/workloads/pods.rs");
     assert!(

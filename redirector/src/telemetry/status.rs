@@ -505,7 +505,7 @@ fn render_workloads(text: &mut String, workloads: &WorkloadsState) {
     let mut header = vec!["WORKLOAD".to_owned(), "QUERIES".to_owned()];
     header.extend(ROUTE_LABELS.iter().map(|route| route.to_uppercase()));
     header.extend(["REPLIES", "NXDOMAIN", "SERVFAIL"].map(str::to_owned));
-    let mut rows: Vec<[String; 10]> = vec![header.try_into().unwrap_or_default()];
+    let mut rows = vec![header];
     for workload in &workloads.busiest {
         let total = workload.total_queries();
         let mut row = vec![workload.workload.clone(), total.to_string()];
@@ -520,7 +520,7 @@ fn render_workloads(text: &mut String, workloads: &WorkloadsState) {
             percent(workload.nxdomain_share()),
             percent(workload.servfail_share()),
         ]);
-        rows.push(row.try_into().unwrap_or_default());
+        rows.push(row);
     }
     table(text, &rows);
 }
@@ -531,16 +531,17 @@ fn percent(share: f64) -> String {
 }
 
 /// Writes `rows` as left-aligned columns.
-fn table<const N: usize>(text: &mut String, rows: &[[String; N]]) {
-    let mut widths = [0usize; N];
+pub(super) fn table<R: AsRef<[String]>>(text: &mut String, rows: &[R]) {
+    let columns = rows.iter().map(|row| row.as_ref().len()).max().unwrap_or(0);
+    let mut widths = vec![0usize; columns];
     for row in rows {
-        for (width, cell) in widths.iter_mut().zip(row) {
+        for (width, cell) in widths.iter_mut().zip(row.as_ref()) {
             *width = (*width).max(cell.chars().count());
         }
     }
     for row in rows {
         let mut line = String::new();
-        for (cell, width) in row.iter().zip(widths) {
+        for (cell, width) in row.as_ref().iter().zip(&widths) {
             let _ = write!(line, "{cell:<width$}  ");
         }
         text.push_str(line.trim_end());

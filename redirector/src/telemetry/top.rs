@@ -165,21 +165,7 @@ pub fn render(frame: &Frame) -> String {
     if frame.rows.is_empty() {
         rows.push(vec!["(no workload asked in this window)".to_owned()]);
     }
-    let columns = rows.iter().map(Vec::len).max().unwrap_or(0);
-    let mut widths = vec![0; columns];
-    for row in &rows {
-        for (width, cell) in widths.iter_mut().zip(row) {
-            *width = (*width).max(cell.chars().count());
-        }
-    }
-    for row in &rows {
-        let mut line = String::new();
-        for (cell, width) in row.iter().zip(&widths) {
-            let _ = write!(line, "{cell:<width$}  ");
-        }
-        text.push_str(line.trim_end());
-        text.push('\n');
-    }
+    super::status::table(&mut text, &rows);
     text
 }
 

@@ -138,12 +138,6 @@ impl WorkloadCounters {
         self.flags & WORKLOAD_FLAG_EXEMPT != 0
     }
 
-    /// Whether the rate limit never holds this cgroup.
-    #[must_use]
-    pub const fn is_unlimited(&self) -> bool {
-        self.flags & WORKLOAD_FLAG_UNLIMITED != 0
-    }
-
     /// Every query, whatever its route.
     #[must_use]
     pub fn total_queries(&self) -> u64 {

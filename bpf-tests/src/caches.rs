@@ -83,14 +83,33 @@ pub fn start_cache_at(
     address: SocketAddr,
 ) -> anyhow::Result<()> {
     let cgroup = sandbox.skipped_cgroup().path().to_owned();
+    start_cache_in(sandbox, kind, name, address, &cgroup)
+}
+
+/// The same, in `cgroup` (below the attach point): a cache restarted in a new cgroup at every
+/// restart, as a kubelet restarts a container. The test server starts in the cache's cgroup only.
+pub fn start_cache_in(
+    sandbox: &mut Sandbox,
+    kind: CacheKind,
+    name: &str,
+    address: SocketAddr,
+    cgroup: &std::path::Path,
+) -> anyhow::Result<()> {
+    let cgroup = cgroup.to_owned();
     match kind {
-        CacheKind::TestServer => sandbox.start_cache(
-            name,
-            &CacheSpec {
-                listen: vec![address],
-                ..CacheSpec::standard()
-            },
-        ),
+        CacheKind::TestServer => {
+            anyhow::ensure!(
+                cgroup == sandbox.skipped_cgroup().path(),
+                "the test server starts as the cache in the cache's cgroup only"
+            );
+            sandbox.start_cache(
+                name,
+                &CacheSpec {
+                    listen: vec![address],
+                    ..CacheSpec::standard()
+                },
+            )
+        }
         CacheKind::Dnsmasq => {
             let args: Vec<String> = [
                 "--keep-in-foreground",
@@ -98,7 +117,8 @@ pub fn start_cache_at(
                 "--no-resolv",
                 "--no-hosts",
                 "--bind-interfaces",
-                "--user=root",
+                // As its package runs it: root binds, then it drops to its own user.
+                "--user=dnsmasq",
                 "--pid-file=",
                 "--log-facility=-",
                 "--cache-size=0",
@@ -124,7 +144,7 @@ pub fn start_cache_at(
             let config = sandbox.write_file(
                 &format!("unbound-{name}.conf"),
                 &format!(
-                    "server:\n  interface: {ip}\n  port: {port}\n  do-daemonize: no\n  username: \"\"\n  chroot: \"\"\n  directory: \"/tmp\"\n  pidfile: \"\"\n  use-syslog: no\n  logfile: \"\"\n  verbosity: 1\n  num-threads: 1\n  access-control: 0.0.0.0/0 allow\n  local-zone: \"test.\" static\n  local-data: \"probe.redirector.test. 0 IN A {a}\"\nremote-control:\n  control-enable: no\n",
+                    "server:\n  interface: {ip}\n  port: {port}\n  do-daemonize: no\n  username: \"unbound\"\n  chroot: \"\"\n  directory: \"/tmp\"\n  pidfile: \"\"\n  use-syslog: no\n  logfile: \"\"\n  verbosity: 1\n  num-threads: 1\n  access-control: 0.0.0.0/0 allow\n  local-zone: \"test.\" static\n  local-data: \"probe.redirector.test. 0 IN A {a}\"\nremote-control:\n  control-enable: no\n",
                     ip = address.ip(),
                     port = address.port(),
                     a = CACHE.a,

@@ -22,5 +22,6 @@ pub mod netns;
 pub mod pace;
 pub mod resolvers;
 pub mod sandbox;
+pub mod shipped;
 pub mod stream;
 pub mod topology;

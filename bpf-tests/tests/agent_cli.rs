@@ -9,7 +9,7 @@ use bpf_tests::{
     command::output_within,
     harness::write_standard_config,
     sandbox::{Ns, Query, Sandbox, Transport, redirector_bin},
-    tools,
+    shipped, tools,
     topology::{NODE_LISTENER, dns, who},
 };
 
@@ -234,69 +234,21 @@ fn a_start_without_a_needed_capability_names_it() -> anyhow::Result<()> {
 fn the_capabilities_the_unit_grants_steer_and_fail_over() -> anyhow::Result<()> {
     // What deploy/systemd/redirector.service grants (the DaemonSet adds the same, which
     // redirector/tests/deploy.rs checks), and nothing else in the bounding set.
-    let unit = std::fs::read_to_string(
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../deploy/systemd/redirector.service"),
-    )?;
-    let granted: Vec<String> = unit
-        .lines()
-        .find_map(|line| line.strip_prefix("CapabilityBoundingSet="))
-        .ok_or_else(|| anyhow::anyhow!("the unit has no CapabilityBoundingSet"))?
-        .split_whitespace()
-        .map(|name| name.trim_start_matches("CAP_").to_lowercase())
-        .collect();
-    assert!(!granted.is_empty());
-    let bounding = format!("--bounding-set=-all,+{}", granted.join(",+"));
-
     let mut sandbox = Sandbox::new(tools!())?;
     sandbox.start_standard_servers()?;
     // The unit's agent runs in the node's namespace, with no cache_netns to enter (that would
-    // need CAP_SYS_ADMIN, which the unit leaves out): nsenter puts it there.
-    let node = sandbox.node_netns_path().display().to_string();
-    let in_node = sandbox
-        .config_toml(&bpf_tests::harness::standard_listeners(&sandbox))
-        .replace(&format!("cache_netns = {node:?}\n"), "");
-    assert!(!in_node.contains("cache_netns"), "{in_node}");
-    let config = sandbox.write_file("config.toml", &in_node)?;
-    let mut command = Command::new("nsenter");
-    command
-        .arg(format!("--net={node}"))
-        .arg("setpriv")
-        .arg(&bounding)
-        .arg(redirector_bin())
-        .args(["run", "--config", &config.display().to_string()]);
-    let mut agent = bpf_tests::command::TestProcess::start(
-        "redirector run (the unit's capabilities)",
-        command,
-        "redirector is steering",
-        Duration::from_secs(30),
+    // need CAP_SYS_ADMIN, which the unit leaves out).
+    let in_node = shipped::in_node(
+        &sandbox,
+        &sandbox.config_toml(&bpf_tests::harness::standard_listeners(&sandbox)),
     )?;
-    let status = std::fs::read_to_string(format!("/proc/{}/status", agent.pid()))?;
-    let effective = status
-        .lines()
-        .find_map(|line| line.strip_prefix("CapEff:"))
-        .map(str::trim)
-        .ok_or_else(|| anyhow::anyhow!("no CapEff"))?;
-    let effective = u64::from_str_radix(effective, 16)?;
-    let bits = [
-        ("net_admin", 12),
-        ("sys_admin", 21),
-        ("perfmon", 38),
-        ("bpf", 39),
-    ];
-    let mut expected = 0u64;
-    for name in &granted {
-        let (_, bit) = bits
-            .iter()
-            .find(|(known, _)| known == name)
-            .ok_or_else(|| {
-                anyhow::anyhow!("the unit grants {name}, which this test does not know")
-            })?;
-        expected |= 1 << bit;
-    }
+    let config = sandbox.write_file("config.toml", &in_node)?;
+    let mut agent = shipped::start_agent(&sandbox, &config)?;
     assert_eq!(
-        effective, expected,
-        "the agent runs with exactly {granted:?}"
+        shipped::effective_capabilities(agent.pid())?,
+        shipped::expected_capabilities()?,
+        "the agent runs with exactly {:?}",
+        shipped::capabilities()?
     );
     assert_eq!(answered_by(&sandbox)?, "cache");
     sandbox.stop_server("cache")?;
@@ -306,14 +258,7 @@ fn the_capabilities_the_unit_grants_steer_and_fail_over() -> anyhow::Result<()> 
         "failed over in the kernel"
     );
     bpf_tests::cli::stop_agent(&mut agent)?;
-    // In the node's namespace too: its nftables table is there.
-    let mut uninstall = Command::new("nsenter");
-    uninstall
-        .arg(format!("--net={node}"))
-        .arg(redirector_bin())
-        .args(["uninstall", "--config", &config.display().to_string()]);
-    let output = output_within(&mut uninstall, Duration::from_secs(30))?;
-    assert!(output.status.success(), "{output:?}");
+    shipped::uninstall(&sandbox, &config)?;
     assert_eq!(sandbox.attached_programs()?, "");
     Ok(())
 }

@@ -3,25 +3,30 @@
 //! long-lived unconnected socket. The tests assert who answered and that no answer is missing
 //! after the flip; the timing figures they print belong to the benchmark, not to assertions.
 
-use std::time::Duration;
+use std::{os::unix::fs::MetadataExt as _, time::Duration};
 
 use bpf_tests::{
-    caches::{CacheKind, Corefile, start_cache},
+    caches::{CacheKind, Corefile, start_cache, start_cache_in},
+    cgroup::TestCgroup,
     cli::{set_state, start_agent, stop_agent},
     dns::now_ms,
     harness::{
-        CLUSTER_ID, Harness, NODE_ID, V6_ID, answered_by, standard_listeners, write_standard_config,
+        CLUSTER_ID, Harness, NODE_ID, V6_ID, answered_by, standard_listeners, wait_for_cache,
+        write_standard_config,
     },
     pace::{paced, paced_ms, pause},
     sandbox::{CacheSpec, Ns, Sandbox},
+    shipped,
     stream::{Stream, StreamReport},
     tools,
     topology::{NODE_LISTENER, dns},
 };
 use nix::sys::signal::Signal;
+use redirector::datapath::Maps;
 use redirector_common::{
     binds::{MARKED, UNMARKED},
     listener::{HEALTH_UP, Reason, Route},
+    workloads::MAX_EXEMPT_CGROUPS,
 };
 
 /// A harness whose only cache is `kind` on the node listener, and both upstreams.
@@ -264,29 +269,42 @@ fn sigterm_and_restart_of_coredns_in_lameduck_fail_over_and_back() -> anyhow::Re
 }
 
 /// The first SIGTERM of a cache that was running before the agent started (every node at first
-/// install): under 1 query/ms (fresh sockets and one kept socket), the agent knows the cache
-/// from its start, so the signal moves the listener before the cache closes anything and no
-/// query sent after the signal is lost. Before the agent looked for the caches' holders, such
-/// a cache was unknown to the signal program and lost 2 (dnsmasq) or 3-4 (unbound).
+/// install), the cache run as its package runs it and the agent as shipped (`shipped`: it can
+/// read neither the cache's descriptors nor its pid namespace's processes): under 1 query/ms
+/// (fresh sockets and one kept socket), the programs know the cache from its first read after
+/// the agent's start (its first probe), so the signal moves the listener before the cache closes
+/// anything and no query sent after the signal is lost. An agent that had to find it in /proc
+/// never knew it with these capabilities (its last close moved the DNS), and before that such a
+/// cache lost 2 (dnsmasq) or 3-4 (unbound).
 fn first_sigterm_of_a_cache_older_than_the_agent(kind: CacheKind) -> anyhow::Result<()> {
-    let mut harness = harness_with(kind)?;
+    let mut sandbox = Sandbox::new(tools!())?;
+    start_cache(&mut sandbox, kind, "cache")?;
+    sandbox.start_upstreams()?;
+    let config = shipped::in_node(
+        &sandbox,
+        &sandbox.config_toml(&standard_listeners(&sandbox)),
+    )?;
+    let config = sandbox.write_file("config.toml", &config)?;
+    let mut agent = shipped::start_agent(&sandbox, &config)?;
+    wait_for_cache(&sandbox, "the shipped agent confirms the cache")?;
     let stream = Stream::start_with(
-        &harness.sandbox,
+        &sandbox,
         Ns::Pod,
         dns(NODE_LISTENER),
         paced(Duration::from_secs(4)),
         &["--kinds", "fresh,long", "--interval-ms", "2"],
     )?;
     pause(1000);
-    harness.sandbox.process("cache")?.signal(Signal::SIGTERM)?;
+    sandbox.process("cache")?.signal(Signal::SIGTERM)?;
     let signalled = now_ms();
-    harness
-        .sandbox
+    sandbox
         .process("cache")?
         .wait_exit(Duration::from_secs(5))?;
     let report = stream.finish()?;
-    let activity = harness.maps.cache_activity(NODE_ID)?;
+    let activity = Maps::open_pinned(&sandbox.pin_dir())?.cache_activity(NODE_ID)?;
     report.assert_signal_lost_nothing_after(signalled, &activity, &format!("{kind:?}"));
+    stop_agent(&mut agent)?;
+    shipped::uninstall(&sandbox, &config)?;
     Ok(())
 }
 
@@ -720,7 +738,7 @@ fn the_agents_probes_are_never_steered() -> anyhow::Result<()> {
     )?;
     assert_eq!(set_state(&sandbox, "node", "upstream")?.code, 0);
     pause(1500);
-    let maps = redirector::datapath::Maps::open_pinned(&sandbox.pin_dir())?;
+    let maps = Maps::open_pinned(&sandbox.pin_dir())?;
     assert_eq!(
         maps.health(NODE_ID)?.verdict,
         HEALTH_UP,
@@ -826,13 +844,13 @@ fn a_restart_keeps_the_pinned_verdict_until_the_probes_turn_it() -> anyhow::Resu
     // not the two that fail over; the pinned verdict stands until the second.
     sandbox.process("cache")?.signal(Signal::SIGSTOP)?;
     let agent = start_agent(&config)?;
-    let maps = redirector::datapath::Maps::open_pinned(&sandbox.pin_dir())?;
+    let maps = Maps::open_pinned(&sandbox.pin_dir())?;
     let health = maps.health(NODE_ID)?;
     assert_eq!(
         health.verdict, HEALTH_UP,
         "one failed probe at start decided the verdict"
     );
-    let reason = |maps: &redirector::datapath::Maps| -> anyhow::Result<&'static str> {
+    let reason = |maps: &Maps| -> anyhow::Result<&'static str> {
         redirector::telemetry::snapshot::listeners(maps)?
             .into_iter()
             .find(|listener| listener.name == "node")
@@ -896,7 +914,7 @@ fn an_answer_from_a_cache_that_died_meanwhile_does_not_vouch_for_its_successor()
         )
         .unwrap_or(0.0))
     };
-    let maps = redirector::datapath::Maps::open_pinned(&sandbox.pin_dir())?;
+    let maps = Maps::open_pinned(&sandbox.pin_dir())?;
     let epoch = maps.socket_counts(NODE_ID)?.down_epoch;
     assert_eq!(maps.health(NODE_ID)?.confirmed_epoch, epoch);
 
@@ -1076,5 +1094,73 @@ fn a_slow_upstream_stays_in_the_pool_while_a_hung_one_leaves() -> anyhow::Result
     };
     assert_eq!((up(a), up(b)), (Some(false), Some(true)), "{states:?}");
     assert_eq!(answered_by(&harness.sandbox)?, "upstream B");
+    Ok(())
+}
+
+/// Restarts of a cache, each in a new cgroup (as a kubelet restarts a container), while no agent
+/// runs: the programs record every life's process (`post_bind`), 300 of them, far more than the
+/// kernel's exempt set holds. An agent started then, as shipped, forgets the lives whose cgroups
+/// are gone (a process lives only in a cgroup that exists), writes an exempt set of the caches
+/// that live, and so starts, steers to the cache, fails over at its kill -9 and fails back at its
+/// next life. Before, every start failed writing `WORKLOAD_EXEMPT` (E2BIG).
+#[test]
+fn three_hundred_cache_restarts_in_new_cgroups_never_stop_an_agent_start() -> anyhow::Result<()> {
+    const RESTARTS: usize = 300;
+    let mut sandbox = Sandbox::new(tools!())?;
+    sandbox.start_upstreams()?;
+    let config = shipped::in_node(
+        &sandbox,
+        &sandbox.config_toml(&standard_listeners(&sandbox)),
+    )?;
+    let config = sandbox.write_file("config.toml", &config)?;
+    // The programs attached and pinned; then no agent while the cache restarts.
+    let mut agent = shipped::start_agent(&sandbox, &config)?;
+    stop_agent(&mut agent)?;
+    let node = dns(NODE_LISTENER);
+    let life = |sandbox: &mut Sandbox, index: usize| -> anyhow::Result<TestCgroup> {
+        let cgroup = sandbox.skipped_cgroup().child(&format!("life-{index}"))?;
+        start_cache_in(sandbox, CacheKind::Dnsmasq, "cache", node, cgroup.path())?;
+        Ok(cgroup)
+    };
+    for index in 0..RESTARTS {
+        let cgroup = life(&mut sandbox, index)?;
+        sandbox.stop_server("cache")?;
+        // Removed once its process is gone, as the runtime removes a container's.
+        drop(cgroup);
+    }
+    let recorded = Maps::open_pinned(&sandbox.pin_dir())?.known_cache_tasks();
+    assert!(
+        recorded.len() >= MAX_EXEMPT_CGROUPS,
+        "the programs recorded {} of the {RESTARTS} lives: no more than the exempt set holds",
+        recorded.len()
+    );
+
+    let cgroup = life(&mut sandbox, RESTARTS)?;
+    let mut agent = shipped::start_agent(&sandbox, &config)?;
+    wait_for_cache(&sandbox, "the agent confirms the cache's latest life")?;
+    let maps = Maps::open_pinned(&sandbox.pin_dir())?;
+    let live_cgroup = std::fs::metadata(cgroup.path())?.ino();
+    let recorded = maps.known_cache_tasks();
+    assert!(
+        !recorded.is_empty()
+            && recorded
+                .iter()
+                .all(|(_, task)| task.cgroup_id == live_cgroup),
+        "the record holds only the live cache: {recorded:?}"
+    );
+    assert!(maps.exempt_cgroups().contains(&live_cgroup));
+    sandbox.stop_server("cache")?;
+    assert!(
+        answered_by(&sandbox)?.starts_with("upstream"),
+        "failed over in the kernel"
+    );
+    drop(cgroup);
+    let _cgroup = life(&mut sandbox, RESTARTS + 1)?;
+    wait_for_cache(
+        &sandbox,
+        "the agent gives the cache's next life its DNS back",
+    )?;
+    stop_agent(&mut agent)?;
+    shipped::uninstall(&sandbox, &config)?;
     Ok(())
 }

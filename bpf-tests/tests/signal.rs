@@ -10,9 +10,10 @@ use bpf_tests::{
     cli::{start_agent, stop_agent, uninstall},
     command::TestProcess,
     dns::now_ms,
-    harness::{NODE_ID, answered_by, wait_for_cache, write_standard_config},
+    harness::{NODE_ID, answered_by, standard_listeners, wait_for_cache, write_standard_config},
     pace::{paced_ms, pause, wait_until},
     sandbox::{CacheSpec, Ns, Sandbox},
+    shipped,
     stream::{Stream, StreamReport},
     tools,
     topology::{NODE_LISTENER, dns},
@@ -332,17 +333,22 @@ fn an_exec_in_a_multithreaded_cache_moves_dns_until_the_probes_confirm_it() -> a
     Ok(())
 }
 
-/// A dnsmasq started after the agent that daemonizes, as dnsmasq does by default: the process
-/// that bound its sockets exits, and its grandchild serves them. The programs recorded the binder;
-/// the agent learns the server from the sockets it holds (within a reconcile pass or two of their
-/// binding), so its first SIGTERM, under a query every 2 ms from fresh and kept sockets, moves
-/// the DNS before it closes a socket: nothing sent after the signal is lost.
+/// A dnsmasq started after the agent that daemonizes and drops to its own user, as its package
+/// runs it: the process that bound its sockets exits, and its grandchild serves them. The agent
+/// runs as shipped (`shipped`: it cannot read the daemon's descriptors). The programs recorded
+/// the binder at its binds and record the server at its first read (the agent's probe), so its
+/// first SIGTERM, under a query every 2 ms from fresh and kept sockets, moves the DNS before it
+/// closes a socket: nothing sent after the signal is lost.
 #[test]
-fn a_cache_that_daemonized_is_known_by_the_process_that_holds_its_sockets() -> anyhow::Result<()> {
+fn a_cache_that_daemonized_is_known_by_the_process_that_reads_its_sockets() -> anyhow::Result<()> {
     let mut sandbox = Sandbox::new(tools!())?;
     sandbox.start_upstreams()?;
-    let config = write_standard_config(&sandbox)?;
-    let mut agent = start_agent(&config)?;
+    let config = shipped::in_node(
+        &sandbox,
+        &sandbox.config_toml(&standard_listeners(&sandbox)),
+    )?;
+    let config = sandbox.write_file("config.toml", &config)?;
+    let mut agent = shipped::start_agent(&sandbox, &config)?;
 
     let pid_file = sandbox.write_file("dnsmasq.pid", "")?;
     let mut command = sandbox.netns(Ns::Node).command("dnsmasq");
@@ -352,7 +358,7 @@ fn a_cache_that_daemonized_is_known_by_the_process_that_holds_its_sockets() -> a
             "--no-resolv",
             "--no-hosts",
             "--bind-interfaces",
-            "--user=root",
+            "--user=dnsmasq",
             "--log-facility=/dev/null",
             "--cache-size=0",
             &format!("--pid-file={}", pid_file.display()),
@@ -393,7 +399,7 @@ fn a_cache_that_daemonized_is_known_by_the_process_that_holds_its_sockets() -> a
     );
     wait_for_cache(&sandbox, "the agent confirms the daemonized cache")?;
     wait_until(
-        "the agent learns the process that holds the cache's sockets",
+        "the programs learn the process that reads the cache's sockets",
         Duration::from_secs(10),
         Duration::from_millis(50),
         || {
@@ -422,7 +428,8 @@ fn a_cache_that_daemonized_is_known_by_the_process_that_holds_its_sockets() -> a
     let report = stream.finish()?;
     let activity = Maps::open_pinned(&sandbox.pin_dir())?.cache_activity(NODE_ID)?;
     report.assert_signal_lost_nothing_after(signalled, &activity, "the daemonized dnsmasq");
+    assert_eq!(activity.signalled, 1, "{activity:?}");
     stop_agent(&mut agent)?;
-    uninstall(&config)?;
+    shipped::uninstall(&sandbox, &config)?;
     Ok(())
 }

@@ -6,15 +6,18 @@ use std::{net::SocketAddr, os::unix::fs::MetadataExt as _, path::Path, time::Dur
 
 use anyhow::Context as _;
 use bpf_tests::{
+    caches::{CacheKind, start_cache},
     cgroup::{KubeletCgroups, TestCgroup},
-    cli::redirector,
+    cli::{redirector, stop_agent},
     dns::QueryOutcome,
-    harness::{CLUSTER_ID, Harness, standard_listeners},
+    harness::{CLUSTER_ID, Harness, standard_listeners, wait_for_cache},
     http::sample,
+    pace::wait_until,
     sandbox::{Ns, Query, Sandbox, Transport, redirector_bin},
-    tools,
+    shipped, tools,
     topology::{CLUSTER_LISTENER, NODE_LISTENER, UPSTREAM_A_V4, dns, who},
 };
+use redirector::datapath::Maps;
 use redirector_common::{
     settings::Mode,
     workloads::{
@@ -273,6 +276,61 @@ fn two_pods_get_exact_counts_by_route_and_rcode_and_exempt_cgroups_none() -> any
 /// What operators read, from the same counts: `status` and the metrics name each pod by the UID
 /// in its cgroup's name (both kubelet drivers), and `top` shows the busiest live in a terminal.
 /// Userspace over the kernel paths the test above takes: left to the host by the VMs.
+/// A cache that was running before the agent, run as its package runs it (dnsmasq drops to its
+/// own user), in a cgroup no listener skips (NodeLocal DNSCache's layout: the cache is a pod of
+/// its own), with the agent as shipped (`shipped`: it can read neither the cache's descriptors nor
+/// another pid namespace's processes). The programs learn the cache at its first read after the
+/// agent's start and exempt its cgroup, so its own DNS (a forwarding cache's queries to its
+/// upstreams, their replies) is no workload's: before, such a cache was counted as a workload
+/// (its forwarded queries as `direct`, their replies by rcode).
+#[test]
+fn a_cache_older_than_the_shipped_agent_is_no_workload() -> anyhow::Result<()> {
+    let mut sandbox = Sandbox::new(tools!())?;
+    start_cache(&mut sandbox, CacheKind::Dnsmasq, "cache")?;
+    sandbox.start_upstreams()?;
+    let listeners = format!(
+        "{}\n[workloads]\ninterval_ms = 1000\n",
+        unskipped_listeners(&sandbox)
+    );
+    let config = shipped::in_node(&sandbox, &sandbox.config_toml(&listeners))?;
+    let config = sandbox.write_file("config.toml", &config)?;
+    let mut agent = shipped::start_agent(&sandbox, &config)?;
+    wait_for_cache(&sandbox, "the shipped agent confirms the cache")?;
+    let cache = cgroup_id(sandbox.skipped_cgroup().path())?;
+    let pin_dir = sandbox.pin_dir();
+    wait_until(
+        "the programs learn the cache at its reads and exempt its cgroup",
+        Duration::from_secs(10),
+        Duration::from_millis(50),
+        || {
+            let maps = Maps::open_pinned(&pin_dir)?;
+            Ok(maps.exempt_cgroups().contains(&cache)
+                && maps
+                    .known_cache_tasks()
+                    .iter()
+                    .any(|(_, task)| task.cgroup_id == cache))
+        },
+    )?;
+    // The cache's own DNS: five queries from its cgroup straight to an upstream, as a forwarding
+    // cache sends them.
+    let direct = Query::new(dns(UPSTREAM_A_V4), Transport::UdpConnected);
+    let answers = ask(&sandbox, sandbox.skipped_cgroup(), direct, 5)?;
+    assert!(
+        answers
+            .iter()
+            .all(|answer| answer.starts_with("upstream A")),
+        "{answers:?}"
+    );
+    let counts = Maps::open_pinned(&pin_dir)?.workload_counts()?;
+    assert!(
+        counts.iter().all(|(id, _)| *id != cache),
+        "the cache's cgroup was counted as a workload: {counts:?}"
+    );
+    stop_agent(&mut agent)?;
+    shipped::uninstall(&sandbox, &config)?;
+    Ok(())
+}
+
 #[test]
 fn status_the_metrics_and_top_name_each_pod_by_its_cgroup() -> anyhow::Result<()> {
     let harness = Harness::start(tools!(), Sandbox::start_standard_servers, |sandbox| {

@@ -36,7 +36,7 @@ use crate::{
         fetch_or_u64, fetching,
     },
     clock::coarse_now,
-    context,
+    context, liveness,
     maps::{
         CACHE_ACTIVITY, CACHE_PENDING, CACHE_PORTS, CACHE_READERS, CACHE_SOCKETS, DATAPATH_CONFIG,
         SOCKET_COUNTS, STALL_TIMING,
@@ -204,15 +204,13 @@ fn stamp_unread(id: u32) {
 }
 
 /// `recvmsg`: when the reading socket is a counted cache socket, notes the read for each of its
-/// listeners that has a query stamped unread (`CACHE_PENDING`). Any other socket returns after
-/// its bound port is checked against `CACHE_PORTS`, and a cache's read while no stamp waits (all
-/// but about one a tick under load) after one more load.
+/// listeners that has a query stamped unread (`CACHE_PENDING`), and, at the socket's first read
+/// since the agent started, the reading process as a cache (`reader_listeners`). Any other
+/// socket returns after its bound port is checked against `CACHE_PORTS`; a cache's read after
+/// its socket's storage lookup, and, while no stamp waits (all but about one a tick under load),
+/// one more load.
 #[inline(always)]
 pub fn note_cache_read(ctx: &SockAddrContext) {
-    // Reads matter only to the stall detection (see `cache_stalled`).
-    if !fetching() {
-        return;
-    }
     // SAFETY: `sk` is always set in sock_addr programs (a full socket, readable as `bpf_sock`);
     // `src_port` is its bound port in host byte order.
     let port = unsafe {
@@ -221,6 +219,13 @@ pub fn note_cache_read(ctx: &SockAddrContext) {
     };
     let (word, bit) = reply_port_bit((port as u16).to_be());
     if CACHE_PORTS.get(word).is_none_or(|ports| *ports & bit == 0) {
+        return;
+    }
+    // Every read looks at its socket's listeners, so that the first read of each cache socket
+    // records its reader, stamps or not, with or without the fetching atomics.
+    let listeners = reader_listeners(ctx);
+    // The rest matters only to the stall detection (see `cache_stalled`).
+    if listeners == 0 || !fetching() {
         return;
     }
     let Some(pending) = CACHE_PENDING.get_ptr_mut(0) else {
@@ -232,7 +237,7 @@ pub fn note_cache_read(ctx: &SockAddrContext) {
         return;
     }
     // A bit set after this load is caught by the socket's next read.
-    let listeners = reader_listeners(ctx) & wanted;
+    let listeners = listeners & wanted;
     if listeners == 0 {
         return;
     }
@@ -247,6 +252,13 @@ pub fn note_cache_read(ctx: &SockAddrContext) {
 /// storage while that is of the current generation; else from `CACHE_SOCKETS` by cookie, kept in
 /// the storage for the socket's next reads (created at its first, a non-cache socket's too, so
 /// that a DNS server of another namespace on the same port pays one storage lookup as well).
+///
+/// A cache socket's first read of a generation (every agent start begins one) records the
+/// reading process as a cache of those listeners (`liveness::record_task`), as `post_bind`
+/// records a binder: the process that serves a socket is known at its reads, in the kernel,
+/// whatever pid namespace the agent runs in and whatever it may read of `/proc`. So a cache that
+/// was running before the programs, or one that daemonized after binding, is known from its
+/// first query after the agent's start on (the agent's first probe is one).
 #[inline(always)]
 fn reader_listeners(ctx: &SockAddrContext) -> u64 {
     let Some(config) = DATAPATH_CONFIG.get(0) else {
@@ -264,6 +276,9 @@ fn reader_listeners(ctx: &SockAddrContext) -> u64 {
     let listeners = CACHE_SOCKETS
         .get_ptr(context::socket_cookie(ctx))
         .map_or(0, |entry| unsafe { (*entry).listeners });
+    if listeners != 0 {
+        liveness::record_task(listeners);
+    }
     let mut fresh = CacheReader {
         listeners,
         generation,

@@ -5,7 +5,8 @@
 //! cgroup `sock` hooks: `post_bind4`/`post_bind6` since 4.17, `sock_release` since 5.9;
 //! `bpf_get_netns_cookie` and `bpf_get_socket_cookie` for them since 5.7 and 5.10,
 //! `bpf_sk_storage_get` since 5.9 (f7c6cb1d9728), `bpf_get_current_pid_tgid` and
-//! `bpf_get_current_cgroup_id` since 5.7 (the binding process, for the signal program).
+//! `bpf_get_current_cgroup_id` since 5.7 (the binding process, for the signal program; in
+//! sock_addr programs since 5.7 too, for the reading one).
 
 use core::ptr::{self, addr_of, addr_of_mut, read_volatile, write_volatile};
 
@@ -115,16 +116,17 @@ pub fn try_count_bind(ctx: &SockContext, family: BindFamily) -> Option<()> {
     Some(())
 }
 
-/// Remembers the binding process as a cache of `listeners`, so that a terminating signal
-/// delivered to it fails them over (`signal.rs`). Binds are in process context: the current task
-/// is the binder. Two binds of one process on two CPUs (a cache opening its listeners from
+/// Remembers the current process as a cache of `listeners`, so that a terminating signal
+/// delivered to it fails them over (`signal.rs`): the binder of a cache socket (binds are in
+/// process context: the current task is the binder), and a cache socket's reader
+/// (`activity::reader_listeners`; `recvmsg` runs in the reading task). Two binds of one process on two CPUs (a cache opening its listeners from
 /// several threads) must both leave their bits: the entry is created whole only when absent
 /// (`BPF_NOEXIST`), and an existing one of the same process gains bits by an atomic OR. A pid
 /// reused by another cgroup's process is overwritten. Without fetching atomics (`fetching`),
 /// a read then a write: two binds that race may leave one listener's bit unset (the socket count
 /// still moves that listener at the cache's last close).
 #[inline(always)]
-fn record_task(listeners: u64) {
+pub fn record_task(listeners: u64) {
     // SAFETY: plain helper calls.
     let (pid_tgid, cgroup_id) =
         unsafe { (bpf_get_current_pid_tgid(), bpf_get_current_cgroup_id()) };

@@ -5,14 +5,14 @@ use std::path::{Path, PathBuf};
 
 use redirector_common::{
     datapath::{MAX_CGROUP_LEVEL, listener_bit},
-    workloads::{EXEMPT_ACCOUNTING, EXEMPT_RATE_LIMIT},
+    workloads::{EXEMPT_ACCOUNTING, EXEMPT_RATE_LIMIT, MAX_EXEMPT_CGROUPS},
 };
 use tracing::{debug, info, warn};
 
 use super::AgentError;
 use crate::{
     config::{Config, WorkloadSettings},
-    datapath::{ExemptEntry, Maps, SkipEntry},
+    datapath::{ExemptEntry, ExemptOverflow, Maps, SkipEntry},
     sys::cgroup::{self, Cgroup},
 };
 
@@ -104,6 +104,22 @@ pub(super) fn with_caches(
         }
     }
     entries
+}
+
+/// Says that `overflow` left exempt cgroups out of `WORKLOAD_EXEMPT` for want of room: their
+/// DNS is counted as a workload's (and a listed one may be rate-limited), which no query's route
+/// depends on.
+pub(super) fn tell_overflow(overflow: ExemptOverflow) {
+    if overflow.left_out == 0 {
+        return;
+    }
+    warn!(
+        left_out = overflow.left_out,
+        capacity = MAX_EXEMPT_CGROUPS,
+        "more cgroups are exempt than the kernel's exempt set holds (the skipped cgroups, the \
+         agent's, the listed ones, then the caches' that live); those left out are counted as \
+         workloads: list fewer in workloads.exempt_cgroups and workloads.rate_limit_exempt_cgroups"
+    );
 }
 
 /// A configured list of exempt cgroups: its key and paths.

@@ -36,7 +36,9 @@ use aya::{
 };
 pub use clock::{TickClock, TickError};
 pub use error::DatapathError;
-pub use maps::{ExemptEntry, Journal, ListenerEntry, ListenerTotals, Maps, SkipEntry, target_of};
+pub use maps::{
+    ExemptEntry, ExemptOverflow, Journal, ListenerEntry, ListenerTotals, Maps, SkipEntry, target_of,
+};
 pub use migrate::Copied;
 use pins::{
     LINKS_DIR, MAPS_DIR, STAGED_MAPS_DIR, link_slots, pinned_names, remove_dir_if_empty,

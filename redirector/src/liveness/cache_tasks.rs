@@ -20,7 +20,11 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use crate::sys::cgroup;
+use crate::{
+    datapath::{DatapathError, Maps},
+    sys::cgroup,
+    workloads::cgroups,
+};
 
 /// A process that holds cache sockets.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -80,6 +84,49 @@ pub fn holders(sockets: &HashMap<u64, u64>, netns: Option<&Path>) -> Vec<Holder>
         }
     }
     found
+}
+
+/// The processes the programs know as caches (`CACHE_TASKS`: the binders and readers of cache
+/// sockets), each with those of its listeners among `listeners` (the listeners whose cache
+/// sockets are open): what the agent knows of the caches' processes where it cannot read theirs.
+#[must_use]
+pub fn recorded(maps: &Maps, listeners: u64) -> Vec<Holder> {
+    maps.known_cache_tasks()
+        .into_iter()
+        .filter(|(_, task)| task.listeners & listeners != 0)
+        .map(|(tgid, task)| Holder {
+            tgid,
+            cgroup_id: task.cgroup_id,
+            listeners: task.listeners & listeners,
+        })
+        .collect()
+}
+
+/// Forgets the processes known as caches (`CACHE_TASKS`) whose cgroup is gone, so that the
+/// record, and the exempt cgroups the agent writes from it, hold the caches that live rather than
+/// every cache that ever ran: a cache whose container a kubelet restarts runs in a new cgroup at
+/// every restart. A process always lives in a cgroup that exists, so an entry whose cgroup is
+/// gone stands for no process. Only entries read before the walk of the hierarchy (on a blocking
+/// thread) are judged, since a cgroup made during the walk may be missed by it; none when the
+/// walk could not see the whole hierarchy. Returns how many went.
+///
+/// # Errors
+///
+/// A map that cannot be read or written.
+pub async fn forget_gone(maps: &mut Maps) -> Result<usize, DatapathError> {
+    let known = maps.cache_task_cgroups();
+    if known.is_empty() {
+        return Ok(0);
+    }
+    // A walk that could not finish judges nothing.
+    let Ok(Some(existing)) = tokio::task::spawn_blocking(cgroups::every_id).await else {
+        return Ok(0);
+    };
+    let gone: Vec<(u32, u64)> = known
+        .into_iter()
+        .filter(|(_, cgroup)| !existing.contains(cgroup))
+        .collect();
+    maps.forget_cache_tasks_of(&gone)
 }
 
 /// The listeners of the cache sockets among the descriptors of `process` (`/proc/PID`).

@@ -208,17 +208,25 @@ fn cache_holders(
         );
     }
     let holders = cache_tasks::holders(&sockets, cache_netns);
-    if holders.is_empty() {
+    if !holders.is_empty() {
+        return (holders, None);
+    }
+    // Where the caches' processes are not visible in /proc, or their descriptors cannot be read
+    // (the shipped capabilities): the processes the programs saw bind or read those sockets.
+    let open = sockets.values().fold(0, |bits, listeners| bits | listeners);
+    let recorded = cache_tasks::recorded(maps, open);
+    if recorded.is_empty() {
         return (
             Vec::new(),
             Some(
-                "no process was seen holding the caches' sockets (this drain runs where the \
-                 caches' processes are not visible in /proc, or cannot read their descriptors)"
+                "no process was seen holding the caches' sockets (none is visible in /proc here, \
+                 and the programs have not yet seen a cache bind or read one since the agent \
+                 started)"
                     .to_owned(),
             ),
         );
     }
-    (holders, None)
+    (recorded, None)
 }
 
 /// Ends the drains of `caches`' listeners; says which ended.

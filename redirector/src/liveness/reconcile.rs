@@ -189,8 +189,11 @@ impl Reconciler {
         Ok(report)
     }
 
-    /// Records the processes that hold the live cache sockets as caches (`cache_tasks`): at a
-    /// seed, while the sockets change, and every `HOLDERS_EVERY` passes.
+    /// Records the processes that hold the live cache sockets as caches (`cache_tasks`), and
+    /// forgets those whose cgroup is gone (`cache_tasks::forget_gone`): at a seed, while the
+    /// sockets change (a cache's new life), and every `HOLDERS_EVERY` passes. The programs
+    /// record the caches' binders and readers themselves; this adds the holders the agent can see
+    /// in `/proc` (with the privilege to read other processes' descriptors).
     async fn learn_holders(
         &mut self,
         maps: &mut Maps,
@@ -205,6 +208,13 @@ impl Reconciler {
             return Ok(());
         }
         self.since_holders = 0;
+        let gone = super::cache_tasks::forget_gone(maps).await?;
+        if gone > 0 {
+            debug!(
+                processes = gone,
+                "forgot the processes known as caches whose cgroups are gone"
+            );
+        }
         let sockets: HashMap<u64, u64> = live
             .iter()
             .filter_map(|(cookie, entry)| {

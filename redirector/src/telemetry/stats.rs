@@ -49,15 +49,18 @@ pub enum ErrorKind {
     KubeApi,
     /// Reading the workloads' DNS counts from the kernel's maps failed.
     WorkloadRead,
+    /// More cgroups were exempt than the kernel's exempt set holds: some were left out.
+    ExemptOverflow,
 }
 
 impl ErrorKind {
     /// Every kind, in the order metrics list them.
-    pub const ALL: [Self; 4] = [
+    pub const ALL: [Self; 5] = [
         Self::PoolWrite,
         Self::Nftables,
         Self::KubeApi,
         Self::WorkloadRead,
+        Self::ExemptOverflow,
     ];
 
     /// The `kind` label of `redirector_errors_total`.
@@ -68,6 +71,7 @@ impl ErrorKind {
             Self::Nftables => "nftables",
             Self::KubeApi => "kube_api",
             Self::WorkloadRead => "workload_read",
+            Self::ExemptOverflow => "exempt_overflow",
         }
     }
 }

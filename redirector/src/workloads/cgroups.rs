@@ -137,6 +137,38 @@ pub fn scan(root: &Path, prefix: &str, limits: ScanLimits) -> Result<Scan, ScanE
     Ok(found)
 }
 
+/// The mount of this machine's cgroup v2 hierarchy: the one of the whole hierarchy, else the
+/// first one mountinfo lists.
+fn hierarchy_mount() -> Result<cgroup::Cgroup2Mount, CgroupError> {
+    let mut mounts = cgroup::mounts()?;
+    if mounts.is_empty() {
+        return Err(CgroupError::NoCgroup2);
+    }
+    let whole = mounts
+        .iter()
+        .position(|mount| mount.root == Path::new("/"))
+        .unwrap_or(0);
+    Ok(mounts.swap_remove(whole))
+}
+
+/// The id of the hierarchy's root cgroup: its directory's inode number, the first kernfs gives.
+const ROOT_CGROUP_ID: u64 = 1;
+
+/// The id of every cgroup of this machine, by one walk of a mount of the whole hierarchy (told
+/// by its directory's id, which holds also where mountinfo shows the root relative to a cgroup
+/// namespace, as in a container); `None` when the walk cannot see all of it (no such mount, a
+/// limit reached, a directory it could not read): then no cgroup can be said gone. A cgroup made
+/// while the walk runs may be missed: a caller asks only of cgroups it knew before the walk.
+#[must_use]
+pub fn every_id() -> Option<std::collections::HashSet<u64>> {
+    let mounts = cgroup::mounts().ok()?;
+    let whole = mounts.iter().find(|mount| {
+        std::fs::metadata(&mount.mount_point).is_ok_and(|dir| dir.ino() == ROOT_CGROUP_ID)
+    })?;
+    let found = scan(&whole.mount_point, "", ScanLimits::default()).ok()?;
+    (!found.truncated && found.unreadable == 0).then(|| found.paths.into_keys().collect())
+}
+
 impl Scan {
     fn count_unreadable(&mut self, error: &std::io::Error) {
         if error.kind() != std::io::ErrorKind::NotFound {
@@ -204,12 +236,7 @@ impl CgroupNames {
     /// An index of this machine's cgroup v2 hierarchy, found in mountinfo as the agent's
     /// attachment point is (the mount of the whole hierarchy, else the first one).
     pub fn open(limits: ScanLimits, rescan_after: Duration) -> Result<Self, CgroupError> {
-        let mounts = cgroup::mounts()?;
-        let mount = mounts
-            .iter()
-            .find(|mount| mount.root == Path::new("/"))
-            .or_else(|| mounts.first())
-            .ok_or(CgroupError::NoCgroup2)?;
+        let mount = hierarchy_mount()?;
         Ok(Self::with_prefix(
             &mount.mount_point,
             &mount.root.to_string_lossy(),
@@ -290,6 +317,14 @@ impl CgroupNames {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_id_holds_the_root_and_this_processs_cgroup() {
+        let ids = every_id().expect("a walk of this machine's whole cgroup v2 hierarchy");
+        assert!(ids.contains(&ROOT_CGROUP_ID));
+        let own = crate::sys::cgroup::own_cgroup().expect("this process's cgroup");
+        assert!(ids.contains(&own.id), "{} ({})", own.path.display(), own.id);
+    }
 
     /// A scratch directory that stands in for the cgroup mount, removed when dropped.
     struct Tree(PathBuf);

@@ -11,10 +11,10 @@ use super::{
     verdicts::{first_verdicts, static_pool},
 };
 use crate::{
-    agent::{AgentError, ListenerRuntime},
+    agent::{AgentError, ListenerRuntime, environment},
     config::Config,
     datapath::{self, Datapath, Journal, ListenerEntry, Maps},
-    liveness::{probe::Prober, reconcile::Reconciler},
+    liveness::{cache_tasks, probe::Prober, reconcile::Reconciler},
     sources::Upstream,
 };
 
@@ -57,9 +57,17 @@ impl Commit<'_> {
             maps.remove_listener(*id)?;
         }
         maps.configure(&self.skips, self.netns_cookie, self.layout_version)?;
-        // Every cgroup a cache bound from: the agent's first reading drops those gone.
-        let exempt = crate::agent::environment::with_caches(&self.exempt, maps, |_| true);
-        maps.set_exempt_cgroups(&exempt)?;
+        // The caches that live: however many came and went before this start (each restart of
+        // a kubelet's container is a new cgroup), the record and the exempt set hold those only.
+        let gone = cache_tasks::forget_gone(maps).await?;
+        if gone > 0 {
+            info!(
+                processes = gone,
+                "forgot the processes known as caches whose cgroups are gone"
+            );
+        }
+        let exempt = environment::with_caches(&self.exempt, maps, |_| true);
+        environment::tell_overflow(maps.set_exempt_cgroups(&exempt)?);
         maps.set_cache_binds(self.binds)?;
         for (listener, id) in config.listeners.iter().zip(self.ids) {
             let entry = ListenerEntry {

@@ -61,6 +61,7 @@ pub(super) fn read_workloads(
         rates: Rates::default(),
         maps: None,
         failing: false,
+        overflowing: false,
     };
     let interval = readings.settings.interval;
     Some(tokio::spawn(async move {
@@ -104,6 +105,8 @@ struct Readings {
     limited: LimitedWorkloads,
     /// Whether the last reading failed (a failure is told when it starts).
     failing: bool,
+    /// Whether the last reading left exempt cgroups out of the kernel's set.
+    overflowing: bool,
 }
 
 impl Readings {
@@ -177,7 +180,14 @@ impl Readings {
             }),
             None => environment::with_caches(&exempt, maps, |_| true),
         };
-        maps.set_exempt_cgroups(&exempt)?;
+        let overflow = maps.set_exempt_cgroups(&exempt)?;
+        let overflowing = overflow.left_out > 0;
+        // Told and counted once for each run of readings that leave cgroups out.
+        if overflowing && !self.overflowing {
+            environment::tell_overflow(overflow);
+            self.stats.record_error(ErrorKind::ExemptOverflow);
+        }
+        self.overflowing = overflowing;
         Ok(())
     }
 }

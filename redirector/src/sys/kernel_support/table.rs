@@ -344,6 +344,18 @@ pub const FEATURES: &[KernelFeature] = &[
         },
     },
     KernelFeature {
+        id: "sock_addr_current_pid_tgid",
+        name: "`bpf_get_current_pid_tgid` in sock_addr programs",
+        used_for: "the process that reads a cache socket, known as a cache whatever the agent may see of it",
+        since: KernelVersion::new(5, 7, 0),
+        need: Need::Required,
+        probe: Probe::Helpers,
+        uses: Uses::Helpers {
+            programs: SOCK_ADDR,
+            helpers: &[BpfHelper::BPF_FUNC_get_current_pid_tgid],
+        },
+    },
+    KernelFeature {
         id: "cgroup_link",
         name: "cgroup `bpf_link`",
         used_for: "attachments pinned across restarts, next to other owners' programs",

@@ -18,7 +18,7 @@ pub struct CliOutput {
     pub stderr: String,
 }
 
-/// Runs `redirector ARGS` to completion.
+/// Runs `redirector ARGS` to completion (for at most 30 s, stretched by [`crate::pace`]).
 pub fn redirector(args: &[&str]) -> anyhow::Result<CliOutput> {
     redirector_with_env(args, &[])
 }
@@ -50,7 +50,8 @@ pub fn set_state(sandbox: &Sandbox, listener: &str, mode: &str) -> anyhow::Resul
     ])
 }
 
-/// Starts `redirector run --config CONFIG` and waits until it steers.
+/// Starts `redirector run --config CONFIG` and waits until it steers (for at most 30 s,
+/// stretched by [`crate::pace`]: an agent's start takes about 20 times longer under qemu's TCG).
 pub fn start_agent(config: &std::path::Path) -> anyhow::Result<TestProcess> {
     start_agent_with(config, &[], &[])
 }
@@ -83,7 +84,8 @@ pub fn start_agent_of(
     )
 }
 
-/// Stops an agent with SIGTERM (it leaves its pins) and waits until it has exited.
+/// Stops an agent with SIGTERM (it leaves its pins) and waits until it has exited (for at most
+/// 10 s, stretched by [`crate::pace`]).
 pub fn stop_agent(agent: &mut TestProcess) -> anyhow::Result<()> {
     agent.signal(nix::sys::signal::Signal::SIGTERM)?;
     agent.wait_exit(Duration::from_secs(10))?;

@@ -14,7 +14,8 @@ use anyhow::{Context as _, bail};
 
 use crate::pace::paced;
 
-/// Runs `program args` to completion and returns its stdout; fails with its stderr otherwise.
+/// Runs `program args` to completion (for at most 30 s, stretched by [`crate::pace`]) and returns
+/// its stdout; fails with its stderr otherwise.
 pub fn run<I, S>(program: &str, args: I) -> anyhow::Result<String>
 where
     I: IntoIterator<Item = S>,
@@ -33,7 +34,8 @@ where
     Ok(String::from_utf8_lossy(&output.stdout).into_owned())
 }
 
-/// Runs `command` and collects its output, killing it (by pid) after `limit`.
+/// Runs `command` and collects its output, killing it (by pid) after `limit` stretched by
+/// [`crate::pace`] (give the host's figure).
 pub fn output_within(command: &mut Command, limit: Duration) -> anyhow::Result<Output> {
     let limit = paced(limit);
     command
@@ -91,13 +93,16 @@ pub struct TestProcess {
     name: String,
     child: Child,
     lines: mpsc::Receiver<String>,
+    /// Lines taken from `lines` by [`Self::wait_output_closed`] that [`Self::drain`] has not
+    /// returned yet.
+    unread: Vec<String>,
     /// Every line consumed from `lines` so far.
     printed: Vec<String>,
 }
 
 impl TestProcess {
     /// Starts `command` and waits until it prints (on stdout or stderr) a line containing
-    /// `ready`.
+    /// `ready`, for at most `limit` stretched by [`crate::pace`] (give the host's figure).
     pub fn start(
         name: &str,
         mut command: Command,
@@ -120,6 +125,7 @@ impl TestProcess {
             name: name.to_owned(),
             child,
             lines,
+            unread: Vec::new(),
             printed: Vec::new(),
         };
         process.wait_for_line(ready, limit)?;
@@ -128,7 +134,8 @@ impl TestProcess {
 
     /// Every line printed so far and not yet consumed.
     pub fn drain(&mut self) -> Vec<String> {
-        let fresh: Vec<String> = self.lines.try_iter().collect();
+        let mut fresh = std::mem::take(&mut self.unread);
+        fresh.extend(self.lines.try_iter());
         self.printed.extend(fresh.iter().cloned());
         fresh
     }
@@ -139,12 +146,16 @@ impl TestProcess {
         &self.printed
     }
 
-    /// Waits until the process prints a line containing `needle`; returns that line. On failure
-    /// the error quotes what it printed.
+    /// Waits until the process prints a line containing `needle`, for at most `limit` stretched by
+    /// [`crate::pace`] (give the host's figure); returns that line. On failure the error quotes
+    /// what it printed.
     pub fn wait_for_line(&mut self, needle: &str, limit: Duration) -> anyhow::Result<String> {
         let limit = paced(limit);
         let deadline = std::time::Instant::now() + limit;
-        let mut seen = Vec::new();
+        let mut seen = self.drain();
+        if let Some(line) = seen.iter().find(|line| line.contains(needle)) {
+            return Ok(line.clone());
+        }
         loop {
             let left = deadline.saturating_duration_since(std::time::Instant::now());
             let received = self.lines.recv_timeout(left);
@@ -184,7 +195,13 @@ impl TestProcess {
             .with_context(|| format!("sending {signal} to {}", self.name))
     }
 
-    /// Waits for the process to exit, up to `limit`.
+    /// Whether the process has exited, and how (without waiting).
+    pub fn exited(&mut self) -> anyhow::Result<Option<std::process::ExitStatus>> {
+        self.child.try_wait().context("checking on the process")
+    }
+
+    /// Waits for the process to exit, for at most `limit` stretched by [`crate::pace`] (give the
+    /// host's figure).
     pub fn wait_exit(&mut self, limit: Duration) -> anyhow::Result<std::process::ExitStatus> {
         let limit = paced(limit);
         let deadline = std::time::Instant::now() + limit;
@@ -196,6 +213,20 @@ impl TestProcess {
                 bail!("{} did not exit within {limit:?}", self.name);
             }
             std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Once the process has exited, waits until its output has been read to the end (the reader
+    /// threads deliver its last lines after the exit), for at most `limit` stretched by
+    /// [`crate::pace`]: past it (a child of its own still holds the pipes), what came is kept.
+    pub fn wait_output_closed(&mut self, limit: Duration) {
+        let deadline = std::time::Instant::now() + paced(limit);
+        loop {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(line) => self.unread.push(line),
+                Err(_) => return,
+            }
         }
     }
 }
@@ -217,5 +248,72 @@ impl Drop for TestProcess {
             kill_pid(self.child.id());
         }
         let _ = self.child.wait();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shell(script: &str) -> Command {
+        let mut command = Command::new("sh");
+        command.args(["-c", script]);
+        command
+    }
+
+    /// With the factor at 4, a command's time limit, a wait for a ready line and a wait for an
+    /// exit each give up after four times the limit they were given, and say so.
+    #[test]
+    fn the_process_waits_stretch_by_the_factor() {
+        if !crate::pace::rerun_with_slowdown(
+            "command::tests::the_process_waits_stretch_by_the_factor",
+            4,
+        ) {
+            return;
+        }
+        let limit = Duration::from_millis(10);
+
+        let begun = std::time::Instant::now();
+        let error =
+            output_within(&mut shell("exec sleep 5"), limit).expect_err("sleep outlasts it");
+        assert!(begun.elapsed() >= paced(limit), "{:?}", begun.elapsed());
+        assert!(error.to_string().contains("within 40ms"), "{error}");
+
+        let error = TestProcess::start("silent", shell("exec sleep 5"), "ready", limit)
+            .expect_err("it never prints");
+        assert!(error.to_string().contains("within 40ms"), "{error}");
+
+        let mut process = TestProcess::start(
+            "lingering",
+            shell("echo ready; exec sleep 5"),
+            "ready",
+            Duration::from_secs(10),
+        )
+        .expect("it prints ready");
+        let begun = std::time::Instant::now();
+        let error = process.wait_exit(limit).expect_err("it sleeps on");
+        assert!(begun.elapsed() >= paced(limit), "{:?}", begun.elapsed());
+        assert!(error.to_string().contains("within 40ms"), "{error}");
+    }
+
+    /// The lines a process printed just before it exited are all read once its output closes.
+    #[test]
+    fn every_line_printed_before_the_exit_is_read_once_the_output_closes() {
+        let mut process = TestProcess::start(
+            "printer",
+            shell("echo ready; seq 1 500"),
+            "ready",
+            Duration::from_secs(10),
+        )
+        .expect("it prints ready");
+        let status = process
+            .wait_exit(Duration::from_secs(10))
+            .expect("it exits");
+        assert!(status.success(), "{status}");
+        process.wait_output_closed(Duration::from_secs(10));
+        let lines = process.drain();
+        assert_eq!(lines.len(), 500, "{lines:?}");
+        assert_eq!(lines.last().map(String::as_str), Some("500"));
+        assert_eq!(process.printed().len(), 501);
     }
 }

@@ -22,6 +22,10 @@ pub struct Stream {
 impl Stream {
     /// Starts a stream from `ns`, in the sandbox's cgroup, to `server`, for `duration`, from fresh
     /// sockets and one long-lived unconnected socket.
+    ///
+    /// `duration` is not stretched: it must outlast the caller's events, which the caller paces
+    /// ([`crate::pace::pause`]), so stretch it with them ([`paced`]). A stream that
+    /// [`Self::stop_once`] ends is given a ceiling (stretched as well), which it never reaches.
     pub fn start(
         sandbox: &Sandbox,
         ns: Ns,
@@ -94,29 +98,44 @@ impl Stream {
             .collect()
     }
 
-    /// Waits for the stream to end and returns its records (every one, polled or not).
+    /// Waits for the stream to end (for at most 120 s past its duration's end, stretched by
+    /// [`crate::pace`]) and returns its records (every one, polled or not).
     pub fn finish(mut self) -> anyhow::Result<StreamReport> {
         let status = self.process.wait_exit(Duration::from_secs(120))?;
         anyhow::ensure!(status.success(), "dns-stream failed: {status}");
-        // The reader threads deliver the last lines right after the exit.
-        std::thread::sleep(Duration::from_millis(50));
+        self.process.wait_output_closed(Duration::from_secs(5));
         self.report()
     }
 
     /// Waits until the records so far satisfy `done` (for at most `limit`, stretched by
-    /// [`crate::pace`]), then ends the stream early (SIGTERM: a query still in flight is not
-    /// recorded) and returns its records. For streams whose events take as long as they take.
+    /// [`crate::pace`]: give the host's figure), then ends the stream early (SIGTERM: a query
+    /// still in flight is not recorded) and returns its records. For streams whose events take
+    /// as long as they take. Fails at once, and says so, when the stream's duration ran out
+    /// first.
     pub fn stop_once(
         mut self,
         what: &str,
         limit: Duration,
         mut done: impl FnMut(&StreamReport) -> bool,
     ) -> anyhow::Result<StreamReport> {
-        let deadline = std::time::Instant::now() + paced(limit);
+        let limit = paced(limit);
+        let deadline = std::time::Instant::now() + limit;
         loop {
             let report = self.report()?;
             if done(&report) {
                 break;
+            }
+            if let Some(status) = self.process.exited()? {
+                self.process.wait_output_closed(Duration::from_secs(5));
+                let report = self.report()?;
+                anyhow::ensure!(status.success(), "dns-stream failed: {status}");
+                anyhow::ensure!(
+                    done(&report),
+                    "{what} did not happen before the stream's duration ran out (give it a \
+                     longer one, stretched by the pace): {}",
+                    report.summary()
+                );
+                return Ok(report);
             }
             anyhow::ensure!(
                 std::time::Instant::now() < deadline,
@@ -131,7 +150,7 @@ impl Stream {
             status.success() || status.signal() == Some(libc::SIGTERM),
             "dns-stream failed: {status}"
         );
-        std::thread::sleep(Duration::from_millis(50));
+        self.process.wait_output_closed(Duration::from_secs(5));
         self.report()
     }
 

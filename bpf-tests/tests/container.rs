@@ -526,7 +526,7 @@ fn uninstall_in_container(
         &DAEMONSET,
         &["uninstall", "--config", "/etc/redirector/config.toml"],
     )?;
-    let output = bpf_tests::command::output_within(&mut command, paced(Duration::from_secs(60)))?;
+    let output = bpf_tests::command::output_within(&mut command, Duration::from_secs(60))?;
     assert!(output.status.success(), "{output:?}");
     assert_eq!(sandbox.attached_programs()?, "");
     Ok(())
@@ -553,7 +553,7 @@ fn under_the_runtimes_default_seccomp_profile_the_agent_names_what_refuses_bpf()
         },
         RUN,
     )?;
-    let output = bpf_tests::command::output_within(&mut command, paced(Duration::from_secs(60)))?;
+    let output = bpf_tests::command::output_within(&mut command, Duration::from_secs(60))?;
     let said = format!(
         "{}{}",
         String::from_utf8_lossy(&output.stdout),

@@ -36,12 +36,13 @@ fn restarts_under_a_query_stream_lose_no_query_and_keep_state() -> anyhow::Resul
     assert_eq!(set_state(&sandbox, "cluster", "upstream")?.code, 0);
 
     // Ended once the last agent has failed back: an agent's start takes as long as the machine
-    // makes it (20 times longer under qemu's TCG than on the host).
+    // makes it (20 times longer under qemu's TCG than on the host), so the ceiling is stretched
+    // with the pace, as the waits are.
     let stream = Stream::start(
         &sandbox,
         Ns::Pod,
         dns(NODE_LISTENER),
-        Duration::from_secs(120),
+        paced(Duration::from_secs(120)),
     )?;
     let mut events = Vec::new();
     pause(800);
@@ -906,7 +907,7 @@ fn after_a_reboot_dns_fails_only_until_the_agents_first_start() -> anyhow::Resul
         &sandbox,
         Ns::Pod,
         dns(NODE_LISTENER),
-        Duration::from_secs(120),
+        paced(Duration::from_secs(120)),
     )?;
     pause(1000);
     let spawned = now_ms();
@@ -988,7 +989,7 @@ fn with_the_cache_socket_table_full_a_restarted_cache_is_served_upstream_until_e
     let agent = start_agent(&config)?;
     wait_until(
         "the cache serves",
-        paced(Duration::from_secs(5)),
+        Duration::from_secs(5),
         Duration::from_millis(50),
         || Ok(answered_by(&sandbox)? == "cache"),
     )?;
@@ -1051,7 +1052,7 @@ fn with_the_cache_socket_table_full_a_restarted_cache_is_served_upstream_until_e
     let freed = now_ms();
     wait_until(
         "the recount gives the cache its DNS back",
-        paced(Duration::from_secs(15)),
+        Duration::from_secs(15),
         Duration::from_millis(100),
         || Ok(answered_by(&sandbox)? == "cache"),
     )?;

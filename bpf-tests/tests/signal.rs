@@ -91,7 +91,7 @@ fn signal_moves_dns_with_nothing_lost(sandbox: &mut Sandbox) -> anyhow::Result<(
         sandbox,
         Ns::Pod,
         dns(NODE_LISTENER),
-        Duration::from_secs(120),
+        bpf_tests::pace::paced(Duration::from_secs(120)),
         &["--kinds", "fresh,connected,long"],
     )?;
     pause(500);

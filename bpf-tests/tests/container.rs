@@ -353,9 +353,24 @@ fn the_image_steers_fails_over_and_is_adopted_by_its_next_container() -> anyhow:
     let tables = sandbox.netns(Ns::Node).run("nft", &["list", "tables"])?;
     assert!(tables.contains("redirector"), "{tables}");
 
-    // A dead cache fails over in the kernel; its successor is probed back from the container.
+    // The cache was running before the agent, whose container sees no host process: the
+    // programs know it all the same, from its reads of the agent's probes.
+    let cache_pid = sandbox.process("cache")?.pid();
+    let maps = redirector::datapath::Maps::open_pinned(&sandbox.pin_dir())?;
+    assert!(
+        maps.known_cache_tasks().iter().any(|(tgid, _)| *tgid == cache_pid),
+        "the cache {cache_pid} is not known: {:?}",
+        maps.known_cache_tasks()
+    );
+    // A dead cache fails over in the kernel (at its SIGKILL, the signal program); its successor
+    // is probed back from the container.
     sandbox.stop_server("cache")?;
     assert_eq!(answered_by(&sandbox)?, "upstream", "failed over");
+    assert_eq!(
+        maps.cache_activity(bpf_tests::harness::NODE_ID)?.signalled,
+        1,
+        "the cache's SIGKILL moved its DNS"
+    );
     sandbox.start_cache("cache", &CacheSpec::standard())?;
     wait_answered_by(&sandbox, "cache", Duration::from_secs(10))?;
 

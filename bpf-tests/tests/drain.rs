@@ -15,8 +15,9 @@ use bpf_tests::{
     cli::{CliOutput, redirector, set_state, start_agent, uninstall},
     dns::now_ms,
     harness::{NODE_ID, agent_serving_from_cache, answered_by, node_reason, wait_for_cache},
-    pace::{paced_ms, pause, wait_until},
+    pace::{paced, paced_ms, pause, wait_until},
     sandbox::{CacheSpec, Ns, Sandbox},
+    shipped,
     stream::{Stream, StreamReport},
     tools,
     topology::{CLUSTER_LISTENER, NODE_LISTENER, dns},
@@ -283,7 +284,7 @@ fn a_sidecar_drains_at_its_sigterm_over_the_agents_socket() -> anyhow::Result<()
     assert_eq!(node_reason(&sandbox)?, "healthy");
     let pid = Pid::from_raw(i32::try_from(sidecar.id())?);
     signal::kill(pid, Signal::SIGTERM)?;
-    let deadline = std::time::Instant::now() + bpf_tests::pace::paced(Duration::from_secs(20));
+    let deadline = std::time::Instant::now() + paced(Duration::from_secs(20));
     while sidecar.try_wait()?.is_none() {
         if std::time::Instant::now() > deadline {
             sidecar.kill()?;
@@ -415,6 +416,8 @@ fn wait_for_both(sandbox: &Sandbox, what: &str) -> anyhow::Result<()> {
 /// sockets holds the cluster's too: queries to the cluster listener are answered upstream, not
 /// by the cache, and the reply names the process. Streams to both, from every socket kind, lose
 /// nothing from before the drain until the cache's next life, which gets both listeners back.
+/// The agent runs as shipped (`shipped`): it cannot read the cache's descriptors, which was
+/// running before it, and groups the listeners by the programs' record of the cache's reads.
 #[test]
 fn one_drain_moves_every_listener_of_the_cache_process_and_its_next_life_gets_both_back()
 -> anyhow::Result<()> {
@@ -425,11 +428,12 @@ fn one_drain_moves_every_listener_of_the_cache_process_and_its_next_life_gets_bo
     };
     sandbox.start_cache("cache", &cache)?;
     sandbox.start_upstreams()?;
-    let config = sandbox.write_file(
-        "config.toml",
+    let config = shipped::in_node(
+        &sandbox,
         &sandbox.config_toml(&two_listeners(&sandbox, "169.254.10.11:53")),
     )?;
-    let mut agent = start_agent(&config)?;
+    let config = sandbox.write_file("config.toml", &config)?;
+    let mut agent = shipped::start_agent(&sandbox, &config)?;
     wait_for_both(&sandbox, "the agent confirms the cache on both listeners")?;
     let pid = sandbox.process("cache")?.pid();
     // Two streams: a query every 10 ms from each socket kind of each (stretched in a slower
@@ -440,7 +444,7 @@ fn one_drain_moves_every_listener_of_the_cache_process_and_its_next_life_gets_bo
         Stream::open_loop(
             &sandbox,
             dns(listener),
-            Duration::from_secs(120),
+            paced(Duration::from_secs(120)),
             paced_ms(10),
         )
     };
@@ -504,7 +508,7 @@ fn one_drain_moves_every_listener_of_the_cache_process_and_its_next_life_gets_bo
         restart.assert_nothing_lost(&report, name, agent.printed());
     }
     drop(agent);
-    uninstall(&config)?;
+    shipped::uninstall(&sandbox, &config)?;
     Ok(())
 }
 

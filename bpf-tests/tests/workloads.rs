@@ -149,8 +149,9 @@ fn two_pods_get_exact_counts_by_route_and_rcode_and_exempt_cgroups_none() -> any
     let exempt = sandbox.cgroup().child(EXEMPT)?;
     // The agent sees it exist at a reading and forgets every count then (exemptions are decided
     // when a cgroup is first counted): waited for before anything is counted.
-    // So is the cache's cgroup, which no listener skips: the agent found the cache by its
-    // sockets (it was there before the agent).
+    // So is the cache's cgroup, which no listener skips: the cache was there before the agent,
+    // and the programs know it by its reads (as shipped: `a_cache_older_than_the_shipped_agent_
+    // is_no_workload`).
     let exempt_id = cgroup_id(exempt.path())?;
     let cache_id = cgroup_id(sandbox.skipped_cgroup().path())?;
     harness.wait_until(
@@ -219,8 +220,8 @@ fn two_pods_get_exact_counts_by_route_and_rcode_and_exempt_cgroups_none() -> any
         "{answers:?}"
     );
 
-    // The cache's cgroup (no listener skips it: exempt as the cgroup a cache bound from, which
-    // the agent found at its start) and the listed one, once the agent has seen it exist.
+    // The cache's cgroup (no listener skips it: exempt as the cgroup of a process that read a
+    // cache socket) and the listed one, once the agent has seen it exist.
     let sandbox = &harness.sandbox;
     for cgroup in [sandbox.skipped_cgroup(), &exempt] {
         let answers = ask(sandbox, cgroup, direct, 2)?;

@@ -322,7 +322,7 @@ mod tests {
     fn every_id_holds_the_root_and_this_processs_cgroup() {
         let ids = every_id().expect("a walk of this machine's whole cgroup v2 hierarchy");
         assert!(ids.contains(&ROOT_CGROUP_ID));
-        let own = crate::sys::cgroup::own_cgroup().expect("this process's cgroup");
+        let own = cgroup::own_cgroup().expect("this process's cgroup");
         assert!(ids.contains(&own.id), "{} ({})", own.path.display(), own.id);
     }
 

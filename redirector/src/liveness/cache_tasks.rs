@@ -1,13 +1,14 @@
-//! Which processes hold the caches' sockets, so that the signal program knows a cache however
-//! and whenever it started. `post_bind` records the process that binds a cache socket, which
-//! misses a cache that was running before the programs (every node at first install, and at an
-//! upgrade from a release before the signal program), the child of a cache that daemonizes after
-//! binding (the binder exits, its child serves), worker processes that inherit a listener's
-//! sockets, and processes the LRU evicted. Here the agent finds every process that holds a
-//! counted cache socket (by the socket's inode, in `/proc/PID/fd`) and records it in
-//! `CACHE_TASKS` as the programs would: at its start, before the programs are attached, and at
-//! the socket reconcile passes that follow a change of the caches' sockets (a new life), with a
-//! full look now and then for what else the table lost.
+//! Which processes are the caches (`CACHE_TASKS`), for the signal program, the exempt set and
+//! drains. The programs record them in the kernel: the process that binds a cache socket
+//! (`post_bind`) and the one that reads it (`recvmsg`, at each socket's first read after every
+//! agent start), which covers a cache that was running before the programs, one that daemonized
+//! after binding and one whose pid namespace the agent cannot see, with the shipped capabilities
+//! (see `redirector-ebpf/src/activity.rs`). Here the agent adds what only it can see, where it
+//! may read other processes' descriptors (`CAP_SYS_PTRACE`, more than shipped): the processes
+//! that hold a counted cache socket (by the socket's inode, in `/proc/PID/fd`), which includes a
+//! cache outside the attach cgroup, whose reads the programs do not see; at its start, at the
+//! socket reconcile passes that follow a change of the caches' sockets, and now and then. And it
+//! keeps the record to the caches that live (`forget_gone`).
 //!
 //! Only processes in the caches' network namespace are looked into (a socket belongs to the
 //! namespace it was made in; one passed to a process of another namespace is missed). A cache

@@ -7,7 +7,11 @@
 //! it knows from the kernel, as on a node. The runtime's part (dropping every other capability
 //! before the exec) is `setpriv`'s, as the container tests' runtime does it.
 
-use std::{path::Path, process::Command, time::Duration};
+use std::{
+    path::{Path, PathBuf},
+    process::Command,
+    time::Duration,
+};
 
 use anyhow::Context as _;
 
@@ -72,6 +76,18 @@ pub fn start_agent(sandbox: &Sandbox, config: &Path) -> anyhow::Result<TestProce
         "redirector is steering",
         Duration::from_secs(30),
     )
+}
+
+/// Writes the sandbox's configuration of `listeners` for the node's namespace ([`in_node`]) as
+/// `config.toml`, and starts the agent as shipped on it: the file (for `uninstall`) and the agent.
+pub fn start_agent_on(
+    sandbox: &Sandbox,
+    listeners: &str,
+) -> anyhow::Result<(PathBuf, TestProcess)> {
+    let config = in_node(sandbox, &sandbox.config_toml(listeners))?;
+    let config = sandbox.write_file("config.toml", &config)?;
+    let agent = start_agent(sandbox, &config)?;
+    Ok((config, agent))
 }
 
 /// `redirector uninstall` as shipped on `config`, which must succeed (its nftables table is in

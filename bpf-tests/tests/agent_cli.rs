@@ -238,12 +238,8 @@ fn the_capabilities_the_unit_grants_steer_and_fail_over() -> anyhow::Result<()> 
     sandbox.start_standard_servers()?;
     // The unit's agent runs in the node's namespace, with no cache_netns to enter (that would
     // need CAP_SYS_ADMIN, which the unit leaves out).
-    let in_node = shipped::in_node(
-        &sandbox,
-        &sandbox.config_toml(&bpf_tests::harness::standard_listeners(&sandbox)),
-    )?;
-    let config = sandbox.write_file("config.toml", &in_node)?;
-    let mut agent = shipped::start_agent(&sandbox, &config)?;
+    let (config, mut agent) =
+        shipped::start_agent_on(&sandbox, &bpf_tests::harness::standard_listeners(&sandbox))?;
     assert_eq!(
         shipped::effective_capabilities(agent.pid())?,
         shipped::expected_capabilities()?,

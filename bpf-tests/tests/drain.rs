@@ -428,12 +428,8 @@ fn one_drain_moves_every_listener_of_the_cache_process_and_its_next_life_gets_bo
     };
     sandbox.start_cache("cache", &cache)?;
     sandbox.start_upstreams()?;
-    let config = shipped::in_node(
-        &sandbox,
-        &sandbox.config_toml(&two_listeners(&sandbox, "169.254.10.11:53")),
-    )?;
-    let config = sandbox.write_file("config.toml", &config)?;
-    let mut agent = shipped::start_agent(&sandbox, &config)?;
+    let (config, mut agent) =
+        shipped::start_agent_on(&sandbox, &two_listeners(&sandbox, "169.254.10.11:53"))?;
     wait_for_both(&sandbox, "the agent confirms the cache on both listeners")?;
     let pid = sandbox.process("cache")?.pid();
     // Two streams: a query every 10 ms from each socket kind of each (stretched in a slower

@@ -280,12 +280,7 @@ fn first_sigterm_of_a_cache_older_than_the_agent(kind: CacheKind) -> anyhow::Res
     let mut sandbox = Sandbox::new(tools!())?;
     start_cache(&mut sandbox, kind, "cache")?;
     sandbox.start_upstreams()?;
-    let config = shipped::in_node(
-        &sandbox,
-        &sandbox.config_toml(&standard_listeners(&sandbox)),
-    )?;
-    let config = sandbox.write_file("config.toml", &config)?;
-    let mut agent = shipped::start_agent(&sandbox, &config)?;
+    let (config, mut agent) = shipped::start_agent_on(&sandbox, &standard_listeners(&sandbox))?;
     wait_for_cache(&sandbox, "the shipped agent confirms the cache")?;
     let stream = Stream::start_with(
         &sandbox,
@@ -1108,13 +1103,8 @@ fn three_hundred_cache_restarts_in_new_cgroups_never_stop_an_agent_start() -> an
     const RESTARTS: usize = 300;
     let mut sandbox = Sandbox::new(tools!())?;
     sandbox.start_upstreams()?;
-    let config = shipped::in_node(
-        &sandbox,
-        &sandbox.config_toml(&standard_listeners(&sandbox)),
-    )?;
-    let config = sandbox.write_file("config.toml", &config)?;
     // The programs attached and pinned; then no agent while the cache restarts.
-    let mut agent = shipped::start_agent(&sandbox, &config)?;
+    let (config, mut agent) = shipped::start_agent_on(&sandbox, &standard_listeners(&sandbox))?;
     stop_agent(&mut agent)?;
     let node = dns(NODE_LISTENER);
     let life = |sandbox: &mut Sandbox, index: usize| -> anyhow::Result<TestCgroup> {

@@ -343,12 +343,7 @@ fn an_exec_in_a_multithreaded_cache_moves_dns_until_the_probes_confirm_it() -> a
 fn a_cache_that_daemonized_is_known_by_the_process_that_reads_its_sockets() -> anyhow::Result<()> {
     let mut sandbox = Sandbox::new(tools!())?;
     sandbox.start_upstreams()?;
-    let config = shipped::in_node(
-        &sandbox,
-        &sandbox.config_toml(&standard_listeners(&sandbox)),
-    )?;
-    let config = sandbox.write_file("config.toml", &config)?;
-    let mut agent = shipped::start_agent(&sandbox, &config)?;
+    let (config, mut agent) = shipped::start_agent_on(&sandbox, &standard_listeners(&sandbox))?;
 
     let pid_file = sandbox.write_file("dnsmasq.pid", "")?;
     let mut command = sandbox.netns(Ns::Node).command("dnsmasq");

@@ -293,9 +293,7 @@ fn a_cache_older_than_the_shipped_agent_is_no_workload() -> anyhow::Result<()> {
         "{}\n[workloads]\ninterval_ms = 1000\n",
         unskipped_listeners(&sandbox)
     );
-    let config = shipped::in_node(&sandbox, &sandbox.config_toml(&listeners))?;
-    let config = sandbox.write_file("config.toml", &config)?;
-    let mut agent = shipped::start_agent(&sandbox, &config)?;
+    let (config, mut agent) = shipped::start_agent_on(&sandbox, &listeners)?;
     wait_for_cache(&sandbox, "the shipped agent confirms the cache")?;
     let cache = cgroup_id(sandbox.skipped_cgroup().path())?;
     let pin_dir = sandbox.pin_dir();

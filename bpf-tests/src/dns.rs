@@ -194,3 +194,21 @@ pub fn now_ms() -> u64 {
             u64::try_from(since.as_millis()).unwrap_or(u64::MAX)
         })
 }
+
+/// `clock`, ns.
+fn clock_ns(clock: nix::time::ClockId) -> anyhow::Result<u64> {
+    let now = nix::time::clock_gettime(clock)?;
+    Ok(u64::try_from(now.tv_sec())? * 1_000_000_000 + u64::try_from(now.tv_nsec())?)
+}
+
+/// `CLOCK_MONOTONIC_COARSE`, ns: the clock of the activity stamps (a stall's flip).
+pub fn coarse_ns() -> anyhow::Result<u64> {
+    clock_ns(nix::time::ClockId::CLOCK_MONOTONIC_COARSE)
+}
+
+/// The wall-clock time, in milliseconds since the epoch, of `monotonic_ns` on CLOCK_MONOTONIC
+/// (what `bpf_ktime_get_ns` reads: a signal's flip), by the two clocks' offset now.
+pub fn wall_ms_of_monotonic(monotonic_ns: u64) -> anyhow::Result<u64> {
+    let now = clock_ns(nix::time::ClockId::CLOCK_MONOTONIC)?;
+    Ok((now_ms() * 1_000_000).saturating_sub(now.saturating_sub(monotonic_ns)) / 1_000_000)
+}

@@ -212,7 +212,8 @@ impl StreamReport {
             activity.signalled >= 1 && activity.flip_reason == FLIP_SIGNALLED,
             "the signal program did not know {cache} as the cache: {activity:?}"
         );
-        let flipped_ms = wall_ms_of_monotonic(activity.flip_ns);
+        let flipped_ms =
+            crate::dns::wall_ms_of_monotonic(activity.flip_ns).expect("CLOCK_MONOTONIC");
         println!(
             "{cache}: the signal program moved the DNS {} ms after kill returned",
             i128::from(flipped_ms) - i128::from(signalled_ms)
@@ -401,14 +402,4 @@ mod tests {
             "no upstream answer began after 1003"
         );
     }
-}
-
-/// The wall-clock time, in milliseconds since the epoch, of `monotonic_ns` on CLOCK_MONOTONIC
-/// (what `bpf_ktime_get_ns` reads), by the two clocks' offset now.
-fn wall_ms_of_monotonic(monotonic_ns: u64) -> u64 {
-    let now = nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC).map_or(0, |now| {
-        u64::try_from(now.tv_sec()).unwrap_or(0) * 1_000_000_000
-            + u64::try_from(now.tv_nsec()).unwrap_or(0)
-    });
-    (crate::dns::now_ms() * 1_000_000).saturating_sub(now.saturating_sub(monotonic_ns)) / 1_000_000
 }

@@ -10,15 +10,19 @@ use std::time::Duration;
 use anyhow::Context as _;
 use bpf_tests::{
     caches::{CacheKind, Corefile, start_cache},
-    harness::{Harness, NODE_ID, answered_by, standard_listeners},
-    pace::{paced, pause},
+    cli::stop_agent,
+    dns::{coarse_ns, now_ms},
+    harness::{Harness, NODE_ID, answered_by, standard_listeners, wait_for_cache},
+    pace::{paced, paced_ms, pause},
     sandbox::{Ns, Sandbox},
+    shipped,
     stream::{Stream, StreamReport},
     tools,
     topology::{NODE_LISTENER, dns},
 };
 use nix::sys::signal::Signal;
-use redirector_common::{listener::Reason, names::PROG_SIGNAL};
+use redirector::datapath::Maps;
+use redirector_common::{activity::FLIP_STALLED, listener::Reason, names::PROG_SIGNAL};
 
 fn harness_with(corefile: Corefile) -> anyhow::Result<Harness> {
     Harness::start(
@@ -227,5 +231,118 @@ fn coredns_at_and_past_its_capacity_is_never_moved() -> anyhow::Result<()> {
         "the probes turned CoreDNS down under load: {transitions:?}"
     );
     assert_eq!(answered_by(&harness.sandbox)?, "cache");
+    Ok(())
+}
+
+/// Rounds of [`a_serving_coredns_is_moved_only_at_its_hang_with_no_agent`].
+const HANG_ROUNDS: usize = 5;
+
+/// What one round saw.
+#[derive(Debug)]
+struct HangRound {
+    /// A move while CoreDNS served (a stall flip, a new epoch, a query answered by an
+    /// upstream or not at all before the hang): what it was.
+    false_move: Option<String>,
+    /// From the SIGSTOP to the kernel's stall flip, ns (negative: a flip stamped before it),
+    /// when the hang flipped the listener.
+    moved_after_ns: Option<i128>,
+}
+
+/// Issue 47, item 3: CoreDNS in NodeLocal's Corefile shape, in the attach cgroup, answering a
+/// query every ms from fresh sockets and kept ones (unconnected and connected, none waiting for
+/// the last answer), with the agent stopped after it confirmed the cache (an agent's upgrade, a
+/// crash loop): the kernel alone judges it. Its reads, from whichever of Go's threads makes
+/// them, must answer the stamps of the queries it is handed: for 1.5 s of load nothing moves
+/// (no stall flip, no new epoch, every query done before the hang answered by CoreDNS); then
+/// CoreDNS hangs (SIGSTOP), and the kernel moves the listener within 100 ms of the signal, on
+/// its own clock (`flip_ns` against `CLOCK_MONOTONIC_COARSE` read just before the SIGSTOP; the
+/// bound stretched with the machine's pace, as the stall limit is). SIGCONT, and the next
+/// round's agent confirms the resumed cache. Every round runs; they are judged together.
+#[test]
+fn a_serving_coredns_is_moved_only_at_its_hang_with_no_agent() -> anyhow::Result<()> {
+    let mut sandbox = Sandbox::new(tools!())?;
+    start_cache(
+        &mut sandbox,
+        CacheKind::CoreDns(Corefile::NodeLocal),
+        "cache",
+    )?;
+    sandbox.start_upstreams()?;
+    // The agent as shipped sets the node up (`shipped`), then stops: what follows is the kernel's.
+    let (config, mut agent) = shipped::start_agent_on(&sandbox, &standard_listeners(&sandbox))?;
+    let limit_ns = i128::from(paced_ms(100)) * 1_000_000;
+    let mut rounds = Vec::new();
+    for round in 0..HANG_ROUNDS {
+        if round > 0 {
+            agent = shipped::start_agent(&sandbox, &config)?;
+        }
+        wait_for_cache(&sandbox, "the agent confirms CoreDNS")?;
+        stop_agent(&mut agent)?;
+        let maps = Maps::open_pinned(&sandbox.pin_dir())?;
+        let before = maps.cache_activity(NODE_ID)?;
+        let epoch = maps.socket_counts(NODE_ID)?.down_epoch;
+
+        let load_ns = coarse_ns()?;
+        let stream = Stream::open_loop(
+            &sandbox,
+            dns(NODE_LISTENER),
+            paced(Duration::from_millis(2500)),
+            paced_ms(1),
+        )?;
+        pause(1500);
+        let loaded = maps.cache_activity(NODE_ID)?;
+        let loaded_epoch = maps.socket_counts(NODE_ID)?.down_epoch;
+        let stopped_ms = now_ms();
+        let stopped_ns = coarse_ns()?;
+        sandbox.process("cache")?.signal(Signal::SIGSTOP)?;
+        pause(500);
+        let hung = maps.cache_activity(NODE_ID)?;
+        let hung_epoch = maps.socket_counts(NODE_ID)?.down_epoch;
+        sandbox.process("cache")?.signal(Signal::SIGCONT)?;
+        let report = stream.finish()?;
+
+        let false_move = if loaded.stalled != before.stalled || loaded_epoch != epoch {
+            Some(format!(
+                "moved under load (epoch {epoch} -> {loaded_epoch}), {} ms into it: {loaded:?}",
+                (i128::from(loaded.flip_ns) - i128::from(load_ns)) / 1_000_000
+            ))
+        } else {
+            report
+                .records
+                .iter()
+                .find(|record| {
+                    record.done_ms < stopped_ms && StreamReport::answered_by(record) != "cache"
+                })
+                .map(|record| format!("a query done before the hang: {record:?}"))
+        };
+        let moved_after_ns = (hung.stalled > loaded.stalled
+            && hung_epoch > loaded_epoch
+            && hung.flip_reason == FLIP_STALLED)
+            .then(|| i128::from(hung.flip_ns) - i128::from(stopped_ns));
+        println!(
+            "round {round}: moved while serving: {false_move:?}; the hang moved {:?} ms after \
+             the SIGSTOP; {}",
+            moved_after_ns.map(|ns| ns / 1_000_000),
+            report.summary().lines().next().unwrap_or_default()
+        );
+        rounds.push(HangRound {
+            false_move,
+            moved_after_ns,
+        });
+    }
+    let mut agent = shipped::start_agent(&sandbox, &config)?;
+    wait_for_cache(&sandbox, "the agent confirms CoreDNS")?;
+    stop_agent(&mut agent)?;
+    shipped::uninstall(&sandbox, &config)?;
+    assert!(
+        rounds.iter().all(|round| round.false_move.is_none()),
+        "CoreDNS was moved while it served: {rounds:#?}"
+    );
+    assert!(
+        rounds.iter().all(|round| round
+            .moved_after_ns
+            .is_some_and(|ns| (0..=limit_ns).contains(&ns))),
+        "a hang not moved within {} ms of its SIGSTOP: {rounds:#?}",
+        limit_ns / 1_000_000
+    );
     Ok(())
 }

@@ -8,12 +8,12 @@ use std::time::Duration;
 
 use bpf_tests::{
     cli::{start_agent, start_agent_with, stop_agent, uninstall},
-    dns::now_ms,
+    dns::{coarse_ns, now_ms},
     harness::{
         NODE_ID, agent_serving_from_cache, node_reason, wait_for_cache, wait_for_cache_at,
         write_standard_config,
     },
-    pace::{paced_ms, pause},
+    pace::{paced, paced_ms, pause},
     sandbox::{CacheSpec, Ns, Sandbox},
     stream::{Stream, StreamReport},
     tools,
@@ -55,7 +55,7 @@ fn stream_then_hang(
     let stream = Stream::open_loop(
         sandbox,
         dns(listener),
-        Duration::from_secs(120),
+        paced(Duration::from_secs(120)),
         paced_ms(2),
     )?;
     pause(500);
@@ -63,12 +63,6 @@ fn stream_then_hang(
     sandbox.process("cache")?.signal(Signal::SIGSTOP)?;
     pause(1500);
     Ok((stream, stopped))
-}
-
-/// `CLOCK_MONOTONIC_COARSE`, ns: the clock of the activity stamps.
-fn coarse_ns() -> anyhow::Result<u64> {
-    let now = nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC_COARSE)?;
-    Ok(u64::try_from(now.tv_sec())? * 1_000_000_000 + u64::try_from(now.tv_nsec())?)
 }
 
 #[test]
@@ -269,7 +263,7 @@ fn a_cache_whose_reads_are_unseen_is_never_called_stalled() -> anyhow::Result<()
         &sandbox,
         Ns::Pod,
         dns(NODE_LISTENER),
-        Duration::from_secs(2),
+        paced(Duration::from_secs(2)),
         &["--kinds", "fresh,long"],
     )?;
     pause(300);

@@ -98,7 +98,8 @@ pub fn cache_stalled(listener_id: u32) -> bool {
 }
 
 /// Asks the cache's reads of listener `listener_id` to look (`CACHE_PENDING`): a load while the
-/// request stands, an atomic once it was answered.
+/// request stands, an atomic once it was answered. Not after a stamp this CPU just wrote (that
+/// is `ask_for_read`): a bit seen set there may be one a read is clearing at that moment.
 #[inline(always)]
 fn want_read(listener_id: u32) {
     if let Some(pending) = CACHE_PENDING.get_ptr_mut(0) {
@@ -108,6 +109,23 @@ fn want_read(listener_id: u32) {
                 fetch_or_u64(pending, listener_bit(listener_id));
             }
         }
+    }
+}
+
+/// Asks the cache's reads of listener `listener_id` to answer a stamp this CPU has just written
+/// (or found unanswered): always the atomic, never "the bit is set already". A read clears the
+/// bit, then loads the stamp (both ordered by its atomic); a plain load of the bit here may run
+/// before this CPU's store of the stamp is visible (a store may pass a later load: x86's store
+/// buffer, arm64), see the bit a read is clearing at that moment, and leave a stamp that read
+/// missed with no bit: no later read looks, later queries see a stamp waiting and add none,
+/// and the cache is called stalled while it reads (issue 47). With the fully ordered atomic
+/// here, either the read sees the stamp or the bit outlives its clear. At most once a tick per
+/// listener (a stamp is written once a tick).
+#[inline(always)]
+fn ask_for_read(listener_id: u32) {
+    if let Some(pending) = CACHE_PENDING.get_ptr_mut(0) {
+        // SAFETY: as in `want_read`.
+        unsafe { fetch_or_u64(pending, listener_bit(listener_id)) };
     }
 }
 
@@ -172,7 +190,10 @@ fn for_each_listener(listeners: u64, each: impl Fn(u32)) {
 /// A query reached listener `id`'s cache: stamped unread if it is the first since the cache's
 /// last read, in a later tick (in the same tick it cannot be told from the queries that read
 /// took), and the cache's reads are told to look (after the stamp, ordered: a read that sees the
-/// bit sees the stamp). Two CPUs may both stamp.
+/// bit sees the stamp). Two CPUs may both stamp. A query that finds a stamp waiting makes sure
+/// its bit stands (a load; the atomic only where it was lost): the bit is the only thing that
+/// makes a read answer, and whatever cleared it without an answer (an agent writing the map
+/// whole, a race this file has not thought of) costs no false stall while queries come.
 #[inline(always)]
 fn stamp_unread(id: u32) {
     let Some(timing) = STALL_TIMING.get(id) else {
@@ -193,12 +214,13 @@ fn stamp_unread(id: u32) {
         }
         let first_unread = read_volatile(addr_of!((*activity).first_unread_ns));
         if unread_since(first_unread, last_read).is_some() {
+            want_read(id);
             return;
         }
         let now = coarse_now(timing);
         if now > last_read {
             write_volatile(addr_of_mut!((*activity).first_unread_ns), now);
-            want_read(id);
+            ask_for_read(id);
         }
     }
 }
@@ -298,6 +320,13 @@ fn reader_listeners(ctx: &SockAddrContext) -> u64 {
 
 /// Records a read of listener `id`'s cache when it answers a query stamped unread (or is the
 /// first read seen): only those need the clock, about once a tick under load.
+///
+/// A cache may read its listener's sockets from several threads at once (CoreDNS's reuseport
+/// sockets, each read by its own goroutine on whichever thread Go runs it): two answers race,
+/// and the one that loaded the stamps earlier may store its older time over a later one's,
+/// taking back the answer to a stamp the other read cleared the bit of. So after its store a
+/// read looks again, and asks the next read (the bit) while a stamp is still unread: two
+/// loads, once a tick.
 #[inline(always)]
 fn note_read(id: u32) {
     if let Some(activity) = CACHE_ACTIVITY.get_ptr_mut(id) {
@@ -314,6 +343,11 @@ fn note_read(id: u32) {
             let now = coarse_now(timing);
             if now != last_read {
                 write_volatile(addr_of_mut!((*activity).last_read_ns), now);
+            }
+            let last_read = read_volatile(addr_of!((*activity).last_read_ns));
+            let first_unread = read_volatile(addr_of!((*activity).first_unread_ns));
+            if unread_since(first_unread, last_read).is_some() {
+                ask_for_read(id);
             }
         }
     }

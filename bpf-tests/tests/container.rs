@@ -358,7 +358,9 @@ fn the_image_steers_fails_over_and_is_adopted_by_its_next_container() -> anyhow:
     let cache_pid = sandbox.process("cache")?.pid();
     let maps = redirector::datapath::Maps::open_pinned(&sandbox.pin_dir())?;
     assert!(
-        maps.known_cache_tasks().iter().any(|(tgid, _)| *tgid == cache_pid),
+        maps.known_cache_tasks()
+            .iter()
+            .any(|(tgid, _)| *tgid == cache_pid),
         "the cache {cache_pid} is not known: {:?}",
         maps.known_cache_tasks()
     );

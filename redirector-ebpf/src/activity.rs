@@ -12,8 +12,12 @@
 //! (`CACHE_READERS`), filled from `CACHE_SOCKETS` at its first read. A cache whose reads were
 //! never seen is never called stalled. Both sides write their stamp at most once a clock tick, so
 //! the stamps' cache line is not bounced between the clients' CPUs and the cache's at every
-//! query; a read looks up its socket's listeners and reads the clock only while a stamp waits
-//! for it (`CACHE_PENDING`), about once a tick.
+//! query; a read looks up its socket's listeners (its storage) and reads the clock only while a
+//! stamp waits for it (`CACHE_PENDING`), about once a tick. A cache socket's first read after
+//! each agent start also records the reading process as a cache (`reader_listeners`), for the
+//! signal program and the exempt set: the kernel's own view of which process serves, whatever
+//! the agent may see (`bpf_get_current_pid_tgid` and `bpf_get_current_cgroup_id` in sock_addr
+//! programs, 5.7).
 //!
 //! Kernel features: the tick count (`clock`; a tick is fine for a limit of tens of ms),
 //! `BPF_CMPXCHG` 5.12 (arm64's JIT 5.18; without it the stall detection is off: `fetching`), mmapable arrays 5.5, `bpf_sock_addr.sk` 5.3 (the reading socket's bound

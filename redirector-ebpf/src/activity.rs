@@ -48,6 +48,31 @@ use crate::{
     skb,
 };
 
+/// Runs `$each` (a function) for every listener of the non-empty bitmask `$listeners`. A socket
+/// is nearly always one listener's: that one is found in six comparisons. The rare others are
+/// walked bit by bit, which the verifier follows in one pass; walking them all by their lowest
+/// bit made it try every order of them (ten times the start's verification). A macro, so that
+/// each call of `$each` is a direct call of an `#[inline(always)]` function, inlined: passed as
+/// an `impl Fn`, a function is called through a shim that LLVM may keep out of line once it grows
+/// (`stamp_unread` did), a bpf-to-bpf call into `.text` that every program calling shared code is
+/// then charged with (the kernel-support audit).
+macro_rules! for_each_listener {
+    ($listeners:expr, $each:expr) => {{
+        let listeners: u64 = $listeners;
+        $each(lowest_listener(listeners));
+        let others = listeners & listeners.wrapping_sub(1);
+        if others != 0 {
+            let mut id = 0;
+            while id < MAX_LISTENERS as u32 {
+                if others & listener_bit(id) != 0 {
+                    $each(id);
+                }
+                id += 1;
+            }
+        }
+    }};
+}
+
 /// Whether `port_be` is a port a cache listens on (`CACHE_PORTS`).
 #[inline(always)]
 pub fn is_cache_port(port_be: u16) -> bool {
@@ -169,26 +194,7 @@ pub fn note_delivery(ctx: &SkBuffContext) {
     if listeners == 0 {
         return;
     }
-    for_each_listener(listeners, stamp_unread);
-}
-
-/// Runs `each` for every listener of the non-empty bitmask `listeners`. A socket is nearly
-/// always one listener's: that one is found in six comparisons. The rare others are walked bit
-/// by bit, which the verifier follows in one pass; walking them all by their lowest bit made it
-/// try every order of them (ten times the start's verification).
-#[inline(always)]
-fn for_each_listener(listeners: u64, each: impl Fn(u32)) {
-    each(lowest_listener(listeners));
-    let others = listeners & listeners.wrapping_sub(1);
-    if others != 0 {
-        let mut id = 0;
-        while id < MAX_LISTENERS as u32 {
-            if others & listener_bit(id) != 0 {
-                each(id);
-            }
-            id += 1;
-        }
-    }
+    for_each_listener!(listeners, stamp_unread);
 }
 
 /// A query reached listener `id`'s cache: stamped unread if it is the first since the cache's
@@ -271,7 +277,7 @@ pub fn note_cache_read(ctx: &SockAddrContext) {
     // the bit again, one stamped before is answered below.
     // SAFETY: as above.
     unsafe { fetch_clear_u64(pending, listeners) };
-    for_each_listener(listeners, note_read);
+    for_each_listener!(listeners, note_read);
 }
 
 /// The listeners whose cache the reading socket is (zero: none), from its `CACHE_READERS`

@@ -43,13 +43,20 @@ const PACKAGES: &[&str] = &[
     "conntrack",
 ];
 
+/// The users and groups the caches' packages' maintainer scripts would add (which `extract`
+/// does not run), so that the tests run dnsmasq and unbound as their packages do, dropping to
+/// their own users: `passwd` lines, then `group` lines.
+const CACHE_USERS: &str = "dnsmasq:x:999:65534:dnsmasq:/var/lib/misc:/usr/sbin/nologin\n\
+                           unbound:x:102:105::/var/lib/unbound:/usr/sbin/nologin\n";
+const CACHE_GROUPS: &str = "unbound:x:105:\n";
+
 /// Written last, with the recipe: a tree without it, or with another recipe, is made again.
 const READY: &str = ".xtask-rootfs";
 
 /// The recipe a tree was made from.
 fn recipe(arch: Arch) -> String {
     format!(
-        "bookworm {} extract: {}\n",
+        "bookworm {} extract: {}\nusers: {CACHE_USERS}groups: {CACHE_GROUPS}",
         arch.debian(),
         PACKAGES.join(" ")
     )
@@ -77,11 +84,14 @@ pub fn ensure(arch: Arch, cache: &Path) -> anyhow::Result<PathBuf> {
         .args(["--mode=root", "--variant=extract", "--skip=check/qemu"])
         .arg(format!("--arch={}", arch.debian()))
         .arg(format!("--include={}", PACKAGES.join(",")))
-        // base-passwd's postinst, which does not run: users and groups for the tools.
-        .arg(
+        // base-passwd's postinst, which does not run: users and groups for the tools; and the
+        // caches' own users.
+        .arg(format!(
             "--extract-hook=cp \"$1/usr/share/base-passwd/passwd.master\" \"$1/etc/passwd\" && \
-             cp \"$1/usr/share/base-passwd/group.master\" \"$1/etc/group\"",
-        )
+             cp \"$1/usr/share/base-passwd/group.master\" \"$1/etc/group\" && \
+             printf '{CACHE_USERS}' >> \"$1/etc/passwd\" && \
+             printf '{CACHE_GROUPS}' >> \"$1/etc/group\""
+        ))
         .arg("bookworm")
         .arg(&scratch)
         .args([

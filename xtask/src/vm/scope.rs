@@ -200,10 +200,14 @@ pub const KERNEL_SUBSET: &[(&str, &[&str])] = &[
         &["restarts_under_a_query_stream_lose_no_query_and_keep_state"],
     ),
     // Each workload's queries by route and replies by rcode (the ingress program's packet
-    // reads), over every transport, and the exempt cgroups.
+    // reads), over every transport, and the exempt cgroups; a cache older than the agent, run
+    // as shipped, known by its reads and exempt.
     (
         "workloads",
-        &["two_pods_get_exact_counts_by_route_and_rcode_and_exempt_cgroups_none"],
+        &[
+            "two_pods_get_exact_counts_by_route_and_rcode_and_exempt_cgroups_none",
+            "a_cache_older_than_the_shipped_agent_is_no_workload",
+        ],
     ),
 ];
 

@@ -7,7 +7,7 @@
 
 use std::{
     io::Write as _,
-    net::TcpListener,
+    net::{Ipv4Addr, TcpListener},
     path::{Path, PathBuf},
     process::{Command, Stdio},
     time::Duration,
@@ -35,6 +35,7 @@ pub struct KubeApiserver {
     dir: PathBuf,
     etcd_port: u16,
     port: u16,
+    advertise: Option<Ipv4Addr>,
     _etcd: TestProcess,
     apiserver: Option<TestProcess>,
     admin_kubeconfig: PathBuf,
@@ -89,6 +90,14 @@ impl KubeApiserver {
     /// Starts etcd, then kube-apiserver, in `dir` (the sandbox's scratch folder), and waits until
     /// the API server is ready (its bootstrap RBAC roles and namespaces made).
     pub fn start(dir: &Path) -> anyhow::Result<Self> {
+        Self::start_advertising(dir, None)
+    }
+
+    /// [`Self::start`], with the API server advertising `advertise` (still listening on the
+    /// loopback only): the `kubernetes` Service's endpoint, written by the server's own lease
+    /// reconciler, and an address of its serving certificate, for clients that reach the
+    /// loopback through a forward of that address (the suite's node, `crate::node`).
+    pub fn start_advertising(dir: &Path, advertise: Option<Ipv4Addr>) -> anyhow::Result<Self> {
         let dir = dir.join("kube");
         std::fs::create_dir_all(dir.join("pki"))?;
         let etcd_port = free_port()?;
@@ -132,6 +141,7 @@ impl KubeApiserver {
             dir,
             etcd_port,
             port,
+            advertise,
             _etcd: etcd,
             apiserver: None,
             admin_kubeconfig,
@@ -147,13 +157,21 @@ impl KubeApiserver {
     fn start_apiserver(&mut self) -> anyhow::Result<()> {
         let dir = &self.dir;
         let mut apiserver = Command::new(go_peers::binary("kube-apiserver")?);
+        match self.advertise {
+            Some(address) => apiserver.args([
+                format!("--advertise-address={address}"),
+                "--endpoint-reconciler-type=lease".to_owned(),
+            ]),
+            // On the loopback only: the `kubernetes` Service's endpoints (which may not be a
+            // loopback address) are left unwritten.
+            None => apiserver.args([
+                "--advertise-address=127.0.0.1",
+                "--endpoint-reconciler-type=none",
+            ]),
+        };
         apiserver.args([
             &format!("--etcd-servers=http://127.0.0.1:{}", self.etcd_port),
             "--bind-address=127.0.0.1",
-            // On the loopback only: the `kubernetes` Service's endpoints (which may not be a
-            // loopback address) are left unwritten.
-            "--advertise-address=127.0.0.1",
-            "--endpoint-reconciler-type=none",
             &format!("--secure-port={}", self.port),
             &format!("--cert-dir={}", dir.join("pki").display()),
             "--authorization-mode=RBAC",
@@ -212,35 +230,7 @@ impl KubeApiserver {
     }
 
     fn kubectl_with_input(&self, args: &[&str], input: Option<&str>) -> anyhow::Result<String> {
-        let mut command = Command::new(go_peers::binary("kubectl")?);
-        command
-            .arg(format!("--kubeconfig={}", self.admin_kubeconfig.display()))
-            .args(args)
-            .stdin(if input.is_some() {
-                Stdio::piped()
-            } else {
-                Stdio::null()
-            })
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
-        let mut child = command.spawn().context("running kubectl")?;
-        if let Some(input) = input {
-            child
-                .stdin
-                .take()
-                .context("kubectl's stdin")?
-                .write_all(input.as_bytes())?;
-        }
-        let output = child.wait_with_output()?;
-        if !output.status.success() {
-            bail!(
-                "kubectl {} failed: {}{}",
-                args.join(" "),
-                String::from_utf8_lossy(&output.stdout),
-                String::from_utf8_lossy(&output.stderr)
-            );
-        }
-        Ok(String::from_utf8_lossy(&output.stdout).into_owned())
+        kubectl(&self.admin_kubeconfig, args, input)
     }
 
     /// A kubeconfig for the agent: a fresh token of the shipped ServiceAccount (TokenRequest,
@@ -259,6 +249,25 @@ impl KubeApiserver {
             &self.dir.join("pki/apiserver.crt"),
             token.trim(),
         ))
+    }
+
+    /// The port it listens on, on the loopback.
+    #[must_use]
+    pub const fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// Its self-signed serving certificate, the CA of its clients.
+    #[must_use]
+    pub fn ca(&self) -> PathBuf {
+        self.dir.join("pki/apiserver.crt")
+    }
+
+    /// The administrator's kubeconfig for a Go client that reaches the server at `host` (the
+    /// loopback, or a forward of the advertised address to it).
+    #[must_use]
+    pub fn admin_kubeconfig_at(&self, host: Ipv4Addr) -> String {
+        kubeconfig_at(&host.to_string(), self.port, &self.ca(), ADMIN_TOKEN)
     }
 
     /// Every request of the agent's ServiceAccount so far.
@@ -280,6 +289,40 @@ impl Drop for KubeApiserver {
     }
 }
 
+/// Runs kubectl with `kubeconfig`, `args` and `input` on its standard input; its output, or an
+/// error with what it printed.
+pub fn kubectl(kubeconfig: &Path, args: &[&str], input: Option<&str>) -> anyhow::Result<String> {
+    let mut command = Command::new(go_peers::binary("kubectl")?);
+    command
+        .arg(format!("--kubeconfig={}", kubeconfig.display()))
+        .args(args)
+        .stdin(if input.is_some() {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let mut child = command.spawn().context("running kubectl")?;
+    if let Some(input) = input {
+        child
+            .stdin
+            .take()
+            .context("kubectl's stdin")?
+            .write_all(input.as_bytes())?;
+    }
+    let output = child.wait_with_output()?;
+    if !output.status.success() {
+        bail!(
+            "kubectl {} failed: {}{}",
+            args.join(" "),
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+    Ok(String::from_utf8_lossy(&output.stdout).into_owned())
+}
+
 fn path(path: &Path) -> String {
     path.display().to_string()
 }
@@ -298,10 +341,21 @@ fn openssl(args: &[&str]) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// A kubeconfig for the API server on `port` with `token`, trusting the certificate at `ca`.
+/// A kubeconfig for the API server on the loopback's `port` with `token`, trusting the
+/// certificate at `ca`.
 fn kubeconfig(port: u16, ca: &Path, token: &str) -> String {
     format!(
         "apiVersion: v1\nkind: Config\nclusters:\n- name: test\n  cluster:\n    server: https://127.0.0.1:{port}\n    certificate-authority: {}\nusers:\n- name: test\n  user:\n    token: {token}\ncontexts:\n- name: test\n  context:\n    cluster: test\n    user: test\ncurrent-context: test\n",
         ca.display()
+    )
+}
+
+/// A kubeconfig for the API server at `host`:`port`, for Go clients: the server's name is
+/// checked as `kubernetes` (`tls-server-name`), which every certificate the server makes itself
+/// names, whatever address it advertises.
+fn kubeconfig_at(host: &str, port: u16, ca: &Path, token: &str) -> String {
+    kubeconfig(port, ca, token).replace(
+        &format!("    server: https://127.0.0.1:{port}\n"),
+        &format!("    server: https://{host}:{port}\n    tls-server-name: kubernetes\n"),
     )
 }

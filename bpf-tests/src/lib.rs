@@ -19,6 +19,7 @@ pub mod harness;
 pub mod http;
 pub mod kube_apiserver;
 pub mod netns;
+pub mod node;
 pub mod pace;
 pub mod resolvers;
 pub mod sandbox;

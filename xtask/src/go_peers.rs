@@ -1,10 +1,12 @@
 //! The Go programs the tests run as peers: CoreDNS (the cache NodeLocal DNSCache and AKS
-//! LocalDNS run), and kube-apiserver, kubectl and etcd (a real API server for the agent's
-//! Kubernetes side). Each is built from a Go module of ours under `bpf-tests/go/`, whose go.mod
-//! and go.sum pin every version, with the machine's Go and the Go module proxy; by `setup`,
-//! `test` and `vm-test` (not by `demo` or `build`, which need none), once per machine and again
-//! only when a module's go.mod, go.sum or Go files or the Go version change, into
-//! `target/go/bin`, with the module and build caches under `target/go` too.
+//! LocalDNS run), kube-apiserver, kubectl and etcd (a real API server for the agent's
+//! Kubernetes side), helm (the chart's lint and rendering), and for the suite's node only
+//! (`vm-test --tests node`) its kubelet, kube-controller-manager, kube-scheduler and containerd.
+//! Each is built from a Go module of ours under `bpf-tests/go/`, whose go.mod and go.sum pin
+//! every version, with the machine's Go and the Go module proxy; by `setup`, `test` and
+//! `vm-test` (not by `demo` or `build`, which need none), once per machine and again only when a
+//! module's go.mod, go.sum or Go files or the Go version change, into `target/go/bin`, with the
+//! module and build caches under `target/go` too.
 
 use std::{
     hash::{Hash as _, Hasher as _},
@@ -15,10 +17,15 @@ use std::{
 
 use anyhow::{Context as _, bail};
 
-/// One Go module of ours and the programs built from it.
+/// One build of programs of a Go module of ours.
 struct Module {
     /// Its folder under `bpf-tests/go`.
     folder: &'static str,
+    /// The build's name (its stamp's): a module's programs may be built in two builds.
+    name: &'static str,
+    /// Only the suite's node runs them (`vm-test --tests node`): built for it, not for every
+    /// `setup` and `test`.
+    node_only: bool,
     /// Its programs' Go packages; each binary takes its package's last element as its name.
     programs: &'static [&'static str],
 }
@@ -26,14 +33,46 @@ struct Module {
 const MODULES: &[Module] = &[
     Module {
         folder: "coredns",
+        name: "coredns",
+        node_only: false,
         programs: &["github.com/coredns/coredns"],
     },
     Module {
         folder: "kube",
+        name: "kube",
+        node_only: false,
         programs: &[
             "k8s.io/kubernetes/cmd/kube-apiserver",
             "k8s.io/kubernetes/cmd/kubectl",
             "redirector.test/kube/etcd",
+        ],
+    },
+    Module {
+        folder: "helm",
+        name: "helm",
+        node_only: false,
+        programs: &["helm.sh/helm/v4/cmd/helm"],
+    },
+    // The node's: its kubelet and the control plane's other two (their shared packages are in
+    // the build cache from the build above), and containerd.
+    Module {
+        folder: "kube",
+        name: "kube-node",
+        node_only: true,
+        programs: &[
+            "k8s.io/kubernetes/cmd/kube-controller-manager",
+            "k8s.io/kubernetes/cmd/kube-scheduler",
+            "k8s.io/kubernetes/cmd/kubelet",
+        ],
+    },
+    Module {
+        folder: "containerd",
+        name: "containerd",
+        node_only: true,
+        programs: &[
+            "github.com/containerd/containerd/v2/cmd/containerd",
+            "github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2",
+            "github.com/containerd/containerd/v2/cmd/ctr",
         ],
     },
 ];
@@ -58,10 +97,11 @@ fn root() -> PathBuf {
     crate::workspace::target_dir().join("go")
 }
 
-/// Builds every program whose module, or Go, changed since it was last built.
-pub fn ensure() -> anyhow::Result<()> {
+/// Builds every program whose module, or Go, changed since it was last built; the node's too
+/// when `node`.
+pub fn ensure(node: bool) -> anyhow::Result<()> {
     let go_version = go_version()?;
-    for module in MODULES {
+    for module in MODULES.iter().filter(|module| node || !module.node_only) {
         ensure_module(module, &go_version)?;
     }
     Ok(())
@@ -128,7 +168,7 @@ fn ensure_module(module: &Module, go_version: &str) -> anyhow::Result<()> {
         .join("bpf-tests/go")
         .join(module.folder);
     let bin = root().join("bin");
-    let stamp_file = bin.join(format!(".{}.stamp", module.folder));
+    let stamp_file = bin.join(format!(".{}.stamp", module.name));
     let wanted = stamp(&folder, go_version)?;
     let names: Vec<&str> = module
         .programs

@@ -108,7 +108,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.task {
         Task::Setup => {
             setup::ensure()?;
-            go_peers::ensure()
+            go_peers::ensure(false)
         }
         Task::Build { targets } => {
             setup::ensure()?;
@@ -175,7 +175,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Task::Sweep => sweep::run(),
         Task::VmTest(args) => {
             setup::ensure()?;
-            go_peers::ensure()?;
+            go_peers::ensure(args.node_boot())?;
             vm::run(&args)
         }
     }

@@ -145,7 +145,7 @@ pub fn test(with_lints: bool, filter: Option<&str>) -> anyhow::Result<()> {
     // The Go peers build beside the lints and the Rust builds, which leave the cores idle at
     // times (build scripts, links); only the tests need them. The scope waits for both.
     std::thread::scope(|scope| {
-        let go_peers = scope.spawn(crate::go_peers::ensure);
+        let go_peers = scope.spawn(|| crate::go_peers::ensure(false));
         let rust = build_for_tests(with_lints, &mut test);
         let go_peers = go_peers
             .join()

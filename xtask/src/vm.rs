@@ -15,6 +15,7 @@ mod foreign;
 mod initramfs;
 mod kernel;
 mod machine;
+mod node_host;
 mod report;
 mod rootfs;
 mod scope;
@@ -96,7 +97,18 @@ pub struct VmArgs {
     pub filter: Option<String>,
 }
 
+/// The node's test runs for about 17 minutes under TCG: its limit inside the guest, and its
+/// boot's (with the images' import), whatever smaller limits the run's other boots are given.
+const NODE_TEST_SECS: u64 = 2400;
+const NODE_BOOT_SECS: u64 = 3000;
+
 impl VmArgs {
+    /// Whether the run boots the suite's node (`--tests node`, on the host's architecture).
+    #[must_use]
+    pub fn node_boot(&self) -> bool {
+        self.arch == Arch::host() && self.tests.iter().any(|name| name == artifacts::NODE)
+    }
+
     /// The host architecture's VMs as every `cargo xtask test` runs them: on 6.1, the oldest
     /// kernel here, the kernel's full run (steering, signal and stall whole, the other binaries'
     /// kernel subset: `scope::runs_whole`); the kernel subset and the systemd boot on 6.12,
@@ -222,6 +234,8 @@ pub fn run(options: &VmArgs) -> anyhow::Result<()> {
                 .tests
                 .iter()
                 .any(|name| name == artifacts::SYSTEMD_BOOT));
+    // The node boot, on the host's architecture too, only when asked for (`--tests node`).
+    let node_boot = options.node_boot();
     artifacts
         .tests
         .retain(|test| scope::runs_binary(&test.name, &options.tests, options.with_host_only));
@@ -232,7 +246,7 @@ pub fn run(options: &VmArgs) -> anyhow::Result<()> {
             .tests
             .retain(|test| scope::subset_filters(&test.name).is_some());
     }
-    if artifacts.tests.is_empty() && !systemd_boot {
+    if artifacts.tests.is_empty() && !systemd_boot && !node_boot {
         bail!("bpf-tests has no test binary to run");
     }
     let target_dir = artifacts
@@ -318,11 +332,18 @@ pub fn run(options: &VmArgs) -> anyhow::Result<()> {
         let (tests, test_args) = match mode {
             initramfs::Mode::Tests => (&artifacts.tests[..], test_args.clone()),
             // One after the other: each test of the boot takes up where the last left the node.
-            initramfs::Mode::Systemd => (
-                std::slice::from_ref(&artifacts.systemd_boot),
+            initramfs::Mode::Systemd | initramfs::Mode::Node => (
+                std::slice::from_ref(if mode == initramfs::Mode::Node {
+                    &artifacts.node
+                } else {
+                    &artifacts.systemd_boot
+                }),
                 ["--color", "never", "--test-threads", "1"]
                     .map(str::to_owned)
                     .into_iter()
+                    // The node's test runs for many minutes: its progress and its table as
+                    // they come.
+                    .chain((mode == initramfs::Mode::Node).then(|| "--nocapture".to_owned()))
                     .chain(options.filter.clone())
                     .collect(),
             ),
@@ -352,10 +373,15 @@ pub fn run(options: &VmArgs) -> anyhow::Result<()> {
                 .collect(),
             results: results_port.to_owned(),
             test_args,
-            binary_timeout_secs: options.binary_timeout_secs.max(1),
+            binary_timeout_secs: if mode == initramfs::Mode::Node {
+                options.binary_timeout_secs.max(NODE_TEST_SECS)
+            } else {
+                options.binary_timeout_secs.max(1)
+            },
             slowdown: options.slowdown,
             mode,
             workspace: workspace.clone(),
+            node: None,
         }
     };
     let names: Vec<&str> = artifacts
@@ -413,18 +439,29 @@ pub fn run(options: &VmArgs) -> anyhow::Result<()> {
                 .map(|kernel| (kernel, initramfs::Mode::Tests)),
         );
     }
-    // The systemd boot on the newest kernel chosen (6.12 by default).
-    if let Some(kernel) = kernels
-        .iter()
-        .filter(|_| systemd_boot)
-        .max_by_key(|kernel| kernel.series)
-    {
-        eprintln!(
-            "xtask: then a boot with systemd as PID 1 on {}: {}",
-            kernel.release,
-            artifacts::SYSTEMD_BOOT
-        );
-        boots.push((kernel, initramfs::Mode::Systemd));
+    // The systemd boot, and the node's, on the newest kernel chosen (6.12 by default).
+    for (wanted, mode, what, binary) in [
+        (
+            systemd_boot,
+            initramfs::Mode::Systemd,
+            "a boot with systemd as PID 1",
+            artifacts::SYSTEMD_BOOT,
+        ),
+        (
+            node_boot,
+            initramfs::Mode::Node,
+            "a Kubernetes node (kubelet, containerd, systemd)",
+            artifacts::NODE,
+        ),
+    ] {
+        if let Some(kernel) = kernels
+            .iter()
+            .filter(|_| wanted)
+            .max_by_key(|kernel| kernel.series)
+        {
+            eprintln!("xtask: then {what} on {}: {binary}", kernel.release);
+            boots.push((kernel, mode));
+        }
     }
     let mut results = Vec::new();
     for (kernel, mode) in boots {
@@ -436,11 +473,26 @@ pub fn run(options: &VmArgs) -> anyhow::Result<()> {
         let label = match mode {
             initramfs::Mode::Tests => series,
             initramfs::Mode::Systemd => format!("{series}+systemd"),
+            initramfs::Mode::Node => format!("{series}+node"),
         };
         let initramfs = run_dir.join(format!("initramfs-{label}.cpio"));
-        let plan = plan(kernel, mode);
-        initramfs::write(kernel, &guest, &plan, &initramfs)?;
+        let mut plan = plan(kernel, mode);
         let log_dir = run_dir.join(&label);
+        // The node's control plane and images, for as long as its boot lasts.
+        let node_host = if mode == initramfs::Mode::Node {
+            let host = node_host::NodeHost::start(
+                &artifacts.node_host,
+                &run_dir.join("node"),
+                &artifacts.profile_dir,
+                &artifacts.redirector,
+                &run_dir.join("node-host.log"),
+            )?;
+            plan.node = Some((host.dir.clone(), host.api_port));
+            Some(host)
+        } else {
+            None
+        };
+        initramfs::write(kernel, &guest, &plan, &initramfs)?;
         let mut run = report::KernelRun::default();
         let mut boot = None;
         let booting = Instant::now();
@@ -450,7 +502,17 @@ pub fn run(options: &VmArgs) -> anyhow::Result<()> {
                 kernel,
                 initramfs: &initramfs,
                 dir: &log_dir,
-                timeout: Duration::from_secs(options.timeout_secs),
+                timeout: Duration::from_secs(if node_host.is_some() {
+                    options.timeout_secs.max(NODE_BOOT_SECS)
+                } else {
+                    options.timeout_secs
+                }),
+                memory_mib: if node_host.is_some() {
+                    machine::NODE_MEMORY_MIB
+                } else {
+                    machine::MEMORY_MIB
+                },
+                forward: node_host.as_ref().map(|host| host.api_port),
             },
             &mut |line| {
                 if let Some(progress) = run.feed(line) {
@@ -462,6 +524,7 @@ pub fn run(options: &VmArgs) -> anyhow::Result<()> {
             },
         )
         .with_context(|| format!("booting {}", kernel.release))?;
+        drop(node_host);
         results.push(KernelResult {
             label,
             expected_binaries: plan.tests.len(),

@@ -72,6 +72,10 @@ struct Args {
     /// Send every interval without waiting for the earlier queries' answers.
     #[arg(long, conflicts_with = "until_eof")]
     open_loop: bool,
+    /// Print an answered query only when its number is a multiple of this (a failed one
+    /// always): a long run's log stays small, and still shows each kind alive and who answered.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..), conflicts_with = "until_eof")]
+    answered_every: u64,
 }
 
 /// What every query thread shares.
@@ -81,6 +85,7 @@ struct Settings {
     interval: Duration,
     timeout: Duration,
     mapped: bool,
+    answered_every: u64,
     /// Set once standard input closed (`--until-eof`).
     stop: AtomicBool,
     /// Records printed.
@@ -104,6 +109,7 @@ fn main() -> anyhow::Result<()> {
         interval: Duration::from_millis(args.interval_ms),
         timeout: Duration::from_millis(args.timeout_ms),
         mapped: args.mapped,
+        answered_every: args.answered_every,
         stop: AtomicBool::new(false),
         printed: AtomicU64::new(0),
         out: Mutex::new(std::io::stdout()),
@@ -482,6 +488,7 @@ fn open(settings: &Settings, connect: bool) -> anyhow::Result<UdpSocket> {
 /// Prints `record` with the query's `result`.
 fn emit(settings: &Settings, mut record: StreamRecord, result: anyhow::Result<IpAddr>) {
     match result {
+        Ok(_) if !record.seq.is_multiple_of(settings.answered_every) => return,
         Ok(answer) => record.answer = Some(answer),
         Err(error) => record.error = Some(format!("{error:#}")),
     }

@@ -14,6 +14,10 @@ use crate::{arch::Arch, tasks::TESTED_BINARY_BUILD, workspace::USERSPACE};
 
 /// The test target the systemd boot runs.
 pub const SYSTEMD_BOOT: &str = "systemd_boot";
+/// The test target the node boot runs.
+pub const NODE: &str = "node";
+/// The program that builds the node's images and runs its control plane on the host.
+pub const NODE_HOST: &str = "node-host";
 
 /// One test binary of bpf-tests (`tests/NAME.rs`).
 #[derive(Clone, Debug)]
@@ -39,6 +43,10 @@ pub struct Artifacts {
     /// The systemd boot's test binary (`bpf-tests/tests/systemd_boot.rs`, `test = false`: only
     /// a guest booted by systemd can run it, so cargo's own `cargo test` leaves it out).
     pub systemd_boot: TestBinary,
+    /// The node boot's test binary (`bpf-tests/tests/node.rs`, `test = false` as well).
+    pub node: TestBinary,
+    /// The node's host side (`bpf-tests/src/bin/node-host.rs`).
+    pub node_host: PathBuf,
 }
 
 /// The fields of one line of cargo's JSON messages that matter here (a `compiler-artifact`
@@ -153,18 +161,22 @@ pub fn build(only: &[String], arch: Arch) -> anyhow::Result<Artifacts> {
     })
     .collect();
     // Selected by name over the same crates, so that features unify as above.
-    let systemd_boot = cargo_executables(
-        &[&["test", "--no-run", "--test", SYSTEMD_BOOT], selection].concat(),
-        arch,
-        "building the systemd boot's tests failed",
-    )?
-    .into_iter()
-    .find(|built| built.name == SYSTEMD_BOOT && built.kinds.iter().any(|kind| kind == "test"))
-    .map(|built| TestBinary {
-        name: built.name,
-        path: built.executable,
-    })
-    .context("cargo built no systemd_boot test binary")?;
+    let boot_test = |name: &str| -> anyhow::Result<TestBinary> {
+        cargo_executables(
+            &[&["test", "--no-run", "--test", name], selection].concat(),
+            arch,
+            "building a boot's tests failed",
+        )?
+        .into_iter()
+        .find(|built| built.name == name && built.kinds.iter().any(|kind| kind == "test"))
+        .map(|built| TestBinary {
+            name: built.name,
+            path: built.executable,
+        })
+        .with_context(|| format!("cargo built no {name} test binary"))
+    };
+    let systemd_boot = boot_test(SYSTEMD_BOOT)?;
+    let node = boot_test(NODE)?;
     let redirector_bin = redirector
         .iter()
         .find(|built| built.name == "redirector" && !built.is_test_harness)
@@ -182,7 +194,11 @@ pub fn build(only: &[String], arch: Arch) -> anyhow::Result<Artifacts> {
     if !only.is_empty() {
         let unknown: Vec<&String> = only
             .iter()
-            .filter(|name| *name != SYSTEMD_BOOT && !tests.iter().any(|test| &test.name == *name))
+            .filter(|name| {
+                *name != SYSTEMD_BOOT
+                    && *name != NODE
+                    && !tests.iter().any(|test| &test.name == *name)
+            })
             .collect();
         if !unknown.is_empty() {
             bail!(
@@ -208,6 +224,16 @@ pub fn build(only: &[String], arch: Arch) -> anyhow::Result<Artifacts> {
         .map(|built| built.executable.clone())
         .collect();
     executables.push(systemd_boot.path.clone());
+    executables.push(node.path.clone());
+    let node_host = bpf_tests
+        .iter()
+        .find(|built| {
+            built.name == NODE_HOST
+                && built.kinds.iter().any(|kind| kind == "bin")
+                && !built.is_test_harness
+        })
+        .map(|built| built.executable.clone())
+        .context("cargo built no node-host binary")?;
     executables.sort();
     executables.dedup();
     let profile_dir = redirector_bin
@@ -230,6 +256,8 @@ pub fn build(only: &[String], arch: Arch) -> anyhow::Result<Artifacts> {
         executables,
         redirector: redirector_bin,
         systemd_boot,
+        node,
+        node_host,
     })
 }
 

@@ -48,7 +48,7 @@ if [ -n "$GUEST_ROOT" ]; then
     root=/guestroot
 fi
 mkdir -p $root/.vm-test || fail "writing to the overlay root"
-cp /stage2.sh /systemd-boot.sh /plan.sh $root/.vm-test/ || fail "copying stage 2"
+cp /stage2.sh /systemd-boot.sh /node-boot.sh /guest-systemd.sh /plan.sh $root/.vm-test/ || fail "copying stage 2"
 [ -x $root/bin/bash ] || fail "the root file system has no /bin/bash"
 mount --move /dev $root/dev || fail "moving /dev"
 umount /proc

@@ -17,6 +17,10 @@ const STAGE1: &str = include_str!("init.sh");
 const STAGE2: &str = include_str!("stage2.sh");
 /// Stage 2 of the systemd boot.
 const SYSTEMD_BOOT: &str = include_str!("systemd-boot.sh");
+/// Stage 2 of the node boot.
+const NODE_BOOT: &str = include_str!("node-boot.sh");
+/// What the two boots with systemd share.
+const GUEST_SYSTEMD: &str = include_str!("guest-systemd.sh");
 
 /// Debian's busybox-static on the host: stage 1 runs before any library is reachable (a guest
 /// of another architecture gets its own root file system's).
@@ -68,6 +72,9 @@ pub struct Plan {
     pub mode: Mode,
     /// The workspace (the systemd boot installs the shipped unit from it).
     pub workspace: PathBuf,
+    /// The node boot's: the node's directory, which the host wrote (`bpf_tests::node::NodeDir`),
+    /// and the API server's port.
+    pub node: Option<(PathBuf, u16)>,
 }
 
 /// What a boot does.
@@ -77,6 +84,9 @@ pub enum Mode {
     Tests,
     /// Stage 2 prepares a node and execs systemd; a unit runs the test binaries after boot.
     Systemd,
+    /// As `Systemd`, for a Kubernetes node (`node-boot.sh`) registered to the host's control
+    /// plane.
+    Node,
 }
 
 /// `text` as one shell word.
@@ -106,7 +116,8 @@ impl Plan {
              VM_KERNEL_MODULES={}\nVM_SNAPSHOT={}\nVM_PROFILE_DIR={}\nVM_WORKDIR={}\n\
              VM_REDIRECTOR_BIN={}\nVM_BINARY_TIMEOUT={}\nVM_SLOWDOWN={}\n\
              VM_MODE={}\nVM_WORKSPACE={}\nVM_RESULTS={}\n\
-             VM_TEST_NAMES=({})\nVM_TEST_BINS=({})\nVM_TEST_FILTERS=({})\nVM_TEST_ARGS=({})\n",
+             VM_TEST_NAMES=({})\nVM_TEST_BINS=({})\nVM_TEST_FILTERS=({})\nVM_TEST_ARGS=({})\n\
+             VM_NODE_DIR={}\nVM_NODE_API_PORT={}\nVM_NODE_NAME=node\n",
             quote_path(&self.kernel_modules)?,
             quote_path(&self.snapshot)?,
             quote_path(&self.profile_dir)?,
@@ -117,6 +128,7 @@ impl Plan {
             match self.mode {
                 Mode::Tests => "tests",
                 Mode::Systemd => "systemd",
+                Mode::Node => "node",
             },
             quote_path(&self.workspace)?,
             quote(&self.results),
@@ -124,6 +136,11 @@ impl Plan {
             binaries.join(" "),
             filters.join(" "),
             args.join(" "),
+            match &self.node {
+                Some((dir, _)) => quote_path(dir)?,
+                None => String::new(),
+            },
+            self.node.as_ref().map_or(0, |(_, port)| *port),
         ))
     }
 }
@@ -160,6 +177,8 @@ pub fn write(kernel: &Kernel, guest: &Guest, plan: &Plan, path: &Path) -> anyhow
     archive.file("init", 0o755, STAGE1.as_bytes());
     archive.file("stage2.sh", 0o755, STAGE2.as_bytes());
     archive.file("systemd-boot.sh", 0o755, SYSTEMD_BOOT.as_bytes());
+    archive.file("node-boot.sh", 0o755, NODE_BOOT.as_bytes());
+    archive.file("guest-systemd.sh", 0o644, GUEST_SYSTEMD.as_bytes());
     archive.file("plan.sh", 0o644, plan.to_shell()?.as_bytes());
     let (guest_root, binds) = match &guest.root {
         Some((root, binds)) => (

@@ -1,6 +1,6 @@
-//! One boot: virtiofsd sharing the host's root read-only, qemu (TCG, no network device) running
-//! the guest, its two serial ports in files, a hard deadline, and every process started here
-//! killed by its pid.
+//! One boot: virtiofsd sharing the host's root read-only, qemu (TCG; no network device, or for
+//! the node a user network that reaches one port of the host's loopback) running the guest, its
+//! two serial ports in files, a hard deadline, and every process started here killed by its pid.
 
 use std::{
     fs::File,
@@ -19,7 +19,9 @@ use crate::arch::Arch;
 const VIRTIOFSD: &str = "/usr/lib/qemu/virtiofsd";
 /// Guest memory: the tests' processes, the overlay's tmpfs and the page cache of the shared
 /// files.
-const MEMORY_MIB: u32 = 2048;
+pub const MEMORY_MIB: u32 = 2048;
+/// The node's: containerd's images unpacked on a tmpfs, the kubelet and the pods besides.
+pub const NODE_MEMORY_MIB: u32 = 4096;
 /// The virtiofs tag stage 1 mounts.
 const ROOT_TAG: &str = "hostroot";
 
@@ -43,6 +45,28 @@ pub struct Boot<'a> {
     pub dir: &'a Path,
     /// From qemu's start until it is killed.
     pub timeout: Duration,
+    /// Guest memory, MiB.
+    pub memory_mib: u32,
+    /// The node's network: this port of the host's loopback, which the guest reaches at
+    /// `API_HOST` (`bpf_tests::node`, the API server); nothing else.
+    pub forward: Option<u16>,
+}
+
+/// The address the node reaches the forwarded port at (bpf_tests::node::API_HOST).
+const FORWARDED_HOST: &str = "10.0.2.100";
+
+/// qemu's `-nic`: none, or for the node a user network (slirp) that lets the guest reach
+/// nothing (`restrict=on`) but the forward: each connection to FORWARDED_HOST:PORT runs the
+/// static busybox's `nc` to the host's loopback port (a chardev forward would carry one
+/// connection for qemu's life).
+fn network(forward: Option<u16>) -> String {
+    match forward {
+        None => "none".to_owned(),
+        Some(port) => format!(
+            "user,model=virtio-net-pci,restrict=on,net=10.0.2.0/24,\
+             guestfwd=tcp:{FORWARDED_HOST}:{port}-cmd:/bin/busybox nc 127.0.0.1 {port}"
+        ),
+    }
 }
 
 /// How a boot ended.
@@ -221,7 +245,7 @@ pub fn run(boot: &Boot<'_>, on_line: &mut dyn FnMut(&str)) -> anyhow::Result<Out
     }
 
     let (qemu_out, qemu_err) = log("qemu.log")?;
-    let memory = format!("{MEMORY_MIB}M");
+    let memory = format!("{}M", boot.memory_mib);
     let mut qemu_command = Command::new(qemu_binary(boot.kernel.arch));
     // KVM cannot boot a stock kernel on these hosts, nor another architecture's: TCG, one host
     // thread per vCPU.
@@ -266,8 +290,7 @@ pub fn run(boot: &Boot<'_>, on_line: &mut dyn FnMut(&str)) -> anyhow::Result<Out
             "-device",
             &format!("vhost-user-fs-pci,chardev=root,tag={ROOT_TAG}"),
         ])
-        // No network device: the guest reaches nothing.
-        .args(["-nic", "none"])
+        .args(["-nic", &network(boot.forward)])
         // A panic (panic=-1 reboots at once) or any reboot ends qemu instead of booting again.
         .arg("-no-reboot")
         .args(["-nographic", "-monitor", "none"])

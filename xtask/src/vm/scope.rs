@@ -69,6 +69,11 @@ pub const HOST_ONLY: &[HostOnly] = &[
         why: "the agent's HTTP endpoints, sd_notify, status text and error messages",
     },
     HostOnly {
+        binary: "helm_chart",
+        skip: &[],
+        why: "helm and kustomize rendering the manifests: no kernel in it",
+    },
+    HostOnly {
         binary: "container",
         skip: &[],
         why: "the image and the container runtime's sandboxing (capabilities, seccomp, mounts) \

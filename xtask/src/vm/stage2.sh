@@ -44,12 +44,18 @@ mount --bind "$VM_SNAPSHOT" "$VM_PROFILE_DIR" \
     || fatal "binding the snapshot $VM_SNAPSHOT over $VM_PROFILE_DIR"
 # The results port carries the tests' output as is: no \r added, nothing echoed back.
 stty -F "$results" raw -echo || fatal "setting up $results"
-# The systemd boot prepares a node and hands PID 1 to systemd instead (systemd-boot.sh mounts
-# nothing more: systemd mounts its API file systems itself).
-if [ "${VM_MODE:-tests}" = systemd ]; then
-    . /.vm-test/systemd-boot.sh
-    fatal "systemd-boot.sh returned"
-fi
+# The systemd and node boots prepare a node and hand PID 1 to systemd instead (systemd-boot.sh
+# and node-boot.sh mount nothing more: systemd mounts its API file systems itself).
+case "${VM_MODE:-tests}" in
+    systemd)
+        . /.vm-test/systemd-boot.sh
+        fatal "systemd-boot.sh returned"
+        ;;
+    node)
+        . /.vm-test/node-boot.sh
+        fatal "node-boot.sh returned"
+        ;;
+esac
 mount -t sysfs sysfs /sys || fatal "mounting /sys"
 # A pure cgroup v2 hierarchy, as on a current node (the tests find it in mountinfo).
 mount -t cgroup2 cgroup2 /sys/fs/cgroup || fatal "mounting cgroup2"

@@ -20,22 +20,8 @@
 #   vm-test.service         after multi-user.target: the systemd_boot test binary, with its
 #                           output on the results port, then poweroff.
 # Nothing of the host's own boot: no file systems to wait for, no services it enabled.
-: > /etc/fstab || fatal "emptying /etc/fstab"
-find /etc/systemd/system -mindepth 2 -maxdepth 2 -path '*.wants/*' -delete \
-    || fatal "disabling the host's units"
-rm -f /etc/systemd/system/default.target
-# The host's /tmp (tens of thousands of files) stays as it is: systemd-tmpfiles would walk all of
-# it at boot to empty it, and virtiofsd holds a descriptor for every file the guest looks up (it
-# has 20000 here: root there lacks CAP_SYS_RESOURCE to raise the limit), so exec(2) would then
-# fail with EMFILE for the rest of the boot.
-install -d /etc/systemd/system/systemd-tmpfiles-setup.service.d || fatal "creating a drop-in"
-cat > /etc/systemd/system/systemd-tmpfiles-setup.service.d/vm-test.conf <<EOF \
-    || fatal "writing the tmpfiles drop-in"
-[Service]
-ExecStart=
-ExecStart=systemd-tmpfiles --create --remove --boot --exclude-prefix=/dev --exclude-prefix=/tmp --exclude-prefix=/var/tmp
-EOF
-echo vm-systemd > /etc/hostname
+. /.vm-test/guest-systemd.sh
+guest_without_host_boot vm-systemd
 
 install -m 0755 "$VM_REDIRECTOR_BIN" /usr/local/bin/redirector || fatal "installing redirector"
 install -m 0644 "$VM_WORKSPACE/deploy/systemd/redirector.service" \
@@ -106,60 +92,6 @@ ExecStart=/bin/bash $VM_WORKSPACE/xtask/src/vm/kubelet-standin.sh $VM_PROFILE_DI
 [Install]
 WantedBy=multi-user.target
 EOF
-cat > /etc/systemd/system/vm-test.service <<EOF || fatal "writing vm-test.service"
-[Unit]
-Description=vm-test: the systemd boot's tests, then poweroff
-DefaultDependencies=no
-After=multi-user.target
-[Service]
-Type=oneshot
-ExecStart=/bin/bash /.vm-test/systemd-tests.sh
-[Install]
-WantedBy=multi-user.target
-EOF
-cat > /.vm-test/systemd-tests.sh <<'EOF' || fatal "writing the test runner"
-#!/bin/bash
-set -u
-export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
-. /.vm-test/plan.sh
-results=/dev/ttyS1
-say() { echo "@@vm-test $*" > "$results"; }
-now_ms() { echo $(($(date +%s%N) / 1000000)); }
-say "ready kernel=$(uname -r)"
-# What the boot did, for the log when a test fails: the units this boot is about.
-systemctl status --no-pager redirector.service node-local-dns.service kubelet.service \
-    > /dev/ttyS0 2>&1
-journalctl --boot --no-pager --unit redirector.service > /dev/ttyS0 2>&1
-started=$(now_ms)
-failed=0
-for index in "${!VM_TEST_NAMES[@]}"; do
-    name=${VM_TEST_NAMES[$index]}
-    say "begin $name"
-    begin=$(now_ms)
-    timeout --kill-after=10 "$VM_BINARY_TIMEOUT" \
-        env -i PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/root \
-        LANG=C.UTF-8 REDIRECTOR_BIN=/usr/local/bin/redirector \
-        REDIRECTOR_TEST_SLOWDOWN="$VM_SLOWDOWN" \
-        "${VM_TEST_BINS[$index]}" "${VM_TEST_ARGS[@]}" < /dev/null > "$results" 2>&1
-    code=$?
-    [ "$code" -eq 0 ] || failed=$((failed + 1))
-    say "end $name exit=$code ms=$(($(now_ms) - begin))"
-done
-# What the tests measured (the boot's timings), one line each, for the report.
-if [ -r /run/vm-test-notes ]; then
-    while read -r note; do say "note $note"; done < /run/vm-test-notes
-fi
-say "done binaries=${#VM_TEST_NAMES[@]} failed=$failed ms=$(($(now_ms) - started))"
-sync
-/bin/busybox poweroff -f
-EOF
-
-systemctl --root=/ enable redirector.service vm-addresses.service node-local-dns.service \
-    vm-upstream.service kubelet.service vm-test.service > /dev/null 2>&1 \
-    || fatal "enabling the units"
-systemctl --root=/ set-default multi-user.target > /dev/null 2>&1 \
-    || fatal "setting the default target"
-cd / || fatal "entering /"
-umount /proc || fatal "unmounting /proc"
-exec /lib/systemd/systemd
-fatal "exec of systemd failed"
+guest_test_unit "" redirector.service node-local-dns.service kubelet.service
+guest_exec_systemd redirector.service vm-addresses.service node-local-dns.service \
+    vm-upstream.service kubelet.service

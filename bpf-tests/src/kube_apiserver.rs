@@ -344,18 +344,21 @@ fn openssl(args: &[&str]) -> anyhow::Result<()> {
 /// A kubeconfig for the API server on the loopback's `port` with `token`, trusting the
 /// certificate at `ca`.
 fn kubeconfig(port: u16, ca: &Path, token: &str) -> String {
-    format!(
-        "apiVersion: v1\nkind: Config\nclusters:\n- name: test\n  cluster:\n    server: https://127.0.0.1:{port}\n    certificate-authority: {}\nusers:\n- name: test\n  user:\n    token: {token}\ncontexts:\n- name: test\n  context:\n    cluster: test\n    user: test\ncurrent-context: test\n",
-        ca.display()
-    )
+    kubeconfig_for("127.0.0.1", port, "", ca, token)
 }
 
 /// A kubeconfig for the API server at `host`:`port`, for Go clients: the server's name is
 /// checked as `kubernetes` (`tls-server-name`), which every certificate the server makes itself
 /// names, whatever address it advertises.
 fn kubeconfig_at(host: &str, port: u16, ca: &Path, token: &str) -> String {
-    kubeconfig(port, ca, token).replace(
-        &format!("    server: https://127.0.0.1:{port}\n"),
-        &format!("    server: https://{host}:{port}\n    tls-server-name: kubernetes\n"),
+    kubeconfig_for(host, port, "    tls-server-name: kubernetes\n", ca, token)
+}
+
+/// A kubeconfig of one cluster (`server` `host`:`port`, with the `cluster` lines `extra`), one
+/// user (`token`) and one context.
+fn kubeconfig_for(host: &str, port: u16, extra: &str, ca: &Path, token: &str) -> String {
+    format!(
+        "apiVersion: v1\nkind: Config\nclusters:\n- name: test\n  cluster:\n    server: https://{host}:{port}\n{extra}    certificate-authority: {}\nusers:\n- name: test\n  user:\n    token: {token}\ncontexts:\n- name: test\n  context:\n    cluster: test\n    user: test\ncurrent-context: test\n",
+        ca.display()
     )
 }

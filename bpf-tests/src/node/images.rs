@@ -126,7 +126,5 @@ pub fn build(
     save.push(&archive_path);
     save.extend(names);
     podman.run(&save, Duration::from_secs(300))?;
-    std::fs::write(node.image_names(), names.join("\n") + "\n")
-        .context("writing the images' names")?;
     Ok(())
 }

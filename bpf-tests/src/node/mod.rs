@@ -63,12 +63,6 @@ impl NodeDir {
         self.0.join("images.tar")
     }
 
-    /// The names of the images in [`Self::images`], one a line.
-    #[must_use]
-    pub fn image_names(&self) -> PathBuf {
-        self.0.join("images.txt")
-    }
-
     /// The administrator's kubeconfig for the guest (server `https://API_HOST:PORT`).
     #[must_use]
     pub fn guest_kubeconfig(&self) -> PathBuf {

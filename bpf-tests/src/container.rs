@@ -150,12 +150,16 @@ impl Podman {
         command.args(args);
         let output = output_within(&mut command, limit)?;
         if !output.status.success() {
+            // Its error first, then the end of a build's step log: a CI log's excerpt keeps the
+            // start and the end of a long message.
+            let stdout = String::from_utf8_lossy(&output.stdout);
+            let lines: Vec<&str> = stdout.lines().collect();
             bail!(
-                "podman {} failed ({}): {}{}",
+                "podman {} failed ({}): {}\nthe last lines it printed:\n{}",
                 args.join(" "),
                 output.status,
-                String::from_utf8_lossy(&output.stdout),
-                String::from_utf8_lossy(&output.stderr)
+                String::from_utf8_lossy(&output.stderr).trim_end(),
+                lines[lines.len().saturating_sub(40)..].join("\n")
             );
         }
         Ok(String::from_utf8_lossy(&output.stdout).into_owned())

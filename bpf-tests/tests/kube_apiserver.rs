@@ -6,11 +6,11 @@
 //! ClusterRole grant, and a verb taken away is reported, not retried silently.
 //! The fake API server (`kubernetes.rs`) keeps the faults a real one cannot be made to produce.
 
-use std::{collections::BTreeSet, net::IpAddr, time::Duration};
+use std::{collections::BTreeSet, net::IpAddr, path::Path, time::Duration};
 
 use bpf_tests::{
     cgroup::KubeletCgroups,
-    cli::{start_agent, stop_agent, uninstall},
+    cli::{redirector, start_agent, stop_agent, uninstall},
     fake_kube::endpoint_slice,
     harness::{CLUSTER_ID, Harness, kube_dns_config},
     kube_apiserver::{AuditedRequest, KubeApiserver, manifests},
@@ -159,9 +159,10 @@ fn the_agent_follows_a_real_api_server_on_exactly_the_shipped_rbac() -> anyhow::
     sandbox.start_standard_servers()?;
     let mut kube = cluster(&sandbox)?;
     let text = config_text(&sandbox, &kube)?;
+    let config = sandbox.write_file("agent.toml", &text)?;
     let harness = Harness::with_config(sandbox, &text)?;
     wait_for_pool(&harness, &expect(&["198.18.2.2"], 53)?, "initial list")?;
-    a_pod_of_this_node_is_named_by_namespace_and_name(&kube, &harness)?;
+    a_pod_of_this_node_is_named_by_namespace_and_name(&kube, &harness, &config)?;
 
     apply_slice(&kube, &["198.18.2.2", "198.18.2.3"], 53)?;
     wait_for_pool(
@@ -284,10 +285,12 @@ fn the_agent_follows_a_real_api_server_on_exactly_the_shipped_rbac() -> anyhow::
 
 /// A Pod bound to this node (no scheduler or kubelet runs here: `spec.nodeName` is set by hand),
 /// and DNS from a cgroup named as the kubelet names its container's: the agent names the workload
-/// `pod/NAMESPACE/NAME`, from its watch of this node's pods through the ClusterRole.
+/// `pod/NAMESPACE/NAME`, from its watch of this node's pods through the ClusterRole, and so does
+/// `redirector status` of its configuration `config`, from the names the agent recorded.
 fn a_pod_of_this_node_is_named_by_namespace_and_name(
     kube: &KubeApiserver,
     harness: &Harness,
+    config: &Path,
 ) -> anyhow::Result<()> {
     let node = redirector::sources::node_name();
     // The ServiceAccount admission wants the Pod's account to exist; no controller makes it here.
@@ -350,7 +353,21 @@ fn a_pod_of_this_node_is_named_by_namespace_and_name(
         error.context(format!(
             "the agent's names: {names:?} (the pod's UID {uid})"
         ))
-    })
+    })?;
+    // The record is written at the agent's next reading (every second here).
+    let mut status = String::new();
+    wait_until(
+        "redirector status names the pod by its namespace and name",
+        Duration::from_secs(10),
+        Duration::from_millis(200),
+        || {
+            status = redirector(&["status", "--config", &config.display().to_string()])?.stdout;
+            Ok(status
+                .lines()
+                .any(|line| line.starts_with("pod/default/web-0 ")))
+        },
+    )
+    .map_err(|error| error.context(format!("status printed:\n{status}")))
 }
 
 /// The EndpointSlice Role without `watch`: the agent's watch is refused (403 in the audit log),

@@ -330,8 +330,7 @@ fn redirector_overlay(dir: &Path) -> anyhow::Result<PathBuf> {
     std::fs::write(
         overlay.join("kustomization.yaml"),
         format!(
-            "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nresources:\n  - {}\nimages:\n  - name: registry.example.com/redirector\n    newName: {name}\n    newTag: {tag}\nconfigMapGenerator:\n  - name: redirector-config\n    namespace: kube-system\n    behavior: replace\n    files:\n      - config.toml\n",
-            shipped
+            "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nresources:\n  - {shipped}\nimages:\n  - name: registry.example.com/redirector\n    newName: {name}\n    newTag: {tag}\nconfigMapGenerator:\n  - name: redirector-config\n    namespace: kube-system\n    behavior: replace\n    files:\n      - config.toml\n"
         ),
     )?;
     Ok(overlay)
@@ -680,7 +679,7 @@ fn run() -> anyhow::Result<()> {
     eprintln!("node: the DaemonSet's volumes after the Helm takeover: {volumes}");
 
     // Who the agent names: the client's pod, never the cache.
-    let metrics = names_the_client_not_the_cache(&client_uid, &local_dns)?;
+    let metrics = names_the_client_not_the_cache(&cluster, &client_uid, &local_dns)?;
     // node-local-dns served throughout: the kernel never took it for stalled.
     let stalled: Vec<&str> = metrics
         .lines()
@@ -838,25 +837,58 @@ fn helm_take_over(cluster: &Cluster, config: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `redirector status` and the agent's metrics name the client by its pod, and never
-/// node-local-dns (a cache is no workload); the metrics.
-fn names_the_client_not_the_cache(client_uid: &str, local_dns_uid: &str) -> anyhow::Result<String> {
-    let status = Command::new("redirector")
-        .args(["status", "--config", "/nonexistent"])
-        .output()
-        .context("running redirector status")?;
-    let status = String::from_utf8_lossy(&status.stdout).into_owned();
-    eprintln!("node: redirector status:\n{status}");
-    assert!(
-        status
-            .lines()
-            .any(|line| line.starts_with(&format!("pod/{client_uid} "))),
-        "status names the client's pod by its UID:\n{status}"
-    );
-    assert!(
-        !status.contains(local_dns_uid),
-        "status names node-local-dns, a cache:\n{status}"
-    );
+/// `redirector status` (on the node, and in the agent's pod through `kubectl exec`), `redirector
+/// top` and the agent's metrics name the client `pod/default/dns-client`, and never node-local-dns
+/// (a cache is no workload); the metrics.
+fn names_the_client_not_the_cache(
+    cluster: &Cluster,
+    client_uid: &str,
+    local_dns_uid: &str,
+) -> anyhow::Result<String> {
+    let on_node = |args: &[&str]| -> anyhow::Result<String> {
+        let output = Command::new("redirector")
+            .args(args)
+            .output()
+            .with_context(|| format!("running redirector {}", args.join(" ")))?;
+        Ok(String::from_utf8_lossy(&output.stdout).into_owned())
+    };
+    let status = on_node(&["status", "--config", "/nonexistent"])?;
+    let in_pod = cluster.kubectl(&[
+        "exec",
+        "-n",
+        "kube-system",
+        "daemonset/redirector",
+        "--",
+        "redirector",
+        "status",
+    ])?;
+    // The client asks every millisecond: it is in every frame.
+    let top = on_node(&[
+        "top",
+        "--config",
+        "/nonexistent",
+        "--count",
+        "1",
+        "--interval-ms",
+        "2000",
+    ])?;
+    for (what, shown) in [
+        ("status on the node", &status),
+        ("status in the agent's pod", &in_pod),
+        ("top on the node", &top),
+    ] {
+        eprintln!("node: redirector {what}:\n{shown}");
+        assert!(
+            shown
+                .lines()
+                .any(|line| line.starts_with("pod/default/dns-client ")),
+            "{what} names the client pod/default/dns-client (its UID {client_uid}):\n{shown}"
+        );
+        assert!(
+            !shown.contains(local_dns_uid) && !shown.contains("node-local-dns"),
+            "{what} names node-local-dns, a cache:\n{shown}"
+        );
+    }
     let mut metrics = String::new();
     wait_until(
         "the metrics name the client's pod",

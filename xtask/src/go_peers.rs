@@ -6,7 +6,8 @@
 //! every version, with the machine's Go and the Go module proxy; by `setup`, `test` and
 //! `vm-test` (not by `demo` or `build`, which need none), once per machine and again only when a
 //! module's go.mod, go.sum or Go files or the Go version change, into `target/go/bin`, with the
-//! module and build caches under `target/go` too.
+//! fetched modules under `target/go/mod` (the build cache, `target/go/cache`, is removed once a
+//! build is done: about 5 GiB on a shared disk, for a rebuild a few minutes faster).
 
 use std::{
     hash::{Hash as _, Hasher as _},
@@ -54,7 +55,7 @@ const MODULES: &[Module] = &[
         programs: &["helm.sh/helm/v4/cmd/helm"],
     },
     // The node's: its kubelet and the control plane's other two (their shared packages are in
-    // the build cache from the build above), and containerd.
+    // the build cache when the build above runs in the same `ensure`), and containerd.
     Module {
         folder: "kube",
         name: "kube-node",
@@ -101,8 +102,17 @@ fn root() -> PathBuf {
 /// when `node`.
 pub fn ensure(node: bool) -> anyhow::Result<()> {
     let go_version = go_version()?;
+    let mut built = false;
     for module in MODULES.iter().filter(|module| node || !module.node_only) {
-        ensure_module(module, &go_version)?;
+        built |= ensure_module(module, &go_version)?;
+    }
+    if built {
+        // The build cache (about 5 GiB once every module is built) serves only a rebuild after a
+        // module changes; the disk is shared, and a rebuild without it takes a few minutes more.
+        // The fetched modules stay.
+        let cache = root().join("cache");
+        std::fs::remove_dir_all(&cache)
+            .with_context(|| format!("removing Go's build cache {}", cache.display()))?;
     }
     Ok(())
 }
@@ -163,7 +173,8 @@ fn collect_sources(folder: &Path, files: &mut Vec<PathBuf>) -> anyhow::Result<()
     Ok(())
 }
 
-fn ensure_module(module: &Module, go_version: &str) -> anyhow::Result<()> {
+/// Builds `module`'s programs unless they are current; true when it built them.
+fn ensure_module(module: &Module, go_version: &str) -> anyhow::Result<bool> {
     let folder = crate::workspace::workspace_root()
         .join("bpf-tests/go")
         .join(module.folder);
@@ -177,7 +188,7 @@ fn ensure_module(module: &Module, go_version: &str) -> anyhow::Result<()> {
         .collect();
     let built = names.iter().all(|name| bin.join(name).exists());
     if built && std::fs::read_to_string(&stamp_file).is_ok_and(|stamp| stamp == wanted) {
-        return Ok(());
+        return Ok(false);
     }
     eprintln!(
         "xtask: building {} with {go_version} from bpf-tests/go/{} (once per machine; the first \
@@ -225,7 +236,7 @@ fn ensure_module(module: &Module, go_version: &str) -> anyhow::Result<()> {
         names.join(", "),
         started.elapsed().as_secs_f64()
     );
-    Ok(())
+    Ok(true)
 }
 
 #[cfg(test)]

@@ -141,6 +141,7 @@ pub fn test(with_lints: bool, filter: Option<&str>) -> anyhow::Result<()> {
     require_root("test")?;
     let started = Instant::now();
     sweep::run()?;
+    report_free_space("at the start");
     let mut test = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned()));
     // The Go peers build beside the lints and the Rust builds, which leave the cores idle at
     // times (build scripts, links); only the tests need them. The scope waits for both.
@@ -155,9 +156,30 @@ pub fn test(with_lints: bool, filter: Option<&str>) -> anyhow::Result<()> {
     if let Some(filter) = filter {
         test.args(["--", filter]);
     }
-    lint::check(&mut test, "tests failed")?;
+    report_free_space("before the tests");
+    let tested = lint::check(&mut test, "tests failed");
+    // The machine's disk is shared: a build or a test that fails for want of space says so here.
+    report_free_space("after the tests");
+    tested?;
     eprintln!("xtask: every test passed in {:.0?}", started.elapsed());
     Ok(())
+}
+
+/// Prints the space left on the target directory's file system.
+fn report_free_space(when: &str) {
+    let target = target_dir();
+    match nix::sys::statvfs::statvfs(&target) {
+        Ok(stat) => eprintln!(
+            "xtask: {:.1} GiB free on {}'s file system {when}",
+            (u128::from(stat.blocks_available()) * u128::from(stat.fragment_size())) as f64
+                / f64::from(1u32 << 30),
+            target.display()
+        ),
+        Err(error) => eprintln!(
+            "xtask: cannot read the free space of {}: {error}",
+            target.display()
+        ),
+    }
 }
 
 /// The lints (with `with_lints`) and the builds the tests run: the redirector binary, and the

@@ -1,5 +1,6 @@
 //! `redirector uninstall`: detach every program, remove every pin, the listener addresses (and
-//! the link the agent created), and the lock. Refused while an agent runs.
+//! the link the agent created), the pods' names recorded for the CLI, and the lock. Refused while
+//! an agent runs.
 
 use tracing::{info, warn};
 
@@ -9,6 +10,7 @@ use crate::{
     conntrack_bypass::{self, nft::Nft},
     datapath,
     sys::{interface, lock::InstanceLock, netns::NetnsWorker},
+    workloads,
 };
 
 /// What `uninstall` removed.
@@ -51,6 +53,8 @@ pub async fn uninstall(config: &Config) -> Result<UninstallReport, AgentError> {
         let removed = interface::remove(&config.interface, &worker, &record).await?;
         report.interface = removed.then(|| config.interface.name.clone());
     }
+    // The pods' names recorded for the CLI.
+    let _ = std::fs::remove_file(workloads::names_file::path(&config.lock_file));
     // The drain socket (its directory may be a cache pod's mount: it stays).
     if let Some(socket) = &config.drain_socket {
         let _ = std::fs::remove_file(socket);

@@ -4,7 +4,7 @@ use std::{io::IsTerminal as _, io::Write as _, path::PathBuf, time::Duration};
 
 use anyhow::Context as _;
 use redirector::{
-    config::{Config, DEFAULT_CONFIG_PATH, DEFAULT_PIN_DIR},
+    config::{Config, DEFAULT_CONFIG_PATH, DEFAULT_LOCK_FILE, DEFAULT_PIN_DIR},
     datapath::Maps,
     telemetry::top::{self, SortKey},
     workloads::{self, rates::Rates},
@@ -46,14 +46,24 @@ pub(crate) fn top(args: &TopArgs) -> anyhow::Result<()> {
             args.interval_ms
         );
     }
-    let pin_dir = match &args.pin_dir {
-        Some(dir) => dir.clone(),
-        None if args.config.exists() => Config::load(&args.config)?.pin_dir,
-        None => PathBuf::from(DEFAULT_PIN_DIR),
+    let config = if args.config.exists() {
+        Some(Config::load(&args.config)?)
+    } else {
+        None
     };
+    let pin_dir = match (&args.pin_dir, &config) {
+        (Some(dir), _) => dir.clone(),
+        (None, Some(config)) => config.pin_dir.clone(),
+        (None, None) => PathBuf::from(DEFAULT_PIN_DIR),
+    };
+    let lock_file = config.map_or_else(
+        || PathBuf::from(DEFAULT_LOCK_FILE),
+        |config| config.lock_file,
+    );
     let maps = Maps::open_pinned(&pin_dir)?;
     let interval = Duration::from_millis(args.interval_ms);
-    let mut resolver = workloads::host_resolver(interval);
+    let mut resolver = workloads::cli_resolver(interval, &lock_file);
+    let names_file = workloads::names_file::path(&lock_file);
     let mut rates = Rates::default();
     let terminal = std::io::stdout().is_terminal();
     let mut stdout = std::io::stdout().lock();
@@ -66,6 +76,13 @@ pub(crate) fn top(args: &TopArgs) -> anyhow::Result<()> {
         let read = rates.read(maps.workload_counts()?, now - last);
         let window = now - last;
         last = now;
+        // Pods started since are named as soon as the agent records them (a failure to read
+        // the record was told once; the last names stay).
+        if let (Some(named), Ok(Some(pods))) =
+            (resolver.as_mut(), workloads::names_file::read(&names_file))
+        {
+            named.set_pods(pods);
+        }
         let (read, names) = workloads::rates::by_workload(read, |cgroup| {
             workloads::name_of(resolver.as_mut(), cgroup)
         });

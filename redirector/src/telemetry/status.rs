@@ -217,7 +217,7 @@ pub async fn gather(
 ) -> Result<StatusReport, DatapathError> {
     let listeners = snapshot::listeners(maps)?;
     // One walk of the hierarchy for the whole report: a cgroup gone is not looked for again.
-    let mut resolver = workloads::host_resolver(std::time::Duration::from_secs(3600));
+    let mut resolver = workloads::cli_resolver(std::time::Duration::from_secs(3600), lock_file);
     let mut busiest = counts::by_workload(&maps.workload_counts()?, |cgroup| {
         workloads::name_of(resolver.as_mut(), cgroup)
     });

@@ -2,18 +2,21 @@
 //! operators read pods and units. Three parts, joined by [`Resolver`]: the id's path in the
 //! hierarchy ([`cgroups`], a bounded walk of the mount), what the path says ([`identity`], the
 //! kubelet's and systemd's naming), and the pod's namespace and name ([`pods`], a watch of this
-//! node's pods on the API server). The kernel's counts become rates and the busiest workloads
-//! in [`rates`]; [`View`] is what the agent publishes of them.
+//! node's pods on the API server, which the agent records for the CLI in [`names_file`]). The
+//! kernel's counts become rates and the busiest workloads in [`rates`]; [`View`] is what the
+//! agent publishes of them.
 
 pub mod cgroups;
 pub mod counts;
 pub mod identity;
+pub mod names_file;
 pub mod pods;
 pub mod rates;
 
 use std::{
     collections::HashMap,
     fmt,
+    path::Path,
     time::{Duration, Instant},
 };
 
@@ -156,6 +159,11 @@ impl Resolver {
         }
     }
 
+    /// Names pods from `pods` from now on (a newer record of them).
+    pub fn set_pods(&mut self, pods: PodNames) {
+        self.pods = Some(pods);
+    }
+
     /// The name of cgroup `cgroup_id`.
     pub fn describe(&mut self, cgroup_id: u64) -> WorkloadName {
         self.describe_at(cgroup_id, Instant::now())
@@ -295,6 +303,21 @@ pub fn host_resolver(rescan_after: Duration) -> Option<Resolver> {
         Err(error) => {
             warn!(error = %crate::error_chain(&error), "cannot find the cgroup hierarchy; workloads are named by their cgroup ids");
             None
+        }
+    }
+}
+
+/// The CLI's resolver: [`host_resolver`], naming pods from the names the agent recorded beside
+/// `lock_file` ([`names_file`]), if it did.
+#[must_use]
+pub fn cli_resolver(rescan_after: Duration, lock_file: &Path) -> Option<Resolver> {
+    let resolver = host_resolver(rescan_after)?;
+    match names_file::read(&names_file::path(lock_file)) {
+        Ok(Some(pods)) => Some(resolver.with_pods(pods)),
+        Ok(None) => Some(resolver),
+        Err(error) => {
+            warn!(error = %crate::error_chain(&error), "pods are named by their UIDs");
+            Some(resolver)
         }
     }
 }

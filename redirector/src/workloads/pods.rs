@@ -27,7 +27,7 @@ pub const CONFIG_HASH_ANNOTATION: &str = "kubernetes.io/config.hash";
 pub const CONFIG_MIRROR_ANNOTATION: &str = "kubernetes.io/config.mirror";
 
 /// One pod, as much of its metadata as naming it needs.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct PodRecord {
     /// The pod's UID in the API.
     pub uid: String,
@@ -181,6 +181,29 @@ impl PodNames {
             index
                 .get(uid_or_hash)
                 .map(|pod| (pod.namespace.clone(), pod.name.clone()))
+        })
+    }
+
+    /// Names `records` (pods listed elsewhere: the agent's record of them for the CLI,
+    /// [`super::names_file`]), as one complete list.
+    #[must_use]
+    pub fn from_records(records: impl IntoIterator<Item = PodRecord>) -> Self {
+        let names = Self::new();
+        names.handle(watcher::Event::Init);
+        for record in records {
+            names.handle(watcher::Event::InitApply(record));
+        }
+        names.handle(watcher::Event::InitDone);
+        names
+    }
+
+    /// Every pod named now, by UID.
+    #[must_use]
+    pub fn records(&self) -> Vec<PodRecord> {
+        self.read(|index| {
+            let mut records: Vec<PodRecord> = index.pods.values().cloned().collect();
+            records.sort_unstable_by(|a, b| a.uid.cmp(&b.uid));
+            records
         })
     }
 

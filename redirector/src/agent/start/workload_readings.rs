@@ -26,7 +26,7 @@ use crate::{
         node_events::{EventQueue, Limited},
         stats::{AgentStats, ErrorKind},
     },
-    workloads::{self, Resolver, rates::Rates},
+    workloads::{self, Resolver, names_file, pods::PodNames, rates::Rates},
 };
 
 /// Workloads told as held back, at most, before the record starts again (a workload told twice
@@ -49,7 +49,13 @@ pub(super) fn read_workloads(
         return None;
     }
     let settings = config.workloads.clone();
-    let (names, follower) = workload_names(settings.interval, kube_client, node);
+    let (names, pods, follower) = workload_names(settings.interval, kube_client, node);
+    let recorded_pods = pods.map(|pods| {
+        (
+            pods,
+            names_file::Writer::new(names_file::path(&config.lock_file)),
+        )
+    });
     let readings = Readings {
         limited: LimitedWorkloads::new(settings.rate_limit, events),
         settings,
@@ -58,6 +64,7 @@ pub(super) fn read_workloads(
         base,
         stats: Arc::clone(stats),
         names,
+        recorded_pods,
         rates: Rates::default(),
         maps: None,
         failing: false,
@@ -100,6 +107,8 @@ struct Readings {
     base: Vec<ExemptEntry>,
     stats: Arc<AgentStats>,
     names: Option<Resolver>,
+    /// The pods' names from the API server, and the record of them for the CLI.
+    recorded_pods: Option<(PodNames, names_file::Writer)>,
     rates: Rates,
     maps: Option<Maps>,
     limited: LimitedWorkloads,
@@ -112,6 +121,11 @@ struct Readings {
 impl Readings {
     /// One reading, `window` after the last.
     fn read(&mut self, window: Duration) {
+        if let Some((pods, writer)) = &mut self.recorded_pods
+            && let Err(error) = writer.write(pods)
+        {
+            warn!(error = %crate::error_chain(&error), "the next reading tries again");
+        }
         let opened = match self.maps.take() {
             Some(opened) => Ok(opened),
             None => Maps::open_pinned(&self.pin_dir),
@@ -248,27 +262,28 @@ impl LimitedWorkloads {
 
 /// What names the workloads: their cgroups' paths (walked again at most once an `interval` for
 /// an id not seen yet), and this node's pods from the API server when there is a client (the
-/// task following them ends with the returned guard).
+/// task following them ends with the returned guard), also returned on their own.
 fn workload_names(
     interval: Duration,
     kube_client: Option<kube::Client>,
     node: &str,
-) -> (Option<Resolver>, TaskGuard) {
+) -> (Option<Resolver>, Option<PodNames>, TaskGuard) {
     let Some(resolver) = workloads::host_resolver(interval) else {
-        return (None, TaskGuard(None));
+        return (None, None, TaskGuard(None));
     };
     let Some(client) = kube_client else {
-        return (Some(resolver), TaskGuard(None));
+        return (Some(resolver), None, TaskGuard(None));
     };
-    let pods = workloads::pods::PodNames::new();
+    let pods = PodNames::new();
     match pods.follow(client, node) {
         Ok(follow) => (
-            Some(resolver.with_pods(pods)),
+            Some(resolver.with_pods(pods.clone())),
+            Some(pods),
             TaskGuard(Some(tokio::spawn(follow))),
         ),
         Err(error) => {
             warn!(error = %crate::error_chain(&error), "pods are named by their UIDs");
-            (Some(resolver), TaskGuard(None))
+            (Some(resolver), None, TaskGuard(None))
         }
     }
 }

@@ -26,3 +26,4 @@ pub mod sandbox;
 pub mod shipped;
 pub mod stream;
 pub mod topology;
+pub mod vm_notes;

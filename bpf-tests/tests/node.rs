@@ -23,6 +23,7 @@ use bpf_tests::{
     kube_apiserver::{self, manifests},
     node::{NodeDir, images},
     pace::{paced_ms, pause, wait_until},
+    vm_notes::note,
 };
 
 /// The node-local-dns address (NodeLocal DNSCache's default).
@@ -377,7 +378,7 @@ fn client_records(pod_uid: &str) -> anyhow::Result<Vec<StreamRecord>> {
 /// What one event cost the client.
 #[derive(Debug)]
 struct Loss {
-    event: &'static str,
+    event: String,
     /// Why a loss after the event's instant is expected, when it is.
     expected: Option<&'static str>,
     /// Failed queries begun at or after the event's instant (the signal, the kill, the API
@@ -413,7 +414,7 @@ const ANSWERED_EVERY: u64 = 100;
 /// event's start until [`SETTLE_MS`] after it is back.
 fn measure(
     client_uid: &str,
-    name: &'static str,
+    name: &str,
     expected: Option<&'static str>,
     event: impl FnOnce() -> anyhow::Result<u64>,
 ) -> anyhow::Result<Loss> {
@@ -426,7 +427,7 @@ fn measure(
     std::thread::sleep(Duration::from_millis(QUERY_TIMEOUT_MS + 500));
     let end_ms = start_ms + took_ms + SETTLE_MS;
     let mut loss = Loss {
-        event: name,
+        event: name.to_owned(),
         expected,
         after: BTreeMap::new(),
         in_all: BTreeMap::new(),
@@ -657,6 +658,59 @@ fn run() -> anyhow::Result<()> {
         },
     )?);
 
+    // Between the previous release and this build, both ways, as a fleet's rollback and its
+    // rollout again; each pod asked which agent it runs.
+    let previous = std::fs::read_to_string(NodeDir::from_env()?.previous_release())
+        .context("reading the previous release's version")?;
+    let (previous_version, previous_commit) = previous
+        .trim()
+        .split_once(' ')
+        .context("the previous release's version and commit")?;
+    // `--version` says `redirector VERSION (commit COMMIT, layout N)`.
+    let previous_line = format!("{previous_version} (commit {previous_commit},");
+    for (event, image, runs_previous) in [
+        (
+            format!("redirector rolled back to {previous_version} (its image)"),
+            images::PREVIOUS,
+            true,
+        ),
+        // Under the next tag, which the Helm chart below takes over as it is.
+        (
+            format!("redirector rolled from {previous_version} to this build"),
+            images::AGENT_NEXT,
+            false,
+        ),
+    ] {
+        table.push(measure(&client_uid, &event, None, || {
+            replace_pod(&cluster, AGENT, &mut agent, || {
+                set_image(
+                    &cluster,
+                    "redirector",
+                    &[("redirector", image), ("prepare-node", image)],
+                )
+            })
+        })?);
+        let version = cluster.kubectl(&[
+            "exec",
+            "-n",
+            "kube-system",
+            "daemonset/redirector",
+            "--",
+            "redirector",
+            "--version",
+        ])?;
+        eprintln!(
+            "node: after \"{event}\" the agent's pod runs {}",
+            version.trim()
+        );
+        assert_eq!(
+            version.contains(&previous_line),
+            runs_previous,
+            "after \"{event}\" the agent's pod runs `{}` (the previous release is {previous})",
+            version.trim()
+        );
+    }
+
     // The same install taken over by the Helm chart, as an operator moving to it does: the same
     // image and configuration, so no pod restarts.
     table.push(measure(
@@ -665,8 +719,16 @@ fn run() -> anyhow::Result<()> {
         None,
         || {
             let instant = now_ms();
-            helm_take_over(&cluster, &overlay.join("config.toml"))?;
-            cluster.one_ready_pod("kube-system", AGENT, None, Duration::from_secs(300))?;
+            helm(
+                &cluster,
+                &["upgrade", "--install"],
+                // Helm 4 applies server-side: the fields `kubectl apply` set are its
+                // manager's, and taking them over conflicts ("Apply failed with 1 conflict:
+                // conflict with kubectl-client-side-apply") unless forced.
+                &["--take-ownership", "--force-conflicts"],
+                &overlay.join("config.toml"),
+            )?;
+            agent = cluster.one_ready_pod("kube-system", AGENT, None, Duration::from_secs(300))?;
             Ok(instant)
         },
     )?);
@@ -677,6 +739,60 @@ fn run() -> anyhow::Result<()> {
         "{.spec.template.spec.volumes[*].name}",
     )?;
     eprintln!("node: the DaemonSet's volumes after the Helm takeover: {volumes}");
+
+    // Helm as a node's first install: the chart's release removed (the pins stay: the kernel
+    // steers without an agent) and installed anew.
+    table.push(measure(
+        &client_uid,
+        "redirector removed (helm uninstall)",
+        None,
+        || {
+            let instant = now_ms();
+            helm(
+                &cluster,
+                &["uninstall", "--wait"],
+                &[],
+                &overlay.join("config.toml"),
+            )?;
+            wait_until(
+                "the agent's pod is gone",
+                Duration::from_secs(300),
+                Duration::from_secs(1),
+                || {
+                    Ok(cluster
+                        .kubectl(&[
+                            "get",
+                            "pods",
+                            "-n",
+                            "kube-system",
+                            "-l",
+                            AGENT,
+                            "-o",
+                            "name",
+                        ])?
+                        .trim()
+                        .is_empty())
+                },
+            )?;
+            Ok(instant)
+        },
+    )?);
+    table.push(measure(
+        &client_uid,
+        "redirector installed by its Helm chart (helm install)",
+        None,
+        || {
+            let instant = now_ms();
+            helm(&cluster, &["install"], &[], &overlay.join("config.toml"))?;
+            agent = cluster.one_ready_pod(
+                "kube-system",
+                AGENT,
+                Some(&agent),
+                Duration::from_secs(300),
+            )?;
+            Ok(instant)
+        },
+    )?);
 
     // Who the agent names: the client's pod, never the cache.
     let metrics = names_the_client_not_the_cache(&cluster, &client_uid, &local_dns)?;
@@ -690,16 +806,18 @@ fn run() -> anyhow::Result<()> {
         .collect();
     eprintln!("node: stall moves: {stalled:?}");
 
-    eprintln!(
-        "node: queries lost per event, a query every ms from a fresh and a kept socket \
-         (lost: begun at or after the event's instant; in all: from its start, in flight too)"
-    );
-    eprintln!(
-        "  {:<58} {:>5} {:>7} {:>7} {:>8}",
-        "event", "lost", "in all", "asked", "took ms"
-    );
+    // The table, in the VM report (and in this test's output when it fails).
+    let mut lines = vec![
+        "node: queries lost per event, a query every ms from a fresh and a kept socket (lost: \
+         begun at or after the event's instant; in all: from its start, in flight too)"
+            .to_owned(),
+        format!(
+            "  {:<58} {:>5} {:>7} {:>7} {:>8}",
+            "event", "lost", "in all", "asked", "took ms"
+        ),
+    ];
     for loss in &table {
-        eprintln!(
+        lines.push(format!(
             "  {:<58} {:>5} {:>7} {:>7} {:>8} {:?}",
             loss.event,
             loss.lost_after(),
@@ -707,10 +825,15 @@ fn run() -> anyhow::Result<()> {
             loss.asked,
             loss.took_ms,
             loss.errors
-        );
+        ));
         if let Some(why) = loss.expected {
-            eprintln!("    {why}");
+            lines.push(format!("    {why}"));
         }
+    }
+    lines.push(format!("node: stall moves: {}", stalled.len()));
+    for line in &lines {
+        eprintln!("{line}");
+        note(line);
     }
     for loss in &table {
         assert!(
@@ -792,45 +915,38 @@ fn kill_and_wait_restart(
     Ok(instant)
 }
 
-/// `helm upgrade --install --take-ownership --force-conflicts` of the chart over the kustomize
-/// install, as docs/operations.md has an operator move to Helm, taking its objects over:
-/// the NodeLocal DNSCache layout, the image in use, and the same configuration.
-fn helm_take_over(cluster: &Cluster, config: &Path) -> anyhow::Result<()> {
-    let chart = manifests().join("../helm/redirector");
-    let (name, tag) = images::AGENT_NEXT
-        .rsplit_once(':')
-        .context("the agent's image has a tag")?;
-    let output = Command::new(bpf_tests::go_peers::binary("helm")?)
-        .arg("upgrade")
-        .arg("--install")
+/// `helm VERB redirector FLAGS [CHART]` in kube-system: the chart (for every verb but
+/// `uninstall`) with the NodeLocal DNSCache layout, the agent's next image (the one in use: a
+/// takeover restarts no pod) and the configuration `config`, as docs/operations.md installs it.
+fn helm(cluster: &Cluster, verb: &[&str], flags: &[&str], config: &Path) -> anyhow::Result<()> {
+    let mut helm = Command::new(bpf_tests::go_peers::binary("helm")?);
+    helm.args(verb)
         .arg("redirector")
-        .arg(&chart)
-        // Helm 4 applies server-side: the fields `kubectl apply` set are its manager's, and
-        // taking them over conflicts ("Apply failed with 1 conflict: conflict with
-        // kubectl-client-side-apply") unless forced.
-        .args([
-            "--namespace",
-            "kube-system",
-            "--take-ownership",
-            "--force-conflicts",
-        ])
-        .arg(format!("--kubeconfig={}", cluster.kubeconfig.display()))
-        .args([
-            "--set",
-            "layout=nodeLocalDNSCache",
-            "--set",
-            "nodeLocalDNSCache.clusterIP=10.96.0.10",
-            "--set",
-            &format!("image.repository={name}"),
-            "--set",
-            &format!("image.tag={tag}"),
-        ])
-        .arg(format!("--set-file=config={}", config.display()))
-        .output()
-        .context("running helm")?;
+        .args(flags)
+        .args(["--namespace", "kube-system"])
+        .arg(format!("--kubeconfig={}", cluster.kubeconfig.display()));
+    if verb.first() != Some(&"uninstall") {
+        let (name, tag) = images::AGENT_NEXT
+            .rsplit_once(':')
+            .context("the agent's image has a tag")?;
+        helm.arg(manifests().join("../helm/redirector"))
+            .args([
+                "--set",
+                "layout=nodeLocalDNSCache",
+                "--set",
+                "nodeLocalDNSCache.clusterIP=10.96.0.10",
+                "--set",
+                &format!("image.repository={name}"),
+                "--set",
+                &format!("image.tag={tag}"),
+            ])
+            .arg(format!("--set-file=config={}", config.display()));
+    }
+    let output = helm.output().context("running helm")?;
     anyhow::ensure!(
         output.status.success(),
-        "helm upgrade --install failed: {}{}",
+        "helm {} failed: {}{}",
+        verb.join(" "),
         String::from_utf8_lossy(&output.stdout),
         String::from_utf8_lossy(&output.stderr)
     );

@@ -9,7 +9,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use bpf_tests::{dns::QueryOutcome, pace::paced, topology::who};
+use bpf_tests::{dns::QueryOutcome, pace::paced, topology::who, vm_notes::note};
 
 /// Runs `program args`, which must succeed; its standard output.
 fn run(program: &str, args: &[&str]) -> String {
@@ -103,18 +103,6 @@ fn wait_active(unit: &str, not_pid: &str, limit: Duration) -> String {
         );
         std::thread::sleep(Duration::from_millis(100));
     }
-}
-
-/// Leaves `text` for the VM report (systemd-boot.sh sends each line of /run/vm-test-notes to the
-/// host after the tests: a passing test's own output is not shown).
-fn note(text: &str) {
-    use std::io::Write as _;
-    let mut notes = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open("/run/vm-test-notes")
-        .expect("/run/vm-test-notes");
-    writeln!(notes, "{text}").expect("a note written");
 }
 
 fn seconds(monotonic_us: &str) -> f64 {

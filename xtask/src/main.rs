@@ -7,6 +7,7 @@ mod go_peers;
 mod image;
 mod lint;
 mod pinned_rustup;
+mod previous_release;
 mod release;
 mod setup;
 mod sweep;

@@ -74,7 +74,7 @@ pub fn cargo_for(arch: Arch, args: &[&str]) -> Command {
 }
 
 /// Removes from `build` what `cargo run` set for xtask itself (see [`cargo_for`]).
-fn remove_cargo_run_env(build: &mut Command) {
+pub fn remove_cargo_run_env(build: &mut Command) {
     for (name, _) in std::env::vars_os() {
         let name = name.to_string_lossy();
         if name.starts_with("CARGO_PKG_")

@@ -341,8 +341,8 @@ pub fn run(options: &VmArgs) -> anyhow::Result<()> {
                 ["--color", "never", "--test-threads", "1"]
                     .map(str::to_owned)
                     .into_iter()
-                    // The node's test runs for many minutes: its progress and its table as
-                    // they come.
+                    // The node's test runs for many minutes: its progress as it comes (its
+                    // table is a note too, `bpf_tests::vm_notes`).
                     .chain((mode == initramfs::Mode::Node).then(|| "--nocapture".to_owned()))
                     .chain(options.filter.clone())
                     .collect(),
@@ -480,11 +480,14 @@ pub fn run(options: &VmArgs) -> anyhow::Result<()> {
         let log_dir = run_dir.join(&label);
         // The node's control plane and images, for as long as its boot lasts.
         let node_host = if mode == initramfs::Mode::Node {
+            // The rollout from the previous release's image and back runs its agent.
+            let previous = crate::previous_release::ensure()?;
             let host = node_host::NodeHost::start(
                 &artifacts.node_host,
                 &run_dir.join("node"),
                 &artifacts.profile_dir,
                 &artifacts.redirector,
+                &previous,
                 &run_dir.join("node-host.log"),
             )?;
             plan.node = Some((host.dir.clone(), host.api_port));

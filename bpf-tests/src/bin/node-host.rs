@@ -30,6 +30,18 @@ struct Args {
     /// The DNS client to put in the client's image.
     #[arg(long)]
     dns_stream: PathBuf,
+    /// The previous release's version.
+    #[arg(long)]
+    previous_version: String,
+    /// The previous release's commit, as its agent names it.
+    #[arg(long)]
+    previous_commit: String,
+    /// The previous release's agent.
+    #[arg(long)]
+    previous_redirector: PathBuf,
+    /// The previous release's source tree (its prepare-node and seccomp profile).
+    #[arg(long)]
+    previous_tree: PathBuf,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -43,11 +55,18 @@ fn main() -> anyhow::Result<()> {
     let node = NodeDir::new(&args.node_dir);
     let started = std::time::Instant::now();
     let podman = Podman::new(&args.podman_dir)?;
+    let previous = images::Release {
+        version: args.previous_version,
+        commit: args.previous_commit,
+        redirector: args.previous_redirector,
+        tree: args.previous_tree,
+    };
     images::build(
         &podman,
         &args.workspace,
         &args.redirector,
         &args.dns_stream,
+        &previous,
         &node,
     )
     .context("building the node's images")?;

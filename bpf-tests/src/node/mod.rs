@@ -75,6 +75,13 @@ impl NodeDir {
         self.0.join("api-port")
     }
 
+    /// The previous release whose agent is in [`images::PREVIOUS`]: its version and commit, one
+    /// space between.
+    #[must_use]
+    pub fn previous_release(&self) -> PathBuf {
+        self.0.join("previous-release")
+    }
+
     /// Written last, once everything above is.
     #[must_use]
     pub fn ready(&self) -> PathBuf {

@@ -11,6 +11,8 @@ use std::{
 
 use anyhow::{Context as _, bail};
 
+use crate::previous_release::PreviousRelease;
+
 /// How long the first run may take to build the images (the base image is an mmdebstrap from
 /// Debian's mirror) and start the control plane.
 const READY_WITHIN: Duration = Duration::from_secs(1200);
@@ -26,12 +28,14 @@ pub struct NodeHost {
 }
 
 impl NodeHost {
-    /// Starts `program` for the node in `dir` and waits until it is ready.
+    /// Starts `program` for the node in `dir` and waits until it is ready; the agent's image is
+    /// `redirector`'s, the previous release's is `previous`'s.
     pub fn start(
         program: &Path,
         dir: &Path,
         profile_dir: &Path,
         redirector: &Path,
+        previous: &PreviousRelease,
         log: &Path,
     ) -> anyhow::Result<Self> {
         let workspace = crate::workspace::workspace_root();
@@ -48,6 +52,14 @@ impl NodeHost {
             .arg(redirector)
             .arg("--dns-stream")
             .arg(profile_dir.join("dns-stream"))
+            .arg("--previous-version")
+            .arg(crate::previous_release::VERSION)
+            .arg("--previous-commit")
+            .arg(crate::previous_release::commit_label())
+            .arg("--previous-redirector")
+            .arg(&previous.redirector)
+            .arg("--previous-tree")
+            .arg(&previous.tree)
             .stdin(Stdio::piped())
             .stdout(log_file.try_clone().context("opening the log again")?)
             .stderr(log_file)

@@ -37,6 +37,9 @@ pub struct BinaryRun {
     pub elapsed: Option<Duration>,
     /// Everything it printed.
     pub output: Vec<String>,
+    /// A test whose line libtest began and has not ended: under `--nocapture` the test's own
+    /// output comes between `test NAME ... ` and its status, alone on a line.
+    pending: Option<String>,
 }
 
 impl BinaryRun {
@@ -163,13 +166,25 @@ fn test_line(line: &str) -> Option<(&str, Status)> {
     if name.is_empty() || name.contains(' ') {
         return None;
     }
-    let status = match status.split([',', ' ']).next()? {
-        "ok" => Status::Passed,
-        "FAILED" => Status::Failed,
-        "ignored" => Status::Ignored,
-        _ => return None,
-    };
-    Some((name, status))
+    Some((name, status_word(status.split([',', ' ']).next()?)?))
+}
+
+/// libtest's word for a test's end.
+fn status_word(word: &str) -> Option<Status> {
+    match word {
+        "ok" => Some(Status::Passed),
+        "FAILED" => Some(Status::Failed),
+        "ignored" => Some(Status::Ignored),
+        _ => None,
+    }
+}
+
+/// The test of a `test NAME ... ` line whose status is still to come (the test's own output
+/// follows on the same line under `--nocapture`).
+fn begun_test(line: &str) -> Option<&str> {
+    let rest = line.strip_prefix("test ")?;
+    let (name, _) = rest.split_once(" ... ")?;
+    (!name.is_empty() && !name.contains(' ')).then_some(name)
 }
 
 /// `key=value` among `words`.
@@ -231,11 +246,24 @@ impl KernelRun {
             .last_mut()
             .filter(|binary| binary.exit.is_none())?;
         binary.output.push(line.to_owned());
-        let (test, status) = test_line(line)?;
-        binary.tests.push((test.to_owned(), status));
+        let (test, status) = match (test_line(line), binary.pending.take()) {
+            (Some((test, status)), _) => (test.to_owned(), status),
+            (None, Some(pending)) => match status_word(line.trim()) {
+                Some(status) => (pending, status),
+                None => {
+                    binary.pending = Some(pending);
+                    return None;
+                }
+            },
+            (None, None) => {
+                binary.pending = begun_test(line).map(ToOwned::to_owned);
+                return None;
+            }
+        };
+        binary.tests.push((test.clone(), status));
         Some(Progress::Test {
             binary: binary.name.clone(),
-            test: test.to_owned(),
+            test,
             status,
         })
     }
@@ -344,6 +372,29 @@ mod tests {
         assert!(text.contains("FAILED c_d"), "{text}");
         assert!(text.contains("| Error: boom"), "{text}");
         assert!(!text.contains("test result"), "{text}");
+    }
+
+    /// Under `--nocapture` (the node's test) the test's output comes between its name and its
+    /// status, which ends alone on a line.
+    #[test]
+    fn a_test_with_its_output_between_its_name_and_its_status_is_counted() {
+        let mut run = KernelRun::default();
+        let lines = [
+            "@@vm-test begin node",
+            "running 1 test",
+            "test a_real_node ... node: stage 1 (5 s)",
+            "node: the table",
+            "ok",
+            "",
+            "test result: ok. 1 passed; 0 failed; 0 ignored; 0 measured; 0 filtered out",
+            "@@vm-test end node exit=0 ms=1500",
+            "@@vm-test done binaries=1 failed=0 ms=1600",
+        ];
+        for line in lines {
+            run.feed(line);
+        }
+        assert_eq!(run.counts(), (1, 0, 0));
+        assert!(run.passed(1));
     }
 
     #[test]

@@ -14,6 +14,10 @@ use std::{
     collections::BTreeMap,
     path::{Path, PathBuf},
     process::Command,
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
     time::{Duration, Instant},
 };
 
@@ -25,6 +29,7 @@ use bpf_tests::{
     pace::{paced_ms, pause, wait_until},
     vm_notes::note,
 };
+use redirector::{config::DEFAULT_PIN_DIR, datapath::Maps, telemetry::snapshot};
 
 /// The node-local-dns address (NodeLocal DNSCache's default).
 const LOCAL_DNS: &str = "169.254.20.10";
@@ -477,6 +482,27 @@ fn pod_process(pod_uid: &str, program: &str) -> anyhow::Result<i32> {
     bail!("no {program} process in pod {pod_uid}")
 }
 
+/// `redirector ARGS` in the agent's container of the pod `agent_uid`, as `kubectl exec` runs it:
+/// in every namespace of the container (its mounts, and its pid namespace, whose /proc the
+/// container mounts; nsenter forks into it). The API server cannot reach this kubelet, so nsenter
+/// on the node does it. What it printed.
+fn in_agent_pod(agent_uid: &str, args: &[&str]) -> anyhow::Result<String> {
+    let pid = pod_process(agent_uid, "redirector")?.to_string();
+    let output = Command::new("nsenter")
+        .args(["--all", "--target", &pid, "--", "/usr/local/bin/redirector"])
+        .args(args)
+        .output()
+        .context("running nsenter")?;
+    anyhow::ensure!(
+        output.status.success(),
+        "redirector {} in the agent's pod failed ({}): {}",
+        args.join(" "),
+        output.status,
+        String::from_utf8_lossy(&output.stderr)
+    );
+    Ok(String::from_utf8_lossy(&output.stdout).into_owned())
+}
+
 /// The restart count of the pod `name`'s first container.
 fn restarts(cluster: &Cluster, namespace: &str, pod: &str) -> anyhow::Result<u32> {
     Ok(cluster
@@ -599,8 +625,10 @@ fn run() -> anyhow::Result<()> {
         "node-local-dns pod deleted",
         None,
         || {
-            replace_pod(&cluster, NODE_LOCAL_DNS, &mut local_dns, || {
-                delete_pod(&cluster, NODE_LOCAL_DNS)
+            when_dns_moves_off_local_dns(|| {
+                replace_pod(&cluster, NODE_LOCAL_DNS, &mut local_dns, || {
+                    delete_pod(&cluster, NODE_LOCAL_DNS)
+                })
             })
         },
     )?);
@@ -609,12 +637,14 @@ fn run() -> anyhow::Result<()> {
         "node-local-dns rolled to a new image tag",
         None,
         || {
-            replace_pod(&cluster, NODE_LOCAL_DNS, &mut local_dns, || {
-                set_image(
-                    &cluster,
-                    "node-local-dns",
-                    &[("node-cache", images::NODE_LOCAL_DNS_NEXT)],
-                )
+            when_dns_moves_off_local_dns(|| {
+                replace_pod(&cluster, NODE_LOCAL_DNS, &mut local_dns, || {
+                    set_image(
+                        &cluster,
+                        "node-local-dns",
+                        &[("node-cache", images::NODE_LOCAL_DNS_NEXT)],
+                    )
+                })
             })
         },
     )?);
@@ -623,7 +653,11 @@ fn run() -> anyhow::Result<()> {
         &client_uid,
         "node-local-dns killed (kill -9), restarted by the kubelet",
         None,
-        || kill_and_wait_restart(&cluster, NODE_LOCAL_DNS, &local_dns_uid, "coredns"),
+        || {
+            when_dns_moves_off_local_dns(|| {
+                kill_and_wait_restart(&cluster, NODE_LOCAL_DNS, &local_dns_uid, "coredns")
+            })
+        },
     )?);
 
     // The agent's own events: DNS stays in the kernel's hands meanwhile.
@@ -690,15 +724,7 @@ fn run() -> anyhow::Result<()> {
                 )
             })
         })?);
-        let version = cluster.kubectl(&[
-            "exec",
-            "-n",
-            "kube-system",
-            "daemonset/redirector",
-            "--",
-            "redirector",
-            "--version",
-        ])?;
+        let version = in_agent_pod(&agent, &["--version"])?;
         eprintln!(
             "node: after \"{event}\" the agent's pod runs {}",
             version.trim()
@@ -795,8 +821,9 @@ fn run() -> anyhow::Result<()> {
     )?);
 
     // Who the agent names: the client's pod, never the cache.
-    let metrics = names_the_client_not_the_cache(&cluster, &client_uid, &local_dns)?;
-    // node-local-dns served throughout: the kernel never took it for stalled.
+    let metrics = names_the_client_not_the_cache(&agent, &client_uid, &local_dns)?;
+    // node-local-dns served throughout: the kernel never took it for stalled (the counters are
+    // the pinned maps', since the first install).
     let stalled: Vec<&str> = metrics
         .lines()
         .filter(|line| {
@@ -805,6 +832,19 @@ fn run() -> anyhow::Result<()> {
         })
         .collect();
     eprintln!("node: stall moves: {stalled:?}");
+    anyhow::ensure!(
+        !stalled.is_empty(),
+        "the metrics have no redirector_kernel_flips_total{{reason=\"stalled\"}}:\n{metrics}"
+    );
+    let stall_moves = stalled
+        .iter()
+        .map(|line| {
+            line.rsplit(' ')
+                .next()
+                .and_then(|value| value.parse::<f64>().ok())
+                .with_context(|| format!("a counter without a value: {line}"))
+        })
+        .sum::<anyhow::Result<f64>>()?;
 
     // The table, in the VM report (and in this test's output when it fails).
     let mut lines = vec![
@@ -830,11 +870,17 @@ fn run() -> anyhow::Result<()> {
             lines.push(format!("    {why}"));
         }
     }
-    lines.push(format!("node: stall moves: {}", stalled.len()));
+    lines.push(format!(
+        "node: the kernel's stall moves off a serving node-local-dns: {stall_moves}"
+    ));
     for line in &lines {
         eprintln!("{line}");
         note(line);
     }
+    assert!(
+        stall_moves == 0.0,
+        "the kernel moved DNS off a serving node-local-dns as stalled: {stalled:?}"
+    );
     for loss in &table {
         assert!(
             loss.asked > 0,
@@ -866,6 +912,48 @@ fn replace_pod(
     action()?;
     *uid = cluster.one_ready_pod("kube-system", selector, Some(uid), Duration::from_secs(300))?;
     Ok(instant)
+}
+
+/// Runs `event`, an event that stops node-local-dns (returning its own instant: the API call,
+/// the kill), and returns the instant DNS moved off it: a query the old CoreDNS had read or queued
+/// before is lost with the process whatever steers DNS, and the move comes after the API call by
+/// seconds (the kubelet's SIGTERM; NodeLocal DNSCache's Corefile has no lameduck) or after the
+/// kill by the time its sockets take to close. It is seen where it takes effect: the first poll
+/// (every 5 ms) of the pinned maps that finds a listener routed away from the cache; `event`'s
+/// own instant, stricter, where no poll saw it.
+fn when_dns_moves_off_local_dns(
+    event: impl FnOnce() -> anyhow::Result<u64>,
+) -> anyhow::Result<u64> {
+    let stop = Arc::new(AtomicBool::new(false));
+    let watching = Arc::clone(&stop);
+    let watch = std::thread::spawn(move || -> anyhow::Result<Option<u64>> {
+        let maps = Maps::open_pinned(Path::new(DEFAULT_PIN_DIR))?;
+        while !watching.load(Ordering::Relaxed) {
+            let read_at = now_ms();
+            if snapshot::listeners(&maps)?
+                .iter()
+                .any(|listener| listener.route != "cache")
+            {
+                return Ok(Some(read_at));
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        Ok(None)
+    });
+    let instant = event();
+    stop.store(true, Ordering::Relaxed);
+    let moved = watch
+        .join()
+        .map_err(|_| anyhow::anyhow!("the watch of the listeners' routes panicked"))??;
+    let instant = instant?;
+    match moved {
+        Some(moved) => eprintln!(
+            "node: DNS moved off node-local-dns {} ms after the event's own instant",
+            i128::from(moved) - i128::from(instant)
+        ),
+        None => eprintln!("node: no poll saw DNS move off node-local-dns"),
+    }
+    Ok(moved.unwrap_or(instant))
 }
 
 /// Deletes the pod of `selector` in kube-system, as an operator does (its DaemonSet makes
@@ -953,11 +1041,11 @@ fn helm(cluster: &Cluster, verb: &[&str], flags: &[&str], config: &Path) -> anyh
     Ok(())
 }
 
-/// `redirector status` (on the node, and in the agent's pod through `kubectl exec`), `redirector
-/// top` and the agent's metrics name the client `pod/default/dns-client`, and never node-local-dns
-/// (a cache is no workload); the metrics.
+/// `redirector status` (on the node, and in the agent's pod `agent_uid`), `redirector top` and the
+/// agent's metrics name the client `pod/default/dns-client`, and never node-local-dns (a cache is
+/// no workload); the metrics.
 fn names_the_client_not_the_cache(
-    cluster: &Cluster,
+    agent_uid: &str,
     client_uid: &str,
     local_dns_uid: &str,
 ) -> anyhow::Result<String> {
@@ -969,15 +1057,7 @@ fn names_the_client_not_the_cache(
         Ok(String::from_utf8_lossy(&output.stdout).into_owned())
     };
     let status = on_node(&["status", "--config", "/nonexistent"])?;
-    let in_pod = cluster.kubectl(&[
-        "exec",
-        "-n",
-        "kube-system",
-        "daemonset/redirector",
-        "--",
-        "redirector",
-        "status",
-    ])?;
+    let in_pod = in_agent_pod(agent_uid, &["status"])?;
     // The client asks every millisecond: it is in every frame.
     let top = on_node(&[
         "top",

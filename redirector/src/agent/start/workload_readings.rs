@@ -65,6 +65,7 @@ pub(super) fn read_workloads(
         stats: Arc::clone(stats),
         names,
         recorded_pods,
+        recording_failed: false,
         rates: Rates::default(),
         maps: None,
         failing: false,
@@ -109,6 +110,8 @@ struct Readings {
     names: Option<Resolver>,
     /// The pods' names from the API server, and the record of them for the CLI.
     recorded_pods: Option<(PodNames, names_file::Writer)>,
+    /// Whether the last record of them failed.
+    recording_failed: bool,
     rates: Rates,
     maps: Option<Maps>,
     limited: LimitedWorkloads,
@@ -121,10 +124,15 @@ struct Readings {
 impl Readings {
     /// One reading, `window` after the last.
     fn read(&mut self, window: Duration) {
-        if let Some((pods, writer)) = &mut self.recorded_pods
-            && let Err(error) = writer.write(pods)
-        {
-            warn!(error = %crate::error_chain(&error), "the next reading tries again");
+        if let Some((pods, writer)) = &mut self.recorded_pods {
+            match writer.write(pods) {
+                Ok(_) => self.recording_failed = false,
+                // Told when it starts failing; tried again at every reading.
+                Err(error) if !std::mem::replace(&mut self.recording_failed, true) => {
+                    warn!(error = %crate::error_chain(&error), "each reading tries again");
+                }
+                Err(_) => {}
+            }
         }
         let opened = match self.maps.take() {
             Some(opened) => Ok(opened),

@@ -8,7 +8,9 @@
 //! configuration), and count what a pod asking every millisecond loses at each event.
 //!
 //! Only such a guest can run them (`test = false`); they run one after the other, each taking
-//! the node from where the last left it.
+//! the node from where the last left it. The last asks for a reboot: the host boots the node
+//! again with its disk, and [`after_the_node_reboots_dns_is_back_with_the_agent_or_the_cache`]
+//! measures what the client pod saw until the agent or node-local-dns was back.
 
 use std::{
     collections::BTreeMap,
@@ -27,7 +29,7 @@ use bpf_tests::{
     kube_apiserver::{self, manifests},
     node::{NodeDir, images},
     pace::{paced_ms, pause, wait_until},
-    vm_notes::note,
+    vm_notes::{ask_reboot, note},
 };
 use redirector::{config::DEFAULT_PIN_DIR, datapath::Maps, telemetry::snapshot};
 
@@ -36,7 +38,7 @@ const LOCAL_DNS: &str = "169.254.20.10";
 /// How long a query waits for its answer before the client counts it lost.
 const QUERY_TIMEOUT_MS: u64 = 1000;
 /// Quiet time after an event's pods are back, in which late losses are still counted.
-const SETTLE_MS: u64 = 3000;
+const SETTLE_MS: u64 = 1000;
 
 /// kubectl as the administrator, at the host's API server.
 struct Cluster {
@@ -529,6 +531,159 @@ fn node_local_dns_events_lose_no_query_beside_redirector_installed_as_shipped() 
         diagnose();
         panic!("{error:?}");
     }
+    // Then the node's reboot, with everything installed (the next boot's test).
+    ask_reboot();
+}
+
+/// The node's reboot (`systemctl reboot`, asked by the test above): every pod's processes stop
+/// with the node, the bpf file system and every pin go, and at the next boot the kubelet starts
+/// the pods again in whatever order. Until node-local-dns serves or the agent steers, nothing
+/// answers on 169.254.20.10 (its address is the node's own, as node-cache leaves it): what the
+/// client pod sees then is measured, and no query begun after either is back may fail.
+#[test]
+fn after_the_node_reboots_dns_is_back_with_the_agent_or_the_cache() {
+    if let Err(error) = after_reboot() {
+        diagnose();
+        panic!("{error:?}");
+    }
+}
+
+/// When the kernel booted, ms since the epoch (`/proc/stat`'s btime: whole seconds).
+fn boot_ms() -> anyhow::Result<u64> {
+    let stat = std::fs::read_to_string("/proc/stat")?;
+    let seconds: u64 = stat
+        .lines()
+        .find_map(|line| line.strip_prefix("btime "))
+        .context("/proc/stat has no btime")?
+        .trim()
+        .parse()?;
+    Ok(seconds * 1000)
+}
+
+/// Whether a UDP socket is bound to node-local-dns's address and port 53 (`/proc/net/udp` gives
+/// them in hex, the address in the kernel's byte order): CoreDNS serves.
+fn local_dns_listens() -> anyhow::Result<bool> {
+    let address: std::net::Ipv4Addr = LOCAL_DNS.parse()?;
+    let local = format!("{:08X}:0035", u32::from_le_bytes(address.octets()));
+    Ok(std::fs::read_to_string("/proc/net/udp")?
+        .lines()
+        .skip(1)
+        .any(|line| line.split_whitespace().nth(1) == Some(local.as_str())))
+}
+
+/// Whether the agent is ready (its `/readyz`: programs attached, every pool known): it steers.
+fn agent_ready() -> bool {
+    "127.0.0.1:9353"
+        .parse()
+        .ok()
+        .and_then(|address| bpf_tests::http::get(address, "/readyz").ok())
+        .is_some_and(|response| response.status == 200)
+}
+
+fn after_reboot() -> anyhow::Result<()> {
+    let booted_ms = boot_ms()?;
+    let began_ms = now_ms();
+    let since_boot = |ms: u64| format!("{:.1} s", (ms.saturating_sub(booted_ms)) as f64 / 1000.0);
+    // Each instant is the first poll (every 100 ms) that saw it: the test starts with the
+    // kubelet, before the pods are back (else it says so).
+    let (mut agent_back, mut cache_back) = (None, None);
+    wait_until(
+        "the agent and node-local-dns are back after the reboot",
+        Duration::from_secs(300),
+        Duration::from_millis(100),
+        || {
+            let now = now_ms();
+            if agent_back.is_none() && agent_ready() {
+                agent_back = Some(now);
+            }
+            if cache_back.is_none() && local_dns_listens()? {
+                cache_back = Some(now);
+            }
+            Ok(agent_back.is_some() && cache_back.is_some())
+        },
+    )?;
+    let (agent_back, cache_back) = (
+        agent_back.context("the agent is back")?,
+        cache_back.context("node-local-dns is back")?,
+    );
+    let dns_back = agent_back.min(cache_back);
+    let cluster = Cluster::new()?;
+    let client_uid =
+        cluster.jsonpath(&["pod", "-n", "default", "dns-client"], "{.metadata.uid}")?;
+    // The client's container after the reboot: its first query, then a settled window.
+    let mut first_ms = None;
+    wait_until(
+        "the client pod asks again after the reboot",
+        Duration::from_secs(300),
+        Duration::from_secs(1),
+        || {
+            first_ms = client_records(&client_uid)?
+                .iter()
+                .filter(|record| record.begun_ms >= booted_ms)
+                .map(|record| record.begun_ms)
+                .min();
+            Ok(first_ms.is_some())
+        },
+    )?;
+    let first_ms = first_ms.context("the client's first query after the reboot")?;
+    pause(SETTLE_MS);
+    std::thread::sleep(Duration::from_millis(QUERY_TIMEOUT_MS + 500));
+    let (mut before, mut after) = (0_usize, Vec::new());
+    let mut last_failed = None;
+    // The restarted client numbers each kind's queries from 0 again.
+    let mut asked: BTreeMap<String, u64> = BTreeMap::new();
+    for record in client_records(&client_uid)? {
+        if record.begun_ms < booted_ms {
+            continue;
+        }
+        let count = asked.entry(record.kind.clone()).or_default();
+        *count = (*count).max(record.seq + 1);
+        if let Some(error) = &record.error {
+            last_failed = last_failed.max(Some(record.begun_ms));
+            if record.begun_ms >= dns_back {
+                after.push(format!(
+                    "{} at {}: {error}",
+                    record.kind,
+                    since_boot(record.begun_ms)
+                ));
+            } else {
+                before += 1;
+            }
+        }
+    }
+    let already = if dns_back <= began_ms + 100 {
+        " (already so when the test began)"
+    } else {
+        ""
+    };
+    let lines = [
+        format!(
+            "node: after a reboot (systemctl reboot), from the kernel's boot: the client's first \
+             query at {}, the agent ready at {}, node-local-dns listening at {}{already}",
+            since_boot(first_ms),
+            since_boot(agent_back),
+            since_boot(cache_back)
+        ),
+        format!(
+            "  {:<58} {:>5} {:>7} {:>7}   lost: begun after the agent or node-local-dns was \
+             back; the last failure begun at {}",
+            "the node rebooted (systemctl reboot)",
+            after.len(),
+            before + after.len(),
+            asked.values().sum::<u64>(),
+            last_failed.map_or_else(|| "-".to_owned(), since_boot)
+        ),
+    ];
+    for line in &lines {
+        eprintln!("{line}");
+        note(line);
+    }
+    assert!(
+        after.is_empty(),
+        "queries begun after the agent or node-local-dns was back ({}) failed: {after:?}",
+        since_boot(dns_back)
+    );
+    Ok(())
 }
 
 /// What the node's units and pods said, for a failure's log.
@@ -667,29 +822,6 @@ fn run() -> anyhow::Result<()> {
         "redirector killed (kill -9), restarted by the kubelet",
         None,
         || kill_and_wait_restart(&cluster, AGENT, &agent_uid, "redirector"),
-    )?);
-    table.push(measure(
-        &client_uid,
-        "redirector's pod deleted",
-        None,
-        || replace_pod(&cluster, AGENT, &mut agent, || delete_pod(&cluster, AGENT)),
-    )?);
-    table.push(measure(
-        &client_uid,
-        "redirector rolled to a new image tag",
-        None,
-        || {
-            replace_pod(&cluster, AGENT, &mut agent, || {
-                set_image(
-                    &cluster,
-                    "redirector",
-                    &[
-                        ("redirector", images::AGENT_NEXT),
-                        ("prepare-node", images::AGENT_NEXT),
-                    ],
-                )
-            })
-        },
     )?);
 
     // Between the previous release and this build, both ways, as a fleet's rollback and its

@@ -109,7 +109,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.task {
         Task::Setup => {
             setup::ensure()?;
-            go_peers::ensure(false)
+            // Every Go peer `cargo xtask test` runs, the node's too.
+            go_peers::ensure(true)
         }
         Task::Build { targets } => {
             setup::ensure()?;
@@ -140,20 +141,18 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         } => {
             setup::ensure()?;
             pinned_rustup::enter()?;
-            // Builds the Go peers too, beside the Rust builds.
-            tasks::test(!no_lint, filter.as_deref())?;
+            // Builds the Go peers too, beside the Rust builds, and what the node needs when the
+            // VMs follow and boot it.
+            let node = !no_vm && vm::VmArgs::suite().with_filter(filter.clone()).node_boot();
+            tasks::test(!no_lint, filter.as_deref(), !no_vm, node)?;
             if no_vm {
                 eprintln!("xtask: VM tests skipped (--no-vm): only the host kernel was tested");
                 return Ok(());
             }
             let started = std::time::Instant::now();
-            let mut args = vm::VmArgs::suite();
-            args.filter.clone_from(&filter);
-            vm::run(&args)?;
+            vm::run(&vm::VmArgs::suite().with_filter(filter.clone()))?;
             // Then the kernel's side on arm64: the subset on 6.1, under emulation.
-            let mut arm64 = vm::VmArgs::arm64_subset();
-            arm64.filter = filter;
-            vm::run(&arm64)?;
+            vm::run(&vm::VmArgs::arm64_subset().with_filter(filter))?;
             eprintln!(
                 "xtask: every test passed on the host and in the VMs ({:.0?} for the VMs)",
                 started.elapsed()

@@ -97,25 +97,56 @@ pub struct VmArgs {
     pub filter: Option<String>,
 }
 
-/// The node's test runs for about 17 minutes under TCG: its limit inside the guest, and its
+/// The node's test runs for about 8 minutes under TCG: its limit inside the guest, and its
 /// boot's (with the images' import), whatever smaller limits the run's other boots are given.
 const NODE_TEST_SECS: u64 = 2400;
 const NODE_BOOT_SECS: u64 = 3000;
+/// The node's disk (sparse: it takes only what the guest writes).
+const NODE_DISK_GIB: u64 = 16;
+
+/// The node's test that measures its reboot: the boot after it runs only that test, the boot
+/// before every other (`bpf-tests/tests/node.rs`).
+const NODE_REBOOT_TEST: &str = "after_the_node_reboots_dns_is_back_with_the_agent_or_the_cache";
+
+/// The node boot's libtest filter: the reboot's test alone after the reboot, every other test
+/// before it (with the run's filter, if any); nothing for other boots.
+fn node_boot_filter(mode: initramfs::Mode, rebooted: bool, filter: Option<&str>) -> Vec<String> {
+    match (mode, rebooted) {
+        (initramfs::Mode::Node, true) => vec!["--exact".to_owned(), NODE_REBOOT_TEST.to_owned()],
+        (initramfs::Mode::Node, false) => ["--skip", NODE_REBOOT_TEST]
+            .into_iter()
+            .map(str::to_owned)
+            .chain(filter.map(str::to_owned))
+            .collect(),
+        _ => filter.map(str::to_owned).into_iter().collect(),
+    }
+}
 
 impl VmArgs {
-    /// Whether the run boots the suite's node (`--tests node`, on the host's architecture).
+    /// Whether the run boots the suite's node, on the host's architecture: when it runs every
+    /// binary (no `--tests`, no filter), or `--tests` names it.
     #[must_use]
     pub fn node_boot(&self) -> bool {
-        self.arch == Arch::host() && self.tests.iter().any(|name| name == artifacts::NODE)
+        let everything = self.tests.is_empty() && self.filter.is_none();
+        self.arch == Arch::host()
+            && (everything || self.tests.iter().any(|name| name == artifacts::NODE))
     }
 
     /// The host architecture's VMs as every `cargo xtask test` runs them: on 6.1, the oldest
     /// kernel here, the kernel's full run (steering, signal and stall whole, the other binaries'
-    /// kernel subset: `scope::runs_whole`); the kernel subset and the systemd boot on 6.12,
-    /// which sits between it and the host's kernel, where every test runs.
+    /// kernel subset: `scope::runs_whole`); the kernel subset, the systemd boot and the node
+    /// (with its reboot) on 6.12, which sits between it and the host's kernel, where every test
+    /// runs.
     #[must_use]
     pub fn suite() -> Self {
         <Self as clap::Parser>::parse_from(["vm-test", "--subset-on", "6.12"])
+    }
+
+    /// These arguments with the libtest filter `filter`.
+    #[must_use]
+    pub fn with_filter(mut self, filter: Option<String>) -> Self {
+        self.filter = filter;
+        self
     }
 
     /// The kernel subset on arm64's 6.1, as every `cargo xtask test` runs it.
@@ -208,6 +239,12 @@ struct KernelResult {
     /// Time until stage 2 was ready (boot, modules, mounts).
     boot: Option<Duration>,
     log_dir: PathBuf,
+}
+
+/// Builds what a run on `arch` boots with (`run` builds it too, and finds nothing left to do),
+/// so that `cargo xtask test` can build it beside the host's tests.
+pub fn build_artifacts(arch: Arch) -> anyhow::Result<()> {
+    artifacts::build(&[], arch).map(drop)
 }
 
 /// Runs the bpf-tests in a VM for each kernel of `options`; fails when any test, binary or
@@ -327,7 +364,7 @@ pub fn run(options: &VmArgs) -> anyhow::Result<()> {
     test_args.extend(scope::skip_args(&options.tests, options.with_host_only));
     test_args.extend(options.filter.clone());
     let workspace = workspace_dir()?;
-    let plan = |kernel: &kernel::Kernel, mode: initramfs::Mode| {
+    let plan = |kernel: &kernel::Kernel, mode: initramfs::Mode, rebooted: bool| {
         let subset = options.subset(kernel.series);
         let (tests, test_args) = match mode {
             initramfs::Mode::Tests => (&artifacts.tests[..], test_args.clone()),
@@ -344,7 +381,7 @@ pub fn run(options: &VmArgs) -> anyhow::Result<()> {
                     // The node's test runs for many minutes: its progress as it comes (its
                     // table is a note too, `bpf_tests::vm_notes`).
                     .chain((mode == initramfs::Mode::Node).then(|| "--nocapture".to_owned()))
-                    .chain(options.filter.clone())
+                    .chain(node_boot_filter(mode, rebooted, options.filter.as_deref()))
                     .collect(),
             ),
         };
@@ -475,10 +512,7 @@ pub fn run(options: &VmArgs) -> anyhow::Result<()> {
             initramfs::Mode::Systemd => format!("{series}+systemd"),
             initramfs::Mode::Node => format!("{series}+node"),
         };
-        let initramfs = run_dir.join(format!("initramfs-{label}.cpio"));
-        let mut plan = plan(kernel, mode);
-        let log_dir = run_dir.join(&label);
-        // The node's control plane and images, for as long as its boot lasts.
+        // The node's control plane, images and disk, for as long as its boots last.
         let node_host = if mode == initramfs::Mode::Node {
             // The rollout from the previous release's image and back runs its agent.
             let previous = crate::previous_release::ensure()?;
@@ -490,53 +524,76 @@ pub fn run(options: &VmArgs) -> anyhow::Result<()> {
                 &previous,
                 &run_dir.join("node-host.log"),
             )?;
-            plan.node = Some((host.dir.clone(), host.api_port));
-            Some(host)
+            let disk = run_dir.join("node-disk.img");
+            machine::make_disk(&disk, NODE_DISK_GIB)?;
+            Some((host, disk))
         } else {
             None
         };
-        initramfs::write(kernel, &guest, &plan, &initramfs)?;
-        let mut run = report::KernelRun::default();
-        let mut boot = None;
-        let booting = Instant::now();
-        eprintln!("xtask: [{label}] booting {}", kernel.release);
-        let outcome = machine::run(
-            &machine::Boot {
-                kernel,
-                initramfs: &initramfs,
-                dir: &log_dir,
-                timeout: Duration::from_secs(if node_host.is_some() {
-                    options.timeout_secs.max(NODE_BOOT_SECS)
-                } else {
-                    options.timeout_secs
-                }),
-                memory_mib: if node_host.is_some() {
-                    machine::NODE_MEMORY_MIB
-                } else {
-                    machine::MEMORY_MIB
+        // The node boots again when its tests ask for a reboot, once.
+        for rebooted in [false, true] {
+            let label = if rebooted {
+                format!("{label}+rebooted")
+            } else {
+                label.clone()
+            };
+            let initramfs = run_dir.join(format!("initramfs-{label}.cpio"));
+            let log_dir = run_dir.join(&label);
+            let mut plan = plan(kernel, mode, rebooted);
+            plan.node = node_host
+                .as_ref()
+                .map(|(host, _)| (host.dir.clone(), host.api_port));
+            initramfs::write(kernel, &guest, &plan, &initramfs)?;
+            let mut run = report::KernelRun::default();
+            let mut boot = None;
+            let booting = Instant::now();
+            eprintln!("xtask: [{label}] booting {}", kernel.release);
+            let outcome = machine::run(
+                &machine::Boot {
+                    kernel,
+                    initramfs: &initramfs,
+                    dir: &log_dir,
+                    timeout: Duration::from_secs(if node_host.is_some() {
+                        options.timeout_secs.max(NODE_BOOT_SECS)
+                    } else {
+                        options.timeout_secs
+                    }),
+                    memory_mib: if node_host.is_some() {
+                        machine::NODE_MEMORY_MIB
+                    } else {
+                        machine::MEMORY_MIB
+                    },
+                    forward: node_host.as_ref().map(|(host, _)| host.api_port),
+                    disk: node_host.as_ref().map(|(_, disk)| disk.as_path()),
                 },
-                forward: node_host.as_ref().map(|host| host.api_port),
-            },
-            &mut |line| {
-                if let Some(progress) = run.feed(line) {
-                    if matches!(progress, report::Progress::Ready(_)) {
-                        boot = Some(booting.elapsed());
+                &mut |line| {
+                    if let Some(progress) = run.feed(line) {
+                        if matches!(progress, report::Progress::Ready(_)) {
+                            boot = Some(booting.elapsed());
+                        }
+                        eprintln!("xtask: [{label}] {progress}");
                     }
-                    eprintln!("xtask: [{label}] {progress}");
-                }
-            },
-        )
-        .with_context(|| format!("booting {}", kernel.release))?;
-        drop(node_host);
-        results.push(KernelResult {
-            label,
-            expected_binaries: plan.tests.len(),
-            release: kernel.release.clone(),
-            run,
-            outcome,
-            boot,
-            log_dir,
-        });
+                },
+            )
+            .with_context(|| format!("booting {}", kernel.release))?;
+            let reboot = run.reboot && mode == initramfs::Mode::Node && !rebooted;
+            results.push(KernelResult {
+                label,
+                expected_binaries: plan.tests.len(),
+                release: kernel.release.clone(),
+                run,
+                outcome,
+                boot,
+                log_dir,
+            });
+            if !reboot {
+                break;
+            }
+        }
+        if let Some((host, disk)) = node_host {
+            drop(host);
+            let _ = std::fs::remove_file(disk);
+        }
     }
     drop(snapshot);
     summarize(&results, &left_out, started.elapsed())
@@ -635,5 +692,23 @@ mod tests {
         assert!(parse(&["--subset-on", "all"]).subset(Series::V6_1));
         assert!(!parse(&["--subset-on", "6.12", "--tests", "drain"]).subset(Series::V6_12));
         assert!(!parse(&["--subset-on", "6.12", "restarts"]).subset(Series::V6_12));
+    }
+
+    #[test]
+    fn the_node_boots_in_the_suite_and_when_named() {
+        assert!(
+            VmArgs::suite().node_boot(),
+            "cargo xtask test boots the node"
+        );
+        assert!(
+            !VmArgs::arm64_subset().node_boot(),
+            "on the host's architecture only"
+        );
+        assert!(parse(&["--tests", "node"]).node_boot());
+        assert!(!parse(&["--tests", "steering"]).node_boot());
+        assert!(
+            !parse(&["restarts"]).node_boot(),
+            "a filter leaves the node out"
+        );
     }
 }

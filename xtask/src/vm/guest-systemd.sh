@@ -13,6 +13,11 @@ guest_without_host_boot() {
     find /etc/systemd/system -mindepth 2 -maxdepth 2 -path '*.wants/*' -delete \
         || fatal "disabling the host's units"
     rm -f /etc/systemd/system/default.target
+    # No login on the serial console: its getty waits for dev-ttyS0.device, which this guest's
+    # udev never announces, and held multi-user.target (so the tests) for the job's 90 s timeout
+    # at every boot.
+    ln -sf /dev/null /etc/systemd/system/serial-getty@ttyS0.service \
+        || fatal "masking the serial console's getty"
     # The host's /tmp (tens of thousands of files) stays as it is: systemd-tmpfiles would walk
     # all of it at boot to empty it, and virtiofsd holds a descriptor for every file the guest
     # looks up (it has 20000 here: root there lacks CAP_SYS_RESOURCE to raise the limit), so
@@ -29,7 +34,10 @@ EOF
 
 # guest_test_unit ENV UNIT...: vm-test.service, after multi-user.target: the boot's test
 # binaries one after the other (each takes the node from where the last left it), with their
-# output on the results port, then poweroff. ENV: more of the tests' environment (NAME=VALUE
+# output on the results port, then poweroff; or, when a test asked for it by leaving
+# /run/vm-test-reboot (bpf_tests::vm_notes::ask_reboot), a reboot as an operator's: `systemctl
+# reboot`, which stops every unit, and `@@vm-test reboot` first, so that the host boots the node
+# again (qemu ends at the reset). ENV: more of the tests' environment (NAME=VALUE
 # words); the UNITs' status and the agent's journal go to the console first, for the log when a
 # test fails.
 guest_test_unit() {
@@ -82,6 +90,10 @@ if [ -r /run/vm-test-notes ]; then
 fi
 say "done binaries=${#VM_TEST_NAMES[@]} failed=$failed ms=$(($(now_ms) - started))"
 sync
+if [ "$failed" -eq 0 ] && [ -e /run/vm-test-reboot ]; then
+    say "reboot"
+    exec systemctl reboot --no-block
+fi
 /bin/busybox poweroff -f
 EOF
 }

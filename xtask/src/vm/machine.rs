@@ -20,7 +20,7 @@ const VIRTIOFSD: &str = "/usr/lib/qemu/virtiofsd";
 /// Guest memory: the tests' processes, the overlay's tmpfs and the page cache of the shared
 /// files.
 pub const MEMORY_MIB: u32 = 2048;
-/// The node's: containerd's images unpacked on a tmpfs, the kubelet and the pods besides.
+/// The node's: containerd, the kubelet and the pods (their state is on the node's disk).
 pub const NODE_MEMORY_MIB: u32 = 4096;
 /// The virtiofs tag stage 1 mounts.
 const ROOT_TAG: &str = "hostroot";
@@ -50,6 +50,8 @@ pub struct Boot<'a> {
     /// The node's network: this port of the host's loopback, which the guest reaches at
     /// `API_HOST` (`bpf_tests::node`, the API server); nothing else.
     pub forward: Option<u16>,
+    /// The node's disk (a raw image, `/dev/vda` in the guest), which its boots share.
+    pub disk: Option<&'a Path>,
 }
 
 /// The address the node reaches the forwarded port at (bpf_tests::node::API_HOST).
@@ -290,8 +292,18 @@ pub fn run(boot: &Boot<'_>, on_line: &mut dyn FnMut(&str)) -> anyhow::Result<Out
             "-device",
             &format!("vhost-user-fs-pci,chardev=root,tag={ROOT_TAG}"),
         ])
-        .args(["-nic", &network(boot.forward)])
-        // A panic (panic=-1 reboots at once) or any reboot ends qemu instead of booting again.
+        .args(["-nic", &network(boot.forward)]);
+    if let Some(disk) = boot.disk {
+        // cache=unsafe: the guest's flushes stop at the host's page cache, which outlives qemu;
+        // the image is scratch, gone with the run.
+        qemu_command.args([
+            "-drive",
+            &format!("file={},format=raw,if=virtio,cache=unsafe", disk.display()),
+        ]);
+    }
+    qemu_command
+        // A panic (panic=-1 reboots at once) or any reboot ends qemu instead of booting again (the
+        // node's reboot is a new boot of the host's, with the same disk).
         .arg("-no-reboot")
         .args(["-nographic", "-monitor", "none"])
         .arg("-kernel")
@@ -344,4 +356,35 @@ pub fn run(boot: &Boot<'_>, on_line: &mut dyn FnMut(&str)) -> anyhow::Result<Out
         elapsed,
         console,
     })
+}
+
+/// Makes the node's disk at `path`: a sparse raw image of `size_gib` GiB with an ext4 file
+/// system (what a node keeps across a reboot; the guest mounts it, node-boot.sh).
+pub fn make_disk(path: &Path, size_gib: u64) -> anyhow::Result<()> {
+    let disk = File::create(path).with_context(|| format!("creating {}", path.display()))?;
+    disk.set_len(size_gib << 30)
+        .with_context(|| format!("sizing {}", path.display()))?;
+    drop(disk);
+    // Few inodes, none zeroed ahead: the guest writes the tables it uses through TCG's disk.
+    let output = Command::new("/sbin/mkfs.ext4")
+        .args([
+            "-q",
+            "-F",
+            "-i",
+            "65536",
+            "-E",
+            "lazy_itable_init=1,lazy_journal_init=1,nodiscard",
+        ])
+        .arg(path)
+        .output()
+        .context("running mkfs.ext4 (e2fsprogs)")?;
+    if !output.status.success() {
+        bail!(
+            "mkfs.ext4 {} failed ({}): {}",
+            path.display(),
+            output.status,
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+    Ok(())
 }

@@ -4,7 +4,7 @@
 #   vm-node.service          the network (qemu's user network: 10.0.2.15, the API server at
 #                            10.0.2.100, which qemu forwards to the host's loopback and lets
 #                            the guest reach nothing else), the stand-in upstream's address,
-#                            containerd's tmpfs, node-local-dns's address on a dummy link
+#                            the node's disk (below), node-local-dns's address on a dummy link
 #                            `nodelocaldns` (what node-cache sets up before CoreDNS serves; the
 #                            image runs CoreDNS itself), and the stand-in for kube-proxy: one
 #                            nftables rule that sends the `kubernetes` Service's address to the
@@ -14,10 +14,16 @@
 #   containerd.service       containerd 2 (built by `cargo xtask setup`) with runc and the CNI
 #                            plugins (Debian's), the systemd cgroup driver;
 #   vm-node-images.service   the node's images, imported from the host's archive before the
-#                            kubelet starts;
+#                            kubelet starts, once: a reboot finds them on the disk;
 #   kubelet.service          the kubelet (built from the pinned k8s.io/kubernetes), cgroup v2
 #                            with the systemd cgroup driver, clusterDNS 169.254.20.10;
-#   vm-test.service          the node test binary, then poweroff.
+#   vm-test.service          the node test binary, then poweroff, or a reboot when the test
+#                            asks for one (guest-systemd.sh).
+# The node's disk (a virtio disk the host made, ext4) holds what a node keeps across a reboot:
+# containerd's and the kubelet's state, the CNI's leases and the pods' logs; the rest of the
+# guest, /run and the bpf file system with it, starts afresh at every boot, as on a node. The
+# host boots the node again with the same disk when its test asks for a reboot (qemu runs with
+# -no-reboot: the guest's `systemctl reboot` ends qemu).
 # Nothing is installed for redirector or node-local-dns: the test installs them as users do.
 . /.vm-test/guest-systemd.sh
 guest_without_host_boot "$VM_NODE_NAME"
@@ -45,13 +51,13 @@ Wants=network-online.target
 [Service]
 Type=oneshot
 RemainAfterExit=yes
-ExecStart=/sbin/modprobe -a virtio_net overlay bridge veth dummy
+ExecStart=/sbin/modprobe -a virtio_net virtio_blk ext4 overlay bridge veth dummy
 ExecStart=/sbin/ip link set lo up
 ExecStart=/sbin/ip address add 10.53.0.1/32 dev lo
 ExecStart=/sbin/ip link add nodelocaldns type dummy
 ExecStart=/sbin/ip address add 169.254.20.10/32 dev nodelocaldns
 ExecStart=/bin/bash /etc/vm-node/network.sh
-ExecStart=/bin/mount -t tmpfs -o mode=0711 tmpfs /var/lib/containerd
+ExecStart=/bin/bash /etc/vm-node/disk.sh
 ExecStart=/usr/sbin/nft -f /etc/vm-node/kube-proxy.nft
 ExecStart=/bin/mkdir -p /run/systemd/resolve
 ExecStart=/bin/sh -c 'echo nameserver 10.53.0.1 > /run/systemd/resolve/resolv.conf'
@@ -59,7 +65,29 @@ ExecStart=/bin/sh -c 'echo nameserver 10.53.0.1 > /run/systemd/resolve/resolv.co
 WantedBy=multi-user.target
 EOF
 install -d /etc/vm-node /var/lib/containerd /etc/containerd /etc/cni/net.d /etc/kubernetes \
-    || fatal "creating the node's folders"
+    /etc/systemd/system.conf.d || fatal "creating the node's folders"
+# A reboot stops every unit (the pods' scopes too) before the kernel goes: none may hold it for
+# systemd's default 90 s.
+printf '[Manager]\nDefaultTimeoutStopSec=20s\n' > /etc/systemd/system.conf.d/vm-node.conf \
+    || fatal "writing the node's systemd settings"
+# The node's disk (/dev/vda, the only one), and what lives on it at the paths a node has it.
+cat > /etc/vm-node/disk.sh <<'EOF' || fatal "writing the disk script"
+set -eu
+for try in $(seq 100); do
+    [ -b /dev/vda ] && break
+    sleep 0.1
+done
+[ -b /dev/vda ] || { echo "the node's disk /dev/vda did not appear" >&2; exit 1; }
+install -d /var/lib/vm-node
+# noinit_itable: the kernel would zero the inode tables the host left uninitialized through
+# TCG's slow disk, in the background, at every boot.
+mount -o noinit_itable /dev/vda /var/lib/vm-node
+for dir in /var/lib/containerd /var/lib/kubelet /var/lib/cni /var/log/pods /var/log/containers; do
+    kept=/var/lib/vm-node/$(echo "${dir#/var/}" | tr / -)
+    install -d "$kept" "$dir"
+    mount --bind "$kept" "$dir"
+done
+EOF
 # The guest's one network device, whatever udev named it.
 cat > /etc/vm-node/network.sh <<'EOF' || fatal "writing the network script"
 set -eu
@@ -165,7 +193,7 @@ RemainAfterExit=yes
 # Unpacking a few hundred MB under TCG takes minutes.
 TimeoutStartSec=infinity
 Environment=PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
-ExecStart=/bin/sh -c 'for i in \$(seq 600); do ctr version >/dev/null 2>&1 && break; sleep 0.2; done; ctr --namespace k8s.io images import $VM_NODE_DIR/images.tar'
+ExecStart=/bin/sh -c '[ -e /var/lib/containerd/vm-node-imported ] && exit 0; for i in \$(seq 600); do ctr version >/dev/null 2>&1 && break; sleep 0.2; done; ctr --namespace k8s.io images import $VM_NODE_DIR/images.tar && touch /var/lib/containerd/vm-node-imported'
 [Install]
 WantedBy=multi-user.target
 EOF

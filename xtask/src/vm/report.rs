@@ -101,6 +101,9 @@ pub struct KernelRun {
     pub done: bool,
     /// What the tests measured and left for the report (`@@vm-test note TEXT`).
     pub notes: Vec<String>,
+    /// The tests passed and asked for a reboot (`@@vm-test reboot`): the host boots the node
+    /// again.
+    pub reboot: bool,
 }
 
 /// A line worth showing while the guest runs.
@@ -129,6 +132,8 @@ pub enum Progress {
     Fatal(String),
     /// A figure the tests measured.
     Note(String),
+    /// The guest reboots, as its tests asked.
+    Reboot,
 }
 
 impl std::fmt::Display for Progress {
@@ -136,6 +141,7 @@ impl std::fmt::Display for Progress {
         match self {
             Self::Ready(release) => write!(f, "booted {release}"),
             Self::Note(note) => write!(f, "measured: {note}"),
+            Self::Reboot => write!(f, "the tests asked for a reboot: the guest reboots"),
             Self::Test {
                 binary,
                 test,
@@ -235,6 +241,10 @@ impl KernelRun {
                 "note" => {
                     self.notes.push(rest.to_owned());
                     Some(Progress::Note(rest.to_owned()))
+                }
+                "reboot" => {
+                    self.reboot = true;
+                    Some(Progress::Reboot)
                 }
                 _ => None,
             };
@@ -395,6 +405,9 @@ mod tests {
         }
         assert_eq!(run.counts(), (1, 0, 0));
         assert!(run.passed(1));
+        assert!(!run.reboot, "no test asked for a reboot");
+        run.feed("@@vm-test reboot");
+        assert!(run.reboot);
     }
 
     #[test]

@@ -401,6 +401,13 @@ struct Loss {
     asked: u64,
     /// From the event's start to its pods being back, ms.
     took_ms: u64,
+    /// The kernel's stall moves since the event before ended (the pinned `stalled` counts);
+    /// `None` when the pins were the previous release's at the event's end (its maps lack this
+    /// release's: the next event that reads them counts its moves).
+    stalled: Option<u64>,
+    /// The previous release's programs ran in the event (a rollback to it, a rollout from it):
+    /// their stall moves are that release's.
+    previous_programs: bool,
 }
 
 impl Loss {
@@ -413,6 +420,44 @@ impl Loss {
     }
 }
 
+/// The kernel's stall moves so far, to give each event those made since the one before.
+struct Stalls {
+    last: u64,
+}
+
+impl Stalls {
+    /// The stall moves since the last call that read them (or since the pins were made); `None`
+    /// while the pins are the previous release's.
+    fn since_last(&mut self) -> anyhow::Result<Option<u64>> {
+        let Some(now) = stall_moves()? else {
+            return Ok(None);
+        };
+        let since = now.saturating_sub(self.last);
+        self.last = now;
+        Ok(Some(since))
+    }
+}
+
+/// Every listener's stall moves, from the pinned maps: the kernel's own count, since the maps
+/// were made (the first install; they stay through an uninstall of the chart), 0 before. `None`
+/// while the pins are the previous release's, which this release's maps cannot open (0.2.0's
+/// agent runs after the rollback).
+fn stall_moves() -> anyhow::Result<Option<u64>> {
+    let pins = Path::new(DEFAULT_PIN_DIR);
+    if !pins.exists() {
+        return Ok(Some(0));
+    }
+    let Ok(maps) = Maps::open_pinned(pins) else {
+        return Ok(None);
+    };
+    Ok(Some(
+        snapshot::listeners(&maps)?
+            .iter()
+            .map(|listener| listener.flips.stalled)
+            .sum(),
+    ))
+}
+
 /// The client prints every this many answered queries of each kind.
 const ANSWERED_EVERY: u64 = 100;
 
@@ -420,6 +465,7 @@ const ANSWERED_EVERY: u64 = 100;
 /// asked the API server) once its pods are back, then counts the client's failures from the
 /// event's start until [`SETTLE_MS`] after it is back.
 fn measure(
+    stalls: &mut Stalls,
     client_uid: &str,
     name: &str,
     expected: Option<&'static str>,
@@ -441,6 +487,8 @@ fn measure(
         errors: Vec::new(),
         asked: 0,
         took_ms,
+        stalled: stalls.since_last()?,
+        previous_programs: false,
     };
     let mut seqs: BTreeMap<String, (u64, u64)> = BTreeMap::new();
     for record in client_records(client_uid)? {
@@ -755,13 +803,15 @@ fn run() -> anyhow::Result<()> {
         cluster.one_ready_pod("default", "app=dns-client", None, Duration::from_secs(300))?;
     stage("client Ready");
 
-    let mut table = Vec::new();
+    let mut table: Vec<Loss> = Vec::new();
+    let mut stalls = Stalls { last: 0 };
     // redirector, installed as users do, beside a node-local-dns that was there first.
     let scratch = std::env::temp_dir().join("node-test");
     std::fs::create_dir_all(&scratch)?;
     let overlay = redirector_overlay(&scratch)?;
     let mut agent = String::new();
     table.push(measure(
+        &mut stalls,
         &client_uid,
         "redirector installed (kubectl apply -k)",
         None,
@@ -776,6 +826,7 @@ fn run() -> anyhow::Result<()> {
 
     // node-local-dns's own events, with redirector beside it.
     table.push(measure(
+        &mut stalls,
         &client_uid,
         "node-local-dns pod deleted",
         None,
@@ -788,6 +839,7 @@ fn run() -> anyhow::Result<()> {
         },
     )?);
     table.push(measure(
+        &mut stalls,
         &client_uid,
         "node-local-dns rolled to a new image tag",
         None,
@@ -805,6 +857,7 @@ fn run() -> anyhow::Result<()> {
     )?);
     let local_dns_uid = local_dns.clone();
     table.push(measure(
+        &mut stalls,
         &client_uid,
         "node-local-dns killed (kill -9), restarted by the kubelet",
         None,
@@ -818,6 +871,7 @@ fn run() -> anyhow::Result<()> {
     // The agent's own events: DNS stays in the kernel's hands meanwhile.
     let agent_uid = agent.clone();
     table.push(measure(
+        &mut stalls,
         &client_uid,
         "redirector killed (kill -9), restarted by the kubelet",
         None,
@@ -847,7 +901,7 @@ fn run() -> anyhow::Result<()> {
             false,
         ),
     ] {
-        table.push(measure(&client_uid, &event, None, || {
+        let mut loss = measure(&mut stalls, &client_uid, &event, None, || {
             replace_pod(&cluster, AGENT, &mut agent, || {
                 set_image(
                     &cluster,
@@ -855,7 +909,9 @@ fn run() -> anyhow::Result<()> {
                     &[("redirector", image), ("prepare-node", image)],
                 )
             })
-        })?);
+        })?;
+        loss.previous_programs = true;
+        table.push(loss);
         let version = in_agent_pod(&agent, &["--version"])?;
         eprintln!(
             "node: after \"{event}\" the agent's pod runs {}",
@@ -872,6 +928,7 @@ fn run() -> anyhow::Result<()> {
     // The same install taken over by the Helm chart, as an operator moving to it does: the same
     // image and configuration, so no pod restarts.
     table.push(measure(
+        &mut stalls,
         &client_uid,
         "redirector taken over by its Helm chart",
         None,
@@ -901,6 +958,7 @@ fn run() -> anyhow::Result<()> {
     // Helm as a node's first install: the chart's release removed (the pins stay: the kernel
     // steers without an agent) and installed anew.
     table.push(measure(
+        &mut stalls,
         &client_uid,
         "redirector removed (helm uninstall)",
         None,
@@ -936,6 +994,7 @@ fn run() -> anyhow::Result<()> {
         },
     )?);
     table.push(measure(
+        &mut stalls,
         &client_uid,
         "redirector installed by its Helm chart (helm install)",
         None,
@@ -954,8 +1013,8 @@ fn run() -> anyhow::Result<()> {
 
     // Who the agent names: the client's pod, never the cache.
     let metrics = names_the_client_not_the_cache(&agent, &client_uid, &local_dns)?;
-    // node-local-dns served throughout: the kernel never took it for stalled (the counters are
-    // the pinned maps', since the first install).
+    // node-local-dns served throughout: the kernel never took it for stalled (the metrics' count
+    // is the pinned maps', since the first install; the table gives each event its part).
     let stalled: Vec<&str> = metrics
         .lines()
         .filter(|line| {
@@ -977,6 +1036,10 @@ fn run() -> anyhow::Result<()> {
                 .with_context(|| format!("a counter without a value: {line}"))
         })
         .sum::<anyhow::Result<f64>>()?;
+    // Those after the last event's end.
+    let after_the_events = stalls
+        .since_last()?
+        .context("this release's agent runs, yet its maps cannot be read")?;
 
     // The table, in the VM report (and in this test's output when it fails).
     let mut lines = vec![
@@ -984,36 +1047,58 @@ fn run() -> anyhow::Result<()> {
          begun at or after the event's instant; in all: from its start, in flight too)"
             .to_owned(),
         format!(
-            "  {:<58} {:>5} {:>7} {:>7} {:>8}",
-            "event", "lost", "in all", "asked", "took ms"
+            "  {:<58} {:>5} {:>7} {:>7} {:>8} {:>7}",
+            "event", "lost", "in all", "asked", "took ms", "stalled"
         ),
     ];
     for loss in &table {
         lines.push(format!(
-            "  {:<58} {:>5} {:>7} {:>7} {:>8} {:?}",
+            "  {:<58} {:>5} {:>7} {:>7} {:>8} {:>7} {:?}",
             loss.event,
             loss.lost_after(),
             loss.lost_in_all(),
             loss.asked,
             loss.took_ms,
+            loss.stalled
+                .map_or_else(|| "-".to_owned(), |stalled| stalled.to_string()),
             loss.errors
         ));
         if let Some(why) = loss.expected {
             lines.push(format!("    {why}"));
         }
+        match loss.stalled {
+            None => lines.push(
+                "    stalled: the previous release's pins, which this release cannot open; the \
+                 next event counts their moves"
+                    .to_owned(),
+            ),
+            Some(moves) if moves > 0 && loss.previous_programs => lines.push(
+                "    the previous release's programs ran: their stall detection could lose a \
+                 cache's read under load and move a serving cache (fixed since; CHANGELOG, \
+                 \"The kernel's stall detection loses no cache read\")"
+                    .to_owned(),
+            ),
+            Some(_) => {}
+        }
     }
     lines.push(format!(
-        "node: the kernel's stall moves off a serving node-local-dns: {stall_moves}"
+        "node: the kernel's stall moves off a serving node-local-dns: {stall_moves} in all, \
+         {after_the_events} after the last event"
     ));
     for line in &lines {
         eprintln!("{line}");
         note(line);
     }
-    assert!(
-        stall_moves == 0.0,
-        "the kernel moved DNS off a serving node-local-dns as stalled: {stalled:?}"
+    assert_eq!(
+        after_the_events, 0,
+        "the kernel moved DNS off a serving node-local-dns as stalled after the last event"
     );
     for loss in &table {
+        assert!(
+            loss.previous_programs || loss.stalled == Some(0),
+            "the kernel moved DNS off a serving node-local-dns as stalled during {}: {loss:?}",
+            loss.event
+        );
         assert!(
             loss.asked > 0,
             "the client asked nothing during {}",
@@ -1052,7 +1137,7 @@ fn replace_pod(
 /// seconds (the kubelet's SIGTERM; NodeLocal DNSCache's Corefile has no lameduck) or after the
 /// kill by the time its sockets take to close. It is seen where it takes effect: the first poll
 /// (every 5 ms) of the pinned maps that finds a listener routed away from the cache; `event`'s
-/// own instant, stricter, where no poll saw it.
+/// own instant, stricter, where no poll saw it (and where a poll's read began before it).
 fn when_dns_moves_off_local_dns(
     event: impl FnOnce() -> anyhow::Result<u64>,
 ) -> anyhow::Result<u64> {
@@ -1085,7 +1170,10 @@ fn when_dns_moves_off_local_dns(
         ),
         None => eprintln!("node: no poll saw DNS move off node-local-dns"),
     }
-    Ok(moved.unwrap_or(instant))
+    // A poll's instant is when its read began, and a read takes milliseconds under TCG: one that
+    // began before a kill can see the move the kill made. The move never comes before its cause,
+    // so the instant is never before the event's own.
+    Ok(moved.map_or(instant, |moved| moved.max(instant)))
 }
 
 /// Deletes the pod of `selector` in kube-system, as an operator does (its DaemonSet makes

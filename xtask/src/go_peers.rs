@@ -1,11 +1,11 @@
 //! The Go programs the tests run as peers: CoreDNS (the cache NodeLocal DNSCache and AKS
 //! LocalDNS run), kube-apiserver, kubectl and etcd (a real API server for the agent's
-//! Kubernetes side), helm (the chart's lint and rendering), and for the suite's node its
-//! kubelet, kube-controller-manager, kube-scheduler and containerd. Each is built from a Go
-//! module of ours under `bpf-tests/go/`, whose go.mod and go.sum pin every version, with the
-//! machine's Go and the Go module proxy; by `setup`, `test` and `vm-test` (the node's only where
-//! the node boots; not by `demo` or `build`, which need none), once per machine and again only
-//! when a module's go.mod, go.sum or Go files or the Go version change, into `target/go/bin`, with the
+//! Kubernetes side), helm (the chart's lint and rendering), and for the suite's node only
+//! (`vm-test --tests node`) its kubelet, kube-controller-manager, kube-scheduler and containerd.
+//! Each is built from a Go module of ours under `bpf-tests/go/`, whose go.mod and go.sum pin
+//! every version, with the machine's Go and the Go module proxy; by `setup`, `test` and
+//! `vm-test` (not by `demo` or `build`, which need none), once per machine and again only when a
+//! module's go.mod, go.sum or Go files or the Go version change, into `target/go/bin`, with the
 //! fetched modules under `target/go/mod` (the build cache, `target/go/cache`, is removed once a
 //! build is done: about 5 GiB on a shared disk, for a rebuild a few minutes faster).
 
@@ -24,8 +24,8 @@ struct Module {
     folder: &'static str,
     /// The build's name (its stamp's): a module's programs may be built in two builds.
     name: &'static str,
-    /// Only the suite's node runs them: built where it boots (`setup`, `test` unless
-    /// `--no-vm`, `vm-test` of every binary or `--tests node`), not for `vm-test` of others.
+    /// Only the suite's node runs them (`vm-test --tests node`): built for it, not for every
+    /// `setup` and `test`.
     node_only: bool,
     /// Its programs' Go packages; each binary takes its package's last element as its name.
     programs: &'static [&'static str],

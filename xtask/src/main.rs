@@ -109,8 +109,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.task {
         Task::Setup => {
             setup::ensure()?;
-            // Every Go peer `cargo xtask test` runs, the node's too.
-            go_peers::ensure(true)
+            go_peers::ensure(false)
         }
         Task::Build { targets } => {
             setup::ensure()?;
@@ -141,10 +140,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         } => {
             setup::ensure()?;
             pinned_rustup::enter()?;
-            // Builds the Go peers too, beside the Rust builds, and what the node needs when the
-            // VMs follow and boot it.
-            let node = !no_vm && vm::VmArgs::suite().with_filter(filter.clone()).node_boot();
-            tasks::test(!no_lint, filter.as_deref(), !no_vm, node)?;
+            // Builds the Go peers too, beside the Rust builds, and what the VMs need beside the
+            // host's tests.
+            tasks::test(!no_lint, filter.as_deref(), !no_vm)?;
             if no_vm {
                 eprintln!("xtask: VM tests skipped (--no-vm): only the host kernel was tested");
                 return Ok(());

@@ -1,6 +1,7 @@
-//! The previous release's agent, for the node's rollout from it to this build and back
-//! (`vm-test --tests node`): its tree taken from git at the release's commit (`git archive`, no
-//! work tree or worktree to keep) into `target/releases/VERSION/src`, and its agent built there
+//! The previous release's agent, for the node's rollout from it to this build and back (the
+//! node's boot in `cargo xtask test` and `vm-test`): its tree taken from git at the release's
+//! commit (`git archive`, no work tree or worktree to keep; a shallow clone fetches that one
+//! commit from its remote first) into `target/releases/VERSION/src`, and its agent built there
 //! with its own lock file and toolchain pins into `target/releases/VERSION/target`; both kept, so
 //! only the first node run pays the build.
 
@@ -87,9 +88,43 @@ pub fn ensure() -> anyhow::Result<PreviousRelease> {
     })
 }
 
-/// `git archive COMMIT | tar -x -C tree`.
+/// Whether the repository has the commit's objects.
+fn has_commit(workspace: &std::path::Path) -> anyhow::Result<bool> {
+    Ok(Command::new("git")
+        .current_dir(workspace)
+        .args(["cat-file", "-e", &format!("{COMMIT}^{{commit}}")])
+        .stderr(Stdio::null())
+        .status()
+        .context("running git cat-file")?
+        .success())
+}
+
+/// `git archive COMMIT | tar -x -C tree`, after fetching the commit from `origin` where the
+/// clone lacks it (a shallow clone, as CI systems make).
 fn extract(tree: &std::path::Path) -> anyhow::Result<()> {
     let workspace = crate::workspace::workspace_root();
+    if !has_commit(&workspace)? {
+        eprintln!("xtask: this clone lacks {VERSION}'s commit {COMMIT}: fetching it from origin");
+        let fetched = Command::new("git")
+            .current_dir(&workspace)
+            .args([
+                "fetch",
+                "--quiet",
+                "--no-tags",
+                "--depth=1",
+                "origin",
+                COMMIT,
+            ])
+            .status()
+            .context("running git fetch")?;
+        if !fetched.success() || !has_commit(&workspace)? {
+            bail!(
+                "this clone lacks {VERSION}'s commit {COMMIT}, which the node's rollback builds, \
+                 and `git fetch origin {COMMIT}` failed ({fetched}): clone the repository with \
+                 its history (not `--depth`), or run `git fetch --unshallow`"
+            );
+        }
+    }
     let mut archive = Command::new("git")
         .current_dir(&workspace)
         .args(["archive", "--format=tar", COMMIT])
@@ -108,8 +143,7 @@ fn extract(tree: &std::path::Path) -> anyhow::Result<()> {
     if !archived.success() || !tar.success() {
         bail!(
             "taking {VERSION}'s tree (commit {COMMIT}) out of git failed (git archive: {archived}, \
-             tar: {tar}); this needs the repository's history (a clone, not a shallow one: `git \
-             fetch --unshallow`)"
+             tar: {tar}); git's and tar's errors are above"
         );
     }
     Ok(())

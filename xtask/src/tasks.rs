@@ -138,9 +138,8 @@ pub fn build_tested_agent(arch: Arch) -> anyhow::Result<PathBuf> {
 
 /// Every test. Privileged tests are not optional: without root this fails before running any.
 /// With `vms` (the VMs follow), what they need beyond the host's run builds beside the host's
-/// tests ([`build_for_vms_idle`]); with `node` (they boot the node), its Go programs build with
-/// the others.
-pub fn test(with_lints: bool, filter: Option<&str>, vms: bool, node: bool) -> anyhow::Result<()> {
+/// tests ([`build_for_vms_idle`]).
+pub fn test(with_lints: bool, filter: Option<&str>, vms: bool) -> anyhow::Result<()> {
     require_root("test")?;
     let started = Instant::now();
     sweep::run()?;
@@ -149,7 +148,7 @@ pub fn test(with_lints: bool, filter: Option<&str>, vms: bool, node: bool) -> an
     // The Go peers build beside the lints and the Rust builds, which leave the cores idle at
     // times (build scripts, links); only the tests need them. The scope waits for both.
     std::thread::scope(|scope| {
-        let go_peers = scope.spawn(|| crate::go_peers::ensure(node));
+        let go_peers = scope.spawn(|| crate::go_peers::ensure(false));
         let rust = build_for_tests(with_lints, &mut test);
         let go_peers = go_peers
             .join()
@@ -161,7 +160,7 @@ pub fn test(with_lints: bool, filter: Option<&str>, vms: bool, node: bool) -> an
     }
     report_free_space("before the tests");
     let (tested, for_vms) = std::thread::scope(|scope| {
-        let for_vms = vms.then(|| scope.spawn(move || build_for_vms_idle(node)));
+        let for_vms = vms.then(|| scope.spawn(build_for_vms_idle));
         let tested = lint::check(&mut test, "tests failed");
         let for_vms = for_vms.map(|build| {
             build
@@ -179,20 +178,16 @@ pub fn test(with_lints: bool, filter: Option<&str>, vms: bool, node: bool) -> an
 }
 
 /// Builds at idle priority what the VMs need beyond the host's run: the other architectures'
-/// tests, and with `node` the previous release's agent (the node's rollback,
-/// `previous_release`). The host's tests wait on queries and timers most of the time, and the
-/// builds take the CPU they leave (SCHED_IDLE: any of the tests' processes that wants a CPU
-/// takes it first, so their timings are theirs). It runs on a thread of its own, whose policy
-/// the cargo and rustc processes it starts inherit.
-fn build_for_vms_idle(node: bool) -> anyhow::Result<()> {
+/// tests. The host's tests wait on queries and timers most of the time, and the build takes the
+/// CPU they leave (SCHED_IDLE: any of the tests' processes that wants a CPU takes it first, so
+/// their timings are theirs). It runs on a thread of its own, whose policy the cargo and rustc
+/// processes it starts inherit.
+fn build_for_vms_idle() -> anyhow::Result<()> {
     let thread = nix::unistd::gettid().to_string();
     lint::check(
         Command::new("chrt").args(["--idle", "--pid", "0", &thread]),
         "putting the VMs' builds at idle priority (chrt, util-linux) failed",
     )?;
-    if node {
-        crate::previous_release::ensure()?;
-    }
     for arch in Arch::ALL.into_iter().filter(|arch| *arch != Arch::host()) {
         crate::vm::build_artifacts(arch)?;
     }

@@ -1,4 +1,5 @@
-//! The suite's node (`cargo xtask vm-test --tests node`, xtask/src/vm/node-boot.sh): a VM booted
+//! The suite's node (`cargo xtask test`, or `vm-test --kernel 6.12 --tests node` alone;
+//! xtask/src/vm/node-boot.sh): a VM booted
 //! with systemd, running containerd, runc and a kubelet (cgroup v2, the systemd cgroup driver),
 //! registered to a control plane on the host (`bpf_tests::node`). These tests install
 //! node-local-dns as NodeLocal DNSCache's manifest does (a hostNetwork DaemonSet on

@@ -1,13 +1,13 @@
 //! The Go programs the tests run as peers: CoreDNS (the cache NodeLocal DNSCache and AKS
 //! LocalDNS run), kube-apiserver, kubectl and etcd (a real API server for the agent's
-//! Kubernetes side), helm (the chart's lint and rendering), and for the suite's node only
-//! (`vm-test --tests node`) its kubelet, kube-controller-manager, kube-scheduler and containerd.
+//! Kubernetes side), helm (the chart's lint and rendering), and for the suite's node its
+//! kubelet, kube-controller-manager, kube-scheduler and containerd.
 //! Each is built from a Go module of ours under `bpf-tests/go/`, whose go.mod and go.sum pin
 //! every version, with the machine's Go and the Go module proxy; by `setup`, `test` and
 //! `vm-test` (not by `demo` or `build`, which need none), once per machine and again only when a
 //! module's go.mod, go.sum or Go files or the Go version change, into `target/go/bin`, with the
-//! fetched modules under `target/go/mod` (the build cache, `target/go/cache`, is removed once a
-//! build is done: about 5 GiB on a shared disk, for a rebuild a few minutes faster).
+//! fetched modules under `target/go/mod` (the build cache, `target/go/cache`, is removed once the
+//! last build of a run is done: about 5 GiB on a shared disk, for a rebuild a few minutes faster).
 
 use std::{
     hash::{Hash as _, Hasher as _},
@@ -24,8 +24,8 @@ struct Module {
     folder: &'static str,
     /// The build's name (its stamp's): a module's programs may be built in two builds.
     name: &'static str,
-    /// Only the suite's node runs them (`vm-test --tests node`): built for it, not for every
-    /// `setup` and `test`.
+    /// Only the suite's node runs them: `cargo xtask test` builds them beside the host's tests,
+    /// which do not wait for them.
     node_only: bool,
     /// Its programs' Go packages; each binary takes its package's last element as its name.
     programs: &'static [&'static str],
@@ -56,7 +56,7 @@ const MODULES: &[Module] = &[
         programs: &["helm.sh/helm/v4/cmd/helm"],
     },
     // The node's: its kubelet and the control plane's other two (their shared packages are in
-    // the build cache when the build above runs in the same `ensure`), and containerd.
+    // the build cache when the build above ran before it, `Cache::Keep`), and containerd.
     Module {
         folder: "kube",
         name: "kube-node",
@@ -99,21 +99,48 @@ fn root() -> PathBuf {
     crate::workspace::target_dir().join("go")
 }
 
-/// Builds every program whose module, or Go, changed since it was last built; the node's too
-/// when `node`.
-pub fn ensure(node: bool) -> anyhow::Result<()> {
-    let go_version = go_version()?;
-    let mut built = false;
-    for module in MODULES.iter().filter(|module| node || !module.node_only) {
-        built |= ensure_module(module, &go_version)?;
+/// Which of the programs a build makes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Peers {
+    /// Those the host's tests run.
+    Host,
+    /// The node's alone.
+    Node,
+    /// Every one.
+    Every,
+}
+
+impl Peers {
+    fn builds(self, module: &Module) -> bool {
+        match self {
+            Self::Host => !module.node_only,
+            Self::Node => module.node_only,
+            Self::Every => true,
+        }
     }
-    if built {
-        // The build cache (about 5 GiB once every module is built) serves only a rebuild after a
-        // module changes; the disk is shared, and a rebuild without it takes a few minutes more.
-        // The fetched modules stay.
-        let cache = root().join("cache");
-        std::fs::remove_dir_all(&cache)
-            .with_context(|| format!("removing Go's build cache {}", cache.display()))?;
+}
+
+/// What becomes of Go's build cache after a build.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Cache {
+    /// Kept for a build that follows: the node's shares most of its packages with the host's
+    /// (its kubelet and the API server are one module).
+    Keep,
+    /// Removed: about 5 GiB once every module is built, on a shared disk, for a rebuild after a
+    /// module changes a few minutes faster. The fetched modules stay.
+    Remove,
+}
+
+/// Builds every program of `peers` whose module, or Go, changed since it was last built.
+pub fn ensure(peers: Peers, cache: Cache) -> anyhow::Result<()> {
+    let go_version = go_version()?;
+    for module in MODULES.iter().filter(|module| peers.builds(module)) {
+        ensure_module(module, &go_version)?;
+    }
+    let dir = root().join("cache");
+    if cache == Cache::Remove && dir.exists() {
+        std::fs::remove_dir_all(&dir)
+            .with_context(|| format!("removing Go's build cache {}", dir.display()))?;
     }
     Ok(())
 }
@@ -175,8 +202,8 @@ fn collect_sources(folder: &Path, files: &mut Vec<PathBuf>) -> anyhow::Result<()
     Ok(())
 }
 
-/// Builds `module`'s programs unless they are current; true when it built them.
-fn ensure_module(module: &Module, go_version: &str) -> anyhow::Result<bool> {
+/// Builds `module`'s programs unless they are current.
+fn ensure_module(module: &Module, go_version: &str) -> anyhow::Result<()> {
     let folder = crate::workspace::workspace_root()
         .join("bpf-tests/go")
         .join(module.folder);
@@ -190,7 +217,7 @@ fn ensure_module(module: &Module, go_version: &str) -> anyhow::Result<bool> {
         .collect();
     let built = names.iter().all(|name| bin.join(name).exists());
     if built && std::fs::read_to_string(&stamp_file).is_ok_and(|stamp| stamp == wanted) {
-        return Ok(false);
+        return Ok(());
     }
     eprintln!(
         "xtask: building {} with {go_version} from bpf-tests/go/{} (once per machine; the first \
@@ -238,7 +265,7 @@ fn ensure_module(module: &Module, go_version: &str) -> anyhow::Result<bool> {
         names.join(", "),
         started.elapsed().as_secs_f64()
     );
-    Ok(true)
+    Ok(())
 }
 
 #[cfg(test)]

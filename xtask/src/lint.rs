@@ -15,8 +15,8 @@ pub fn run() -> anyhow::Result<()> {
     )?;
     cargo(
         &[
-            // `--all-targets` leaves out a test with `test = false`: the node's, which only
-            // `vm-test --tests node` runs, is named.
+            // `--all-targets` leaves out a test with `test = false`: the node's, which only the
+            // node's VM runs, is named.
             &["clippy", "--all-targets", "--test", "node"],
             &crate::workspace::USERSPACE[..],
             &["--", "-D", "warnings"],

@@ -4,6 +4,7 @@
 mod arch;
 mod elf;
 mod go_peers;
+mod idle_builds;
 mod image;
 mod lint;
 mod pinned_rustup;
@@ -109,7 +110,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.task {
         Task::Setup => {
             setup::ensure()?;
-            go_peers::ensure(false)
+            go_peers::ensure(go_peers::Peers::Every, go_peers::Cache::Remove)
         }
         Task::Build { targets } => {
             setup::ensure()?;
@@ -140,17 +141,24 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         } => {
             setup::ensure()?;
             pinned_rustup::enter()?;
-            // Builds the Go peers too, beside the Rust builds, and what the VMs need beside the
-            // host's tests.
-            tasks::test(!no_lint, filter.as_deref(), !no_vm)?;
-            if no_vm {
+            // Builds the Go peers too, beside the Rust builds, and what the VMs need beyond the
+            // host's at idle priority beside the host's tests and the first VMs.
+            let vm_builds = tasks::test(!no_lint, filter.as_deref(), !no_vm)?;
+            let Some(mut vm_builds) = vm_builds else {
                 eprintln!("xtask: VM tests skipped (--no-vm): only the host kernel was tested");
                 return Ok(());
-            }
+            };
             let started = std::time::Instant::now();
-            vm::run(&vm::VmArgs::suite().with_filter(filter.clone()))?;
+            // The node boots last: by then its programs are built.
+            vm::run(
+                &vm::VmArgs::suite().with_filter(filter.clone()),
+                &mut || vm_builds.node_ready(),
+            )?;
+            vm_builds.finish()?;
             // Then the kernel's side on arm64: the subset on 6.1, under emulation.
-            vm::run(&vm::VmArgs::arm64_subset().with_filter(filter))?;
+            vm::run(&vm::VmArgs::arm64_subset().with_filter(filter), &mut || {
+                Ok(())
+            })?;
             eprintln!(
                 "xtask: every test passed on the host and in the VMs ({:.0?} for the VMs)",
                 started.elapsed()
@@ -173,8 +181,15 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Task::Sweep => sweep::run(),
         Task::VmTest(args) => {
             setup::ensure()?;
-            go_peers::ensure(args.node_boot())?;
-            vm::run(&args)
+            go_peers::ensure(
+                if args.node_boot() {
+                    go_peers::Peers::Every
+                } else {
+                    go_peers::Peers::Host
+                },
+                go_peers::Cache::Remove,
+            )?;
+            vm::run(&args, &mut || Ok(()))
         }
     }
 }

@@ -1,5 +1,5 @@
 //! The previous release's agent, for the node's rollout from it to this build and back
-//! (`vm-test --tests node`): its tree taken from git at the release's
+//! (the suite's node, `bpf-tests/tests/node.rs`): its tree taken from git at the release's
 //! commit (`git archive`, no work tree or worktree to keep; a shallow clone fetches that one
 //! commit from its remote first) into `target/releases/VERSION/src`, and its agent built there
 //! with its own lock file and toolchain pins into `target/releases/VERSION/target`; both kept, so

@@ -6,6 +6,8 @@ use anyhow::{Context as _, bail};
 
 use crate::{
     arch::Arch,
+    go_peers::{Cache, Peers},
+    idle_builds::IdleBuilds,
     lint::{self, cargo},
     pinned_rustup, sweep,
     workspace::{USERSPACE, target_dir, workspace_root},
@@ -136,19 +138,27 @@ pub fn build_tested_agent(arch: Arch) -> anyhow::Result<PathBuf> {
     Ok(binary)
 }
 
-/// Every test. Privileged tests are not optional: without root this fails before running any.
-/// With `vms` (the VMs follow), what they need beyond the host's run builds beside the host's
-/// tests ([`build_for_vms_idle`]).
-pub fn test(with_lints: bool, filter: Option<&str>, vms: bool) -> anyhow::Result<()> {
+/// Builds and runs the host's tests (with the lints, `with_lints`); with `vms`, returns the builds
+/// the VMs need beyond the host's, begun at idle priority beside the host's tests
+/// ([`IdleBuilds`]: the VM runs wait for them where they need them). Privileged tests are not
+/// optional: without root this fails before running any.
+pub fn test(
+    with_lints: bool,
+    filter: Option<&str>,
+    vms: bool,
+) -> anyhow::Result<Option<IdleBuilds>> {
     require_root("test")?;
     let started = Instant::now();
     sweep::run()?;
     report_free_space("at the start");
     let mut test = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned()));
-    // The Go peers build beside the lints and the Rust builds, which leave the cores idle at
-    // times (build scripts, links); only the tests need them. The scope waits for both.
+    // The Go peers the host's tests run build beside the lints and the Rust builds, which leave
+    // the cores idle at times (build scripts, links); only the tests need them. The scope waits
+    // for both. The node's build later, from the same build cache.
     std::thread::scope(|scope| {
-        let go_peers = scope.spawn(|| crate::go_peers::ensure(false));
+        let go_peers = scope.spawn(|| {
+            crate::go_peers::ensure(Peers::Host, if vms { Cache::Keep } else { Cache::Remove })
+        });
         let rust = build_for_tests(with_lints, &mut test);
         let go_peers = go_peers
             .join()
@@ -159,39 +169,14 @@ pub fn test(with_lints: bool, filter: Option<&str>, vms: bool) -> anyhow::Result
         test.args(["--", filter]);
     }
     report_free_space("before the tests");
-    let (tested, for_vms) = std::thread::scope(|scope| {
-        let for_vms = vms.then(|| scope.spawn(build_for_vms_idle));
-        let tested = lint::check(&mut test, "tests failed");
-        let for_vms = for_vms.map(|build| {
-            build
-                .join()
-                .unwrap_or_else(|_| Err(anyhow::anyhow!("the VMs' build panicked")))
-        });
-        (tested, for_vms)
-    });
+    // Dropped on a failure, it stops after the build at work.
+    let for_vms = vms.then(IdleBuilds::start);
+    let tested = lint::check(&mut test, "tests failed");
     // The machine's disk is shared: a build or a test that fails for want of space says so here.
     report_free_space("after the tests");
     tested?;
-    for_vms.transpose()?;
     eprintln!("xtask: every test passed in {:.0?}", started.elapsed());
-    Ok(())
-}
-
-/// Builds at idle priority what the VMs need beyond the host's run: the other architectures'
-/// tests. The host's tests wait on queries and timers most of the time, and the build takes the
-/// CPU they leave (SCHED_IDLE: any of the tests' processes that wants a CPU takes it first, so
-/// their timings are theirs). It runs on a thread of its own, whose policy the cargo and rustc
-/// processes it starts inherit.
-fn build_for_vms_idle() -> anyhow::Result<()> {
-    let thread = nix::unistd::gettid().to_string();
-    lint::check(
-        Command::new("chrt").args(["--idle", "--pid", "0", &thread]),
-        "putting the VMs' builds at idle priority (chrt, util-linux) failed",
-    )?;
-    for arch in Arch::ALL.into_iter().filter(|arch| *arch != Arch::host()) {
-        crate::vm::build_artifacts(arch)?;
-    }
-    Ok(())
+    Ok(for_vms)
 }
 
 /// Prints the space left on the target directory's file system.

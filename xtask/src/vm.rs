@@ -123,12 +123,12 @@ fn node_boot_filter(mode: initramfs::Mode, rebooted: bool, filter: Option<&str>)
 }
 
 impl VmArgs {
-    /// Whether the run boots the suite's node (`--tests node`, on the host's architecture). Not
-    /// part of `cargo xtask test`: with it the suite would pass its 45 minutes
-    /// (docs/development.md, "The node", says what each part costs).
+    /// Whether the run boots the suite's node: on the host's architecture, unless `--tests`
+    /// leaves `node` out (as the systemd boot).
     #[must_use]
     pub fn node_boot(&self) -> bool {
-        self.arch == Arch::host() && self.tests.iter().any(|name| name == artifacts::NODE)
+        self.arch == Arch::host()
+            && (self.tests.is_empty() || self.tests.iter().any(|name| name == artifacts::NODE))
     }
 
     /// The host architecture's VMs as every `cargo xtask test` runs them: on 6.1, the oldest
@@ -246,8 +246,12 @@ pub fn build_artifacts(arch: Arch) -> anyhow::Result<()> {
 }
 
 /// Runs the bpf-tests in a VM for each kernel of `options`; fails when any test, binary or
-/// boot did.
-pub fn run(options: &VmArgs) -> anyhow::Result<()> {
+/// boot did. `before_node` runs before the node's boot, the last: `cargo xtask test` waits there
+/// for the node's programs it builds beside the earlier runs.
+pub fn run(
+    options: &VmArgs,
+    before_node: &mut dyn FnMut() -> anyhow::Result<()>,
+) -> anyhow::Result<()> {
     require_root()?;
     let arch = options.arch;
     let foreign_arch = arch != Arch::host();
@@ -269,7 +273,7 @@ pub fn run(options: &VmArgs) -> anyhow::Result<()> {
                 .tests
                 .iter()
                 .any(|name| name == artifacts::SYSTEMD_BOOT));
-    // The node boot, on the host's architecture too, only when asked for (`--tests node`).
+    // The node boot, on the host's architecture too.
     let node_boot = options.node_boot();
     artifacts
         .tests
@@ -512,6 +516,7 @@ pub fn run(options: &VmArgs) -> anyhow::Result<()> {
         };
         // The node's control plane, images and disk, for as long as its boots last.
         let node_host = if mode == initramfs::Mode::Node {
+            before_node()?;
             // The rollout from the previous release's image and back runs its agent.
             let previous = crate::previous_release::ensure()?;
             let host = node_host::NodeHost::start(
@@ -693,11 +698,12 @@ mod tests {
     }
 
     #[test]
-    fn the_node_boots_when_named() {
+    fn the_node_boots_in_the_suite_and_when_named() {
         assert!(
-            !VmArgs::suite().node_boot(),
-            "cargo xtask test leaves the node out"
+            VmArgs::suite().node_boot(),
+            "cargo xtask test boots the node"
         );
+        assert!(!VmArgs::arm64_subset().node_boot());
         assert!(parse(&["--tests", "node"]).node_boot());
         assert!(!parse(&["--arch", "aarch64", "--tests", "node"]).node_boot());
         assert!(!parse(&["--tests", "steering"]).node_boot());

@@ -45,7 +45,7 @@ impl NodeDir {
         let dir = std::env::var_os(DIR_ENV).ok_or_else(|| {
             anyhow::anyhow!(
                 "{DIR_ENV} is not set: this test runs only on the suite's node (`cargo xtask \
-                 vm-test --tests node`)"
+                 vm-test --kernel 6.12 --tests node`, or `cargo xtask test`)"
             )
         })?;
         Ok(Self(PathBuf::from(dir)))

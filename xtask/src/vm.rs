@@ -74,7 +74,8 @@ pub struct VmArgs {
     /// (`cargo xtask test` runs 6.12 so); ignored with `--tests` or a filter.
     #[arg(long, value_enum)]
     pub subset_on: Option<KernelChoice>,
-    /// Only these bpf-tests test binaries (comma-separated: steering,failover); default all.
+    /// Only these bpf-tests test binaries (comma-separated: steering,failover; `systemd_boot`
+    /// and `node` name those boots); default all, the boots on the newest kernel chosen.
     #[arg(long, value_delimiter = ',')]
     pub tests: Vec<String>,
     /// Hard limit of one boot in seconds: qemu is killed when it passes.

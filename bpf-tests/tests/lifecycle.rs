@@ -8,17 +8,18 @@ use std::{net::IpAddr, time::Duration};
 use anyhow::Context as _;
 use bpf_tests::{
     cli::{redirector, redirector_with_env, set_state, start_agent, stop_agent, uninstall},
-    command::run,
+    command::{output_within, run},
     dns::now_ms,
     harness::{
-        Harness, NODE_ID, answered_by, node_reason, standard_listeners, wait_for_cache,
-        write_standard_config,
+        CLUSTER_ID, Harness, NODE_ID, answered_at, answered_by, node_reason, standard_listeners,
+        wait_for_cache, write_standard_config,
     },
     pace::{paced, paced_ms, pause, wait_until},
     sandbox::{CacheSpec, Ns, Query, Sandbox, Transport},
+    shipped,
     stream::Stream,
     tools,
-    topology::{NODE_LISTENER, UPSTREAM_A_V4, UPSTREAM_B_V4, dns, who},
+    topology::{CLUSTER_LISTENER, NODE_LISTENER, UPSTREAM_A_V4, UPSTREAM_B_V4, dns, who},
 };
 use nix::sys::signal::Signal;
 use redirector::datapath::Maps;
@@ -323,10 +324,7 @@ fn listener_ids_and_modes_survive_a_changed_configuration() -> anyhow::Result<()
     // Reordered, with a new listener: `cluster` keeps its id and its mode.
     write(&["v6", "cluster", "node"])?;
     let mut agent = start_agent(&config)?;
-    let cluster = sandbox.query(
-        Ns::Pod,
-        Query::new(dns(bpf_tests::topology::CLUSTER_LISTENER), Transport::Udp),
-    )?;
+    let cluster = sandbox.query(Ns::Pod, Query::new(dns(CLUSTER_LISTENER), Transport::Udp))?;
     assert_eq!(who(cluster.answer()), "upstream B", "{cluster:?}");
     assert_eq!(answered_by(&sandbox)?, "cache");
     let state = set_state(&sandbox, "v6", "auto")?;
@@ -337,10 +335,7 @@ fn listener_ids_and_modes_survive_a_changed_configuration() -> anyhow::Result<()
     // `cluster` removed: its address is no listener any more (DNS there reaches the cache as sent).
     write(&["node"])?;
     let agent = start_agent(&config)?;
-    let cluster = sandbox.query(
-        Ns::Pod,
-        Query::new(dns(bpf_tests::topology::CLUSTER_LISTENER), Transport::Udp),
-    )?;
+    let cluster = sandbox.query(Ns::Pod, Query::new(dns(CLUSTER_LISTENER), Transport::Udp))?;
     assert_eq!(who(cluster.answer()), "cache", "{cluster:?}");
     let gone = set_state(&sandbox, "cluster", "cache")?;
     assert!(
@@ -758,15 +753,6 @@ fn a_failed_first_start_takes_back_its_table_and_addresses() -> anyhow::Result<(
 fn a_failed_start_changes_nothing_the_running_programs_read() -> anyhow::Result<()> {
     let mut sandbox = Sandbox::new(tools!())?;
     sandbox.start_standard_servers()?;
-    let listeners = |names: &[&str]| -> String {
-        names
-            .iter()
-            .map(|name| match *name {
-                "node" => "[[listener]]\nname = \"node\"\naddress = \"169.254.10.10\"\nupstreams = [\"198.18.2.2\"]\n",
-                _ => "[[listener]]\nname = \"cluster\"\naddress = \"169.254.10.11\"\nupstreams = [\"198.18.2.3\"]\n",
-            })
-            .collect()
-    };
     let config = sandbox.write_file(
         "config.toml",
         &sandbox.config_toml(&listeners(&["node", "cluster"])),
@@ -814,7 +800,7 @@ fn a_failed_start_changes_nothing_the_running_programs_read() -> anyhow::Result<
     );
     unchanged(&refused)?;
     let cluster = |sandbox: &Sandbox| -> anyhow::Result<&'static str> {
-        let query = Query::new(dns(bpf_tests::topology::CLUSTER_LISTENER), Transport::Udp);
+        let query = Query::new(dns(CLUSTER_LISTENER), Transport::Udp);
         Ok(who(sandbox.query(Ns::Pod, query)?.answer()))
     };
     assert_eq!(
@@ -830,6 +816,96 @@ fn a_failed_start_changes_nothing_the_running_programs_read() -> anyhow::Result<
         "with no agent after the failed start, the dead cache's listeners must fail over as before; the start: {refused:?}"
     );
     uninstall(&config)?;
+    Ok(())
+}
+
+/// The `[[listener]]` tables of `names`: `node` on 169.254.10.10 with upstream A, any other name
+/// as `cluster` on 169.254.10.11 with upstream B, both served by the standard cache.
+fn listeners(names: &[&str]) -> String {
+    names
+        .iter()
+        .map(|name| match *name {
+            "node" => "[[listener]]\nname = \"node\"\naddress = \"169.254.10.10\"\nupstreams = [\"198.18.2.2\"]\n",
+            _ => "[[listener]]\nname = \"cluster\"\naddress = \"169.254.10.11\"\nupstreams = [\"198.18.2.3\"]\n",
+        })
+        .collect()
+}
+
+/// A start that fails after it wrote the shared maps, while the cache is drained for planned
+/// work, keeps the drain. The failing start drops the cluster listener, which clears that
+/// listener's record of the kernel's flips (the drain with them) and the processes known as its
+/// cache, then fails before its swap: what it puts back includes that record, so the next agent's
+/// probes, which confirm a healthy cache, do not steer the cluster listener's DNS back onto the
+/// cache being taken down while its drain stands. The agents run as shipped.
+#[test]
+fn a_failed_start_during_a_drain_keeps_the_drain() -> anyhow::Result<()> {
+    let mut sandbox = Sandbox::new(tools!())?;
+    sandbox.start_standard_servers()?;
+    let (config, mut agent) = shipped::start_agent_on(&sandbox, &listeners(&["node", "cluster"]))?;
+    wait_for_cache(&sandbox, "the agent confirms the cache")?;
+    let path = config.display().to_string();
+    let drained = output_within(
+        &mut shipped::command(&sandbox, &["drain", "--all", "--config", &path])?,
+        Duration::from_secs(30),
+    )?;
+    anyhow::ensure!(drained.status.success(), "drain --all failed: {drained:?}");
+    let cluster = |sandbox: &Sandbox| -> anyhow::Result<&'static str> {
+        answered_at(sandbox, Ns::Pod, CLUSTER_LISTENER.into())
+    };
+    let reasons = |sandbox: &Sandbox| -> anyhow::Result<Vec<(u32, &'static str)>> {
+        let maps = Maps::open_pinned(&sandbox.pin_dir())?;
+        Ok(redirector::telemetry::snapshot::listeners(&maps)?
+            .into_iter()
+            .map(|listener| (listener.id, listener.reason_code))
+            .collect())
+    };
+    assert_eq!(
+        (answered_by(&sandbox)?, cluster(&sandbox)?),
+        ("upstream A", "upstream B"),
+        "the drain moves both listeners"
+    );
+    agent.signal(Signal::SIGTERM)?;
+    agent.wait_exit(Duration::from_secs(10))?;
+    let before = reasons(&sandbox)?;
+    assert_eq!(
+        before,
+        vec![(NODE_ID, "drained"), (CLUSTER_ID, "drained")],
+        "the drain outlives the agent"
+    );
+
+    let late = sandbox.write_file(
+        "late.toml",
+        &shipped::in_node(&sandbox, &sandbox.config_toml(&listeners(&["node"])))?,
+    )?;
+    let mut failing =
+        shipped::command(&sandbox, &["run", "--config", &late.display().to_string()])?;
+    failing.env("REDIRECTOR_TEST_FAIL_BEFORE_ATTACH", "1");
+    let refused = output_within(&mut failing, Duration::from_secs(60))?;
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        refused.status.code() == Some(1) && stderr.contains("put back the listeners"),
+        "{refused:?}"
+    );
+    assert_eq!(
+        reasons(&sandbox)?,
+        before,
+        "the failed start put back each listener's drain; the start: {stderr}"
+    );
+
+    // The next agent, on the configuration before: its probes find the cache healthy, and the
+    // drain holds it back on every listener until the cache's next life.
+    let mut agent = shipped::start_agent(&sandbox, &config)?;
+    pause(2000);
+    assert_eq!(
+        (answered_by(&sandbox)?, cluster(&sandbox)?),
+        ("upstream A", "upstream B"),
+        "DNS went back onto the drained cache: {:?}",
+        reasons(&sandbox)?
+    );
+    assert_eq!(reasons(&sandbox)?, before);
+    agent.signal(Signal::SIGTERM)?;
+    agent.wait_exit(Duration::from_secs(10))?;
+    shipped::uninstall(&sandbox, &config)?;
     Ok(())
 }
 

@@ -124,8 +124,10 @@ pub struct WorkloadCounters {
     pub replies: [u64; RCODE_CLASSES],
     /// `WORKLOAD_FLAG_*` bits, set when the programs enter the cgroup.
     pub flags: u32,
-    /// Zero.
-    pub _padding: u32,
+    /// A random number, never 0, drawn when the programs enter the cgroup: a reading that finds
+    /// another than the last is of a new life (the cgroup was evicted and entered again), whatever
+    /// its counts.
+    pub life: u32,
     /// The rate limit's stamp (monotonic ns, `admit`): when the workload's next query is due.
     pub next_ns: u64,
 }

@@ -14,15 +14,17 @@
 //! `cgroup_skb`) and returns.
 //!
 //! A workload may be held to a rate (`workloads.rate_limit_qps`): where a query is counted, one
-//! over the rate is refused instead (`Workload::over_limit`), before any packet exists.
+//! over the rate is refused instead (`Workload::over_limit`): at `sendmsg` and `connect` before
+//! any packet exists, a connected UDP socket's datagram at egress.
 //!
 //! The whole of it is dead code the verifier removes while `WORKLOADS_ON` is 0, and the limit
 //! while `RATE_INTERVAL_NS` is 0.
 //!
 //! Kernel features: `bpf_get_current_cgroup_id` and `bpf_get_current_ancestor_cgroup_id` in
 //! sock_addr programs 5.7; `bpf_skb_cgroup_id` 5.3 and `bpf_skb_ancestor_cgroup_id` 4.19 in
-//! `cgroup_skb` programs; `bpf_skb_load_bytes` 4.5; LRU hash maps 4.10; `BPF_ADD` atomics (every
-//! JIT).
+//! `cgroup_skb` programs; `bpf_skb_load_bytes` 4.5; `bpf_get_prandom_u32` (an entry's life) in
+//! cgroup programs 4.17; LRU hash maps 4.10; `BPF_ADD` atomics (every JIT); `BPF_CMPXCHG` (the
+//! rate limit's stamp) 5.12, where the JIT has it.
 
 use core::ptr::{addr_of, addr_of_mut, read_volatile, write_volatile};
 
@@ -30,8 +32,8 @@ use aya_ebpf::{
     EbpfContext as _,
     bindings::BPF_NOEXIST,
     helpers::{
-        bpf_get_current_ancestor_cgroup_id, bpf_get_current_cgroup_id, bpf_ktime_get_ns,
-        bpf_skb_ancestor_cgroup_id, bpf_skb_cgroup_id, bpf_skb_load_bytes,
+        bpf_get_current_ancestor_cgroup_id, bpf_get_current_cgroup_id, bpf_get_prandom_u32,
+        bpf_ktime_get_ns, bpf_skb_ancestor_cgroup_id, bpf_skb_cgroup_id, bpf_skb_load_bytes,
     },
     programs::SkBuffContext,
 };
@@ -124,12 +126,19 @@ impl Workload {
     /// limited if so, else it takes its place in the workload's schedule. Always false while the
     /// limit is off (`RATE_INTERVAL_NS` 0, a constant to the verifier) and for a cgroup the
     /// operator exempts from it.
+    ///
+    /// The stamp moves by compare-and-swap: a query that loses it to another CPU is judged again
+    /// on the stamp it lost to, so that CPUs flooding at once share one schedule
+    /// ([`RATE_RETRIES`] times, then it is counted limited). Without the fetching atomics (an
+    /// arm64 JIT before 5.18) the stamp is written plainly, and a racing CPU may pass on the
+    /// token another took.
     #[inline(always)]
     pub fn over_limit(self) -> bool {
         let interval = RATE_INTERVAL_NS.load();
         if interval == 0 {
             return false;
         }
+        let tolerance = RATE_TOLERANCE_NS.load();
         let counters = self.0;
         // SAFETY: as in `count`; `flags` is written only when the entry is created, `next_ns`
         // whole, here only.
@@ -138,27 +147,42 @@ impl Workload {
                 return false;
             }
             let stamp = addr_of_mut!((*counters).next_ns);
-            let next = read_volatile(stamp);
+            let mut next = read_volatile(stamp);
             let now = bpf_ktime_get_ns();
-            match admit(now, next, interval, RATE_TOLERANCE_NS.load()) {
-                Some(later) => {
-                    // Two CPUs admitting at once: one stamp wins, and the other query passed on
-                    // the same token (at most one a racing CPU).
-                    if fetching() {
-                        compare_exchange_u64(stamp, next, later);
-                    } else {
+            if !fetching() {
+                return match admit(now, next, interval, tolerance) {
+                    Some(later) => {
                         write_volatile(stamp, later);
+                        false
                     }
-                    false
-                }
-                None => {
-                    self.count(ROUTE_LIMITED);
-                    true
-                }
+                    None => {
+                        self.count(ROUTE_LIMITED);
+                        true
+                    }
+                };
             }
+            let mut tries = 0;
+            while tries < RATE_RETRIES {
+                let Some(later) = admit(now, next, interval, tolerance) else {
+                    break;
+                };
+                let held = compare_exchange_u64(stamp, next, later);
+                if held == next {
+                    return false;
+                }
+                next = held;
+                tries += 1;
+            }
+            self.count(ROUTE_LIMITED);
+            true
         }
     }
 }
+
+/// How many times a query judges the rate limit's stamp before it is counted limited: each try
+/// after the first follows a CPU that moved the stamp meanwhile, by at least one interval, so a
+/// query still due after this many is racing a flood from as many CPUs.
+const RATE_RETRIES: u32 = 4;
 
 /// Exempts the cgroup of a process that binds a cache socket (`post_bind`), from that moment:
 /// entered in `WORKLOAD_EXEMPT` (unless it is there already) and forgotten in `WORKLOADS`, so its
@@ -234,6 +258,8 @@ fn counters(cgroup: u64, ancestor: impl Fn(i32) -> u64) -> Option<*mut WorkloadC
     }
     let fresh = WorkloadCounters {
         flags: entry_flags(exempt_from(ancestor)),
+        // SAFETY: plain helper call (every program type, 3.19).
+        life: unsafe { bpf_get_prandom_u32() } | 1,
         ..WorkloadCounters::default()
     };
     // Another CPU may have entered it meanwhile: its entry stands, and is the one counted.

@@ -12,7 +12,7 @@ use tracing::{debug, info, warn};
 use super::AgentError;
 use crate::{
     config::{Config, WorkloadSettings},
-    datapath::{ExemptEntry, ExemptOverflow, Maps, SkipEntry},
+    datapath::{ExemptEntry, Maps, SkipEntry},
     sys::cgroup::{self, Cgroup},
 };
 
@@ -106,15 +106,15 @@ pub(super) fn with_caches(
     entries
 }
 
-/// Says that `overflow` left exempt cgroups out of `WORKLOAD_EXEMPT` for want of room: their
-/// DNS is counted as a workload's (and a listed one may be rate-limited), which no query's route
-/// depends on.
-pub(super) fn tell_overflow(overflow: ExemptOverflow) {
-    if overflow.left_out == 0 {
+/// Says that `left_out` exempt cgroups were left out of `WORKLOAD_EXEMPT` for want of room:
+/// their DNS is counted as a workload's (and a listed one may be rate-limited), which no query's
+/// route depends on.
+pub(super) fn tell_overflow(left_out: usize) {
+    if left_out == 0 {
         return;
     }
     warn!(
-        left_out = overflow.left_out,
+        left_out,
         capacity = MAX_EXEMPT_CGROUPS,
         "more cgroups are exempt than the kernel's exempt set holds (the skipped cgroups, the \
          agent's, the listed ones, then the caches' that live); those left out are counted as \

@@ -256,7 +256,7 @@ impl Agent {
             skips,
             fail_before_attach: options.fail_before_attach,
         };
-        let listeners = match commit
+        let committed = match commit
             .run(
                 &mut datapath,
                 &mut maps,
@@ -268,13 +268,13 @@ impl Agent {
             )
             .await
         {
-            Ok(listeners) => listeners,
+            Ok(committed) => committed,
             Err(error) => {
                 put_back(&mut maps, &journal, &mut reconciler).await;
                 return Err(error);
             }
         };
-        for listener in &listeners {
+        for listener in &committed.listeners {
             stats.record_pool_source(&listener.name, listener.source);
         }
         if config.interface.manage {
@@ -312,6 +312,7 @@ impl Agent {
             &stats,
             attach.clone(),
             exempt,
+            committed.exempt_changed,
             kube_client.clone(),
             &node,
             node_events
@@ -323,7 +324,7 @@ impl Agent {
             datapath,
             maps,
             reconciler,
-            listeners,
+            listeners: committed.listeners,
             config: config.clone(),
             stats,
             events,

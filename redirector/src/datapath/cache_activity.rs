@@ -88,6 +88,54 @@ impl MappedArray<CacheActivity> {
         }
     }
 
+    /// Puts back what a failed start cleared of listener `id` (`clear`, `forget_reads`), as
+    /// `was` held it before the start, where the programs made nothing newer since: the tallies
+    /// are added back (what the programs counted since stays), the latest flip (a drain's record
+    /// with it) comes back unless a flip came since, and the last read seen unless a read came
+    /// since. A cleared element is known by its tallies, which only a clear takes down, or by a
+    /// flip gone. A query left unread is not stamped again: the programs stamp the next one.
+    pub fn put_back(&self, id: u32, was: &CacheActivity) {
+        let Some(element) = self.element(id) else {
+            return;
+        };
+        let now = self.get(id);
+        let cleared = now.signalled < was.signalled
+            || now.stalled < was.stalled
+            || now.drained < was.drained
+            || (now.flip_epoch == 0 && was.flip_epoch != 0);
+        // SAFETY: valid, aligned fields of the mapping, each written whole or atomically.
+        unsafe {
+            if cleared {
+                for (field, tally) in [
+                    (&raw mut (*element).signalled, was.signalled),
+                    (&raw mut (*element).stalled, was.stalled),
+                    (&raw mut (*element).drained, was.drained),
+                ] {
+                    AtomicU64::from_ptr(field).fetch_add(tally, Ordering::Relaxed);
+                }
+                if AtomicU64::from_ptr(&raw mut (*element).flip_epoch)
+                    .compare_exchange(0, was.flip_epoch, Ordering::Relaxed, Ordering::Relaxed)
+                    .is_ok()
+                {
+                    AtomicU64::from_ptr(&raw mut (*element).flip_ns)
+                        .store(was.flip_ns, Ordering::Relaxed);
+                    let _ = AtomicU32::from_ptr(&raw mut (*element).flip_reason).compare_exchange(
+                        FLIP_NONE,
+                        was.flip_reason,
+                        Ordering::Relaxed,
+                        Ordering::Relaxed,
+                    );
+                }
+            }
+            let _ = AtomicU64::from_ptr(&raw mut (*element).last_read_ns).compare_exchange(
+                0,
+                was.last_read_ns,
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            );
+        }
+    }
+
     /// Records a drain of listener `id` that began `epoch` at `now_ns` (monotonic), as the
     /// programs record their flips.
     pub fn record_drain(&self, id: u32, epoch: u64, now_ns: u64) {

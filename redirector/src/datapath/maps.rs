@@ -40,7 +40,7 @@ pub use counters::ListenerTotals;
 pub use journal::Journal;
 pub use listeners::{ListenerEntry, target_of};
 pub use settings::SkipEntry;
-pub use workloads::{ExemptEntry, ExemptOverflow};
+pub use workloads::{ExemptEntry, ExemptWrite};
 
 /// `BPF_NOEXIST`: insert only if the key is absent.
 const BPF_NOEXIST: u64 = 1;

@@ -37,7 +37,7 @@ use aya::{
 pub use clock::{TickClock, TickError};
 pub use error::DatapathError;
 pub use maps::{
-    ExemptEntry, ExemptOverflow, Journal, ListenerEntry, ListenerTotals, Maps, SkipEntry, target_of,
+    ExemptEntry, ExemptWrite, Journal, ListenerEntry, ListenerTotals, Maps, SkipEntry, target_of,
 };
 pub use migrate::Copied;
 use pins::{

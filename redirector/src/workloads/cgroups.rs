@@ -314,9 +314,58 @@ impl CgroupNames {
     }
 }
 
+/// A scratch hierarchy for tests of what reads cgroup paths.
+#[cfg(test)]
+pub(crate) mod scratch {
+    use std::{os::unix::fs::MetadataExt as _, path::PathBuf};
+
+    /// A scratch directory that stands in for the cgroup mount, removed when dropped.
+    pub struct Tree(PathBuf);
+
+    impl Tree {
+        pub fn new(tag: &str) -> Self {
+            let dir = std::env::temp_dir()
+                .join(format!("redirector-cgroups-{tag}-{}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&dir);
+            std::fs::create_dir_all(&dir).expect("a scratch directory");
+            Self(dir)
+        }
+
+        /// Creates `relative` (and its parents) and returns its id.
+        pub fn add(&self, relative: &str) -> u64 {
+            let path = self.0.join(relative);
+            std::fs::create_dir_all(&path).expect("a directory");
+            // Files in a cgroup directory are its interface files: never named.
+            std::fs::write(path.join("cgroup.procs"), "").expect("a file");
+            self.id(relative)
+        }
+
+        pub fn id(&self, relative: &str) -> u64 {
+            std::fs::metadata(self.0.join(relative))
+                .expect("exists")
+                .ino()
+        }
+
+        pub fn remove(&self, relative: &str) {
+            std::fs::remove_dir_all(self.0.join(relative)).expect("removed");
+        }
+
+        /// Its root, where the cgroup mount would be.
+        pub fn root(&self) -> &std::path::Path {
+            &self.0
+        }
+    }
+
+    impl Drop for Tree {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
-    use super::*;
+    use super::{scratch::Tree, *};
 
     #[test]
     fn every_id_holds_the_root_and_this_processs_cgroup() {
@@ -326,44 +375,6 @@ mod tests {
         assert!(ids.contains(&own.id), "{} ({})", own.path.display(), own.id);
     }
 
-    /// A scratch directory that stands in for the cgroup mount, removed when dropped.
-    struct Tree(PathBuf);
-
-    impl Tree {
-        fn new(tag: &str) -> Self {
-            let dir = std::env::temp_dir()
-                .join(format!("redirector-cgroups-{tag}-{}", std::process::id()));
-            let _ = std::fs::remove_dir_all(&dir);
-            std::fs::create_dir_all(&dir).expect("a scratch directory");
-            Self(dir)
-        }
-
-        /// Creates `relative` (and its parents) and returns its id.
-        fn add(&self, relative: &str) -> u64 {
-            let path = self.0.join(relative);
-            std::fs::create_dir_all(&path).expect("a directory");
-            // Files in a cgroup directory are its interface files: never named.
-            std::fs::write(path.join("cgroup.procs"), "").expect("a file");
-            self.id(relative)
-        }
-
-        fn id(&self, relative: &str) -> u64 {
-            std::fs::metadata(self.0.join(relative))
-                .expect("exists")
-                .ino()
-        }
-
-        fn remove(&self, relative: &str) {
-            std::fs::remove_dir_all(self.0.join(relative)).expect("removed");
-        }
-    }
-
-    impl Drop for Tree {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
-    }
-
     const MINUTE: Duration = Duration::from_secs(60);
 
     #[test]
@@ -371,7 +382,7 @@ mod tests {
         let tree = Tree::new("names");
         let service = tree.add("system.slice/containerd.service");
         let container = tree.add("kubepods.slice/kubepods-pod1.slice/cri-containerd-a.scope");
-        let found = scan(&tree.0, "", ScanLimits::default()).expect("a walk");
+        let found = scan(tree.root(), "", ScanLimits::default()).expect("a walk");
         assert!(!found.truncated);
         assert_eq!(found.unreadable, 0);
         assert_eq!(found.paths[&tree.id("")], "");
@@ -388,7 +399,7 @@ mod tests {
         let tree = Tree::new("prefix");
         let container = tree.add("cri-containerd-a.scope");
         let found = scan(
-            &tree.0,
+            tree.root(),
             "/kubepods.slice/kubepods-pod1.slice/",
             ScanLimits::default(),
         )
@@ -411,7 +422,7 @@ mod tests {
             max_depth: 2,
             max_cgroups: 100,
         };
-        let found = scan(&tree.0, "", limits).expect("a walk");
+        let found = scan(tree.root(), "", limits).expect("a walk");
         assert!(found.truncated);
         assert_eq!(found.paths[&tree.id("a/b")], "a/b");
         assert!(!found.paths.contains_key(&tree.id("a/b/c")));
@@ -421,7 +432,7 @@ mod tests {
             max_depth: 4,
             max_cgroups: 100,
         };
-        let found = scan(&tree.0, "", limits).expect("a walk");
+        let found = scan(tree.root(), "", limits).expect("a walk");
         assert!(!found.truncated);
         assert_eq!(found.paths[&deep], "a/b/c/d");
     }
@@ -436,7 +447,7 @@ mod tests {
             max_depth: 16,
             max_cgroups: 4,
         };
-        let found = scan(&tree.0, "", limits).expect("a walk");
+        let found = scan(tree.root(), "", limits).expect("a walk");
         assert!(found.truncated);
         assert_eq!(found.paths.len(), 4);
         // The root and the three top-level cgroups come before any child.
@@ -457,7 +468,7 @@ mod tests {
     fn an_unknown_id_rescans_at_most_once_per_interval() {
         let tree = Tree::new("rescan");
         let first = tree.add("system.slice/a.service");
-        let mut names = CgroupNames::new(&tree.0, ScanLimits::default(), MINUTE);
+        let mut names = CgroupNames::new(tree.root(), ScanLimits::default(), MINUTE);
         assert!(names.is_empty());
         let start = Instant::now();
         // The first lookup walks.
@@ -500,7 +511,7 @@ mod tests {
     fn a_departed_cgroup_keeps_its_name_for_one_more_walk() {
         let tree = Tree::new("departed");
         let gone = tree.add("kubepods/pod1/abc");
-        let mut names = CgroupNames::new(&tree.0, ScanLimits::default(), Duration::ZERO);
+        let mut names = CgroupNames::new(tree.root(), ScanLimits::default(), Duration::ZERO);
         let now = Instant::now();
         names.rescan(now).expect("a walk");
         tree.remove("kubepods/pod1/abc");
@@ -517,8 +528,11 @@ mod tests {
     fn a_failed_walk_keeps_the_index_and_waits_its_interval() {
         let tree = Tree::new("failed");
         let known = tree.add("system.slice/a.service");
-        let mut names =
-            CgroupNames::new(tree.0.join("system.slice"), ScanLimits::default(), MINUTE);
+        let mut names = CgroupNames::new(
+            tree.root().join("system.slice"),
+            ScanLimits::default(),
+            MINUTE,
+        );
         let start = Instant::now();
         names.rescan(start).expect("a walk");
         tree.remove("system.slice");

@@ -9,6 +9,7 @@
 pub mod cgroups;
 pub mod counts;
 pub mod identity;
+pub mod judged;
 pub mod names_file;
 pub mod pods;
 pub mod rates;

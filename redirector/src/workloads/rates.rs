@@ -1,8 +1,10 @@
 //! From the kernel's counts to what operators read: each workload's rates between two readings,
 //! the node's running totals, and the busiest workloads by query rate with the rest summed.
 //!
-//! The programs' counts live in an LRU: a cgroup evicted and counted again starts from zero, so a
-//! count lower than the last reading is a new life, and all of it is new.
+//! The programs' counts live in an LRU: a cgroup evicted and counted again starts from zero with a
+//! new `life` number, so an entry whose life differs from the last reading's (or, for one the
+//! programs made before lives were drawn, whose count went down) is a new life, and all of it is
+//! new.
 
 use std::{collections::HashMap, time::Duration};
 
@@ -108,15 +110,26 @@ impl Rates {
     }
 }
 
-/// What `after` counted since `before`: the difference, or all of `after` where a count went
-/// down (the cgroup was evicted from the LRU and counted again).
+impl Rates {
+    /// Forgets the last reading of `cgroups`, whose entries the agent removed: the programs count
+    /// each afresh from zero, and all of that is new.
+    pub fn forget(&mut self, cgroups: &[u64]) {
+        for cgroup in cgroups {
+            self.last.remove(cgroup);
+        }
+    }
+}
+
+/// What `after` counted since `before`: the difference, or all of `after` where it is another
+/// life (the cgroup was evicted from the LRU and counted again).
 fn new_since(before: &WorkloadCounters, after: &WorkloadCounters) -> WorkloadCounters {
-    let restarted = after
-        .queries
-        .iter()
-        .zip(before.queries)
-        .chain(after.replies.iter().zip(before.replies))
-        .any(|(after, before)| *after < before);
+    let restarted = after.life != before.life
+        || after
+            .queries
+            .iter()
+            .zip(before.queries)
+            .chain(after.replies.iter().zip(before.replies))
+            .any(|(after, before)| *after < before);
     if restarted {
         return *after;
     }
@@ -226,6 +239,35 @@ mod tests {
         assert_eq!(by_cgroup[&7], 3.0);
         assert_eq!(by_cgroup[&8], 4.0);
         assert_eq!(rates.queries_total[ROUTE_CACHE], 7);
+    }
+
+    /// An evicted workload that out-counts its old life before the next reading: its new life
+    /// number says it is new, where its counts alone would have given the difference (50, under
+    /// by the whole old life).
+    #[test]
+    fn a_new_life_that_out_counts_the_old_is_all_new() {
+        let mut rates = Rates::default();
+        let window = Duration::from_secs(1);
+        let life = |count: u64, life: u32| WorkloadCounters {
+            life,
+            ..counts(count, 0, 0)
+        };
+        rates.read(vec![(7, life(100, 11))], window);
+        rates.read(vec![(7, life(120, 11))], window);
+        let read = rates.read(vec![(7, life(150, 12))], window);
+        assert_eq!(read[0].query_rate(), 150.0);
+        assert_eq!(rates.queries_total[ROUTE_CACHE], 20 + 150);
+    }
+
+    /// The agent forgot a workload's entry (its exemption changed): its next counts are all new.
+    #[test]
+    fn a_forgotten_workload_is_all_new() {
+        let mut rates = Rates::default();
+        let window = Duration::from_secs(1);
+        rates.read(vec![(7, counts(100, 0, 0))], window);
+        rates.forget(&[7]);
+        let read = rates.read(vec![(7, counts(150, 0, 0))], window);
+        assert_eq!(read[0].query_rate(), 150.0);
     }
 
     #[test]

@@ -34,6 +34,14 @@ pub(super) struct Commit<'a> {
     pub(super) fail_before_attach: bool,
 }
 
+/// What a commit leaves to the running agent.
+pub(super) struct Committed {
+    pub(super) listeners: Vec<ListenerRuntime>,
+    /// The exempt cgroups the commit changed (`ExemptWrite::changed`): the workload readings
+    /// forget the counted cgroups they concern once they have read their counts.
+    pub(super) exempt_changed: Vec<u64>,
+}
+
 impl Commit<'_> {
     /// Writes every listener, counts the caches' sockets that existed before the programs, sets
     /// the first verdicts and swaps the programs in.
@@ -50,7 +58,7 @@ impl Commit<'_> {
         alive: &[bool],
         cgroup: &Path,
         phases: &mut StartPhases,
-    ) -> Result<Vec<ListenerRuntime>, AgentError> {
+    ) -> Result<Committed, AgentError> {
         let config = self.config;
         for id in self.removed {
             info!(listener_id = id, "removing a listener no longer configured");
@@ -67,7 +75,8 @@ impl Commit<'_> {
             );
         }
         let exempt = environment::with_caches(&self.exempt, maps, |_| true);
-        environment::tell_overflow(maps.set_exempt_cgroups(&exempt)?);
+        let written = maps.set_exempt_cgroups(&exempt)?;
+        environment::tell_overflow(written.left_out);
         maps.set_cache_binds(self.binds)?;
         for (listener, id) in config.listeners.iter().zip(self.ids) {
             let entry = ListenerEntry {
@@ -113,7 +122,10 @@ impl Commit<'_> {
             return Err(AgentError::InjectedFailure);
         }
         datapath.attach(cgroup)?;
-        Ok(listeners)
+        Ok(Committed {
+            listeners,
+            exempt_changed: written.changed,
+        })
     }
 }
 
@@ -125,10 +137,14 @@ pub(super) async fn put_back(maps: &mut Maps, journal: &Journal, reconciler: &mu
         warn!(error = %crate::error_chain(&error), "cannot put back the listeners, pools and verdicts this failed start changed; start the agent again (its next start writes them whole)");
         return;
     }
+    // The record of the caches came back whole: those gone since go again.
+    if let Err(error) = cache_tasks::forget_gone(maps).await {
+        warn!(error = %crate::error_chain(&error), "cannot forget the processes known as caches whose cgroups are gone; the next start does");
+    }
     reconciler.restore_binds(journal.cache_binds());
     match reconciler.reconcile(maps, true).await {
         Ok(_) => info!(
-            "put back the listeners, pools, verdicts and socket counts this failed start changed"
+            "put back the listeners, pools, verdicts, drains, caches, exempt cgroups and socket counts this failed start changed"
         ),
         Err(error) => {
             warn!(error = %crate::error_chain(&error), "put back the listeners, pools and verdicts this failed start changed, but cannot re-count the caches' sockets; start the agent again")

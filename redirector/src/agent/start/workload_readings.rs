@@ -1,7 +1,8 @@
 //! The agent's readings of each workload's DNS (with `workloads.accounting` on), every
-//! `workloads.interval`: the exempt cgroups written as they are now, the counts read into rates,
-//! the busiest and the node's totals for the metrics, and the workloads the rate limit holds
-//! back told once. Each reading runs on a blocking thread: a walk of a large `WORKLOADS` map
+//! `workloads.interval`: the counts read into rates, the busiest and the node's totals for the
+//! metrics, the workloads the rate limit holds back told once, then the exempt cgroups written as
+//! they are now, and the counted cgroups a change of them concerns forgotten (their counts read
+//! just before), to be judged again. Each reading runs on a blocking thread: a walk of a large `WORKLOADS` map
 //! (two syscalls an entry) or of the cgroup hierarchy must never stall the probes and the control
 //! loop on the agent's runtime.
 
@@ -34,13 +35,19 @@ use crate::{
 const TOLD_LIMIT: usize = 65_536;
 
 /// Starts the readings; `None` with `workloads.accounting` off. `base` is the exempt set the
-/// start wrote (the skipped cgroups, the agent's, the listed ones that existed); the pods are
-/// named through `kube_client` when there is one.
+/// start wrote (the skipped cgroups, the agent's, the listed ones that existed), and
+/// `exempt_changed` the entries its write changed; the pods are named through `kube_client` when
+/// there is one.
+#[expect(
+    clippy::too_many_arguments,
+    reason = "what the start hands the readings, each once"
+)]
 pub(super) fn read_workloads(
     config: &Config,
     stats: &Arc<AgentStats>,
     attach: Cgroup,
     base: Vec<ExemptEntry>,
+    exempt_changed: Vec<u64>,
     kube_client: Option<kube::Client>,
     node: &str,
     events: Option<EventQueue>,
@@ -62,6 +69,7 @@ pub(super) fn read_workloads(
         pin_dir: config.pin_dir.clone(),
         attach,
         base,
+        exempt_changed,
         stats: Arc::clone(stats),
         names,
         recorded_pods,
@@ -106,6 +114,8 @@ struct Readings {
     pin_dir: PathBuf,
     attach: Cgroup,
     base: Vec<ExemptEntry>,
+    /// Exempt entries changed since the counted cgroups they concern were last forgotten.
+    exempt_changed: Vec<u64>,
     stats: Arc<AgentStats>,
     names: Option<Resolver>,
     /// The pods' names from the API server, and the record of them for the CLI.
@@ -148,9 +158,19 @@ impl Readings {
                 return;
             }
         };
-        if let Err(error) = self.write_exempt_cgroups(&mut maps) {
-            warn!(error = %crate::error_chain(&error), "cannot write the exempt cgroups; the next reading tries again");
+        self.read_counts(&maps, window);
+        match self.write_exempt_cgroups(&mut maps) {
+            Ok(changed) => self.exempt_changed.extend(changed),
+            Err(error) => {
+                warn!(error = %crate::error_chain(&error), "cannot write the exempt cgroups; the next reading tries again");
+            }
         }
+        self.judge_again(&mut maps);
+        self.maps = Some(maps);
+    }
+
+    /// Reads every counted workload's counts into the rates and the metrics.
+    fn read_counts(&mut self, maps: &Maps, window: Duration) {
         match maps.workload_counts() {
             Ok(counts) => {
                 self.failing = false;
@@ -172,7 +192,31 @@ impl Readings {
             }
             Err(error) => self.failed("cannot read the workloads' DNS counts", &error),
         }
-        self.maps = Some(maps);
+    }
+
+    /// Forgets the counted cgroups that the exempt entries changed since the last time concern
+    /// (`workloads::judged`), so that the programs judge them again at their next count. Their
+    /// counts were read just before; what they count between that read and this removal is lost
+    /// (microseconds), and their rate stamps start again. A removal that fails is tried again at
+    /// the next reading.
+    fn judge_again(&mut self, maps: &mut Maps) {
+        if self.exempt_changed.is_empty() {
+            return;
+        }
+        let concerned = workloads::judged::concerned(
+            &self.exempt_changed,
+            &maps.counted_cgroups(),
+            self.names.as_mut(),
+        );
+        match maps.forget_workloads(&concerned) {
+            Ok(()) => {
+                self.rates.forget(&concerned);
+                self.exempt_changed.clear();
+            }
+            Err(error) => {
+                warn!(error = %crate::error_chain(&error), "cannot forget the counted cgroups whose exemption changed; the next reading tries again");
+            }
+        }
     }
 
     /// Tells a failure when it starts, and counts it.
@@ -187,8 +231,8 @@ impl Readings {
     /// Writes the exempt cgroups as they are now: the start's, each listed cgroup that exists (a
     /// service started since the start is exempt from here on), and the cgroups caches bound
     /// from that still exist. Rebuilt at every reading, so a listed unit's earlier cgroup and a
-    /// cache gone drop out.
-    fn write_exempt_cgroups(&mut self, maps: &mut Maps) -> Result<(), AgentError> {
+    /// cache gone drop out. Returns the entries that changed.
+    fn write_exempt_cgroups(&mut self, maps: &mut Maps) -> Result<Vec<u64>, AgentError> {
         let mut exempt = self.base.clone();
         for (list, exempt_from) in environment::exempt_lists(&self.settings) {
             for cgroup in environment::existing_cgroups(list.key, list.paths, &self.attach)? {
@@ -202,15 +246,15 @@ impl Readings {
             }),
             None => environment::with_caches(&exempt, maps, |_| true),
         };
-        let overflow = maps.set_exempt_cgroups(&exempt)?;
-        let overflowing = overflow.left_out > 0;
+        let written = maps.set_exempt_cgroups(&exempt)?;
+        let overflowing = written.left_out > 0;
         // Told and counted once for each run of readings that leave cgroups out.
         if overflowing && !self.overflowing {
-            environment::tell_overflow(overflow);
+            environment::tell_overflow(written.left_out);
             self.stats.record_error(ErrorKind::ExemptOverflow);
         }
         self.overflowing = overflowing;
-        Ok(())
+        Ok(written.changed)
     }
 }
 

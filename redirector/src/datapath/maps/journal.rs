@@ -2,21 +2,26 @@
 //! after its first write can put them back: the running set then steers on the state it had,
 //! not on half of the new configuration with no agent to finish it.
 //!
-//! Only the maps the agent writes whole from its configuration are kept here (listeners, their
-//! ids, overrides, verdicts and pools, the cache binds and ports, the skipped cgroups, the
-//! datapath settings, the stall limits). The kernel's own state (socket counts, epochs, flips,
-//! translations, counters) is never rewound: it is the truth the programs made, and a failed
-//! start re-counts the sockets under the restored binds instead (`Reconciler::restore_binds`).
+//! Kept here: the maps the agent writes whole from its configuration (listeners, their ids,
+//! overrides, verdicts and pools, the cache binds and ports, the skipped cgroups, the exempt
+//! cgroups, the datapath settings, the stall limits), and what a start clears of the kernel's own
+//! record for a listener it removes or starts clean (its cache's activity and flips, drains
+//! included, and the processes known as its caches). The rest of the kernel's state (socket
+//! counts, epochs, translations, counters, the workloads' counts) a start never rewrites: it is
+//! the truth the programs made, and a failed start re-counts the sockets under the restored
+//! binds (`Reconciler::restore_binds`). What was cleared is put back only where the programs
+//! made nothing newer meanwhile (`MappedArray::<CacheActivity>::put_back`, `merge_cache_tasks`).
 
 use aya::maps::{Array, HashMap, MapData, MapError};
 use redirector_common::{
-    activity::StallTiming,
+    activity::{CacheActivity, StallTiming},
     addr::NetAddr,
-    binds::{BindKey, BindListeners},
+    binds::{BindKey, BindListeners, CacheTask},
     datapath::{DatapathConfig, SkipCgroup},
     listener::{CacheHealth, ListenerConfig, ListenerInfo, ListenerMode},
     names,
     pool::Pool,
+    workloads::{EXEMPT_ACCOUNTING, ExemptCgroup},
 };
 
 use super::Maps;
@@ -36,6 +41,9 @@ pub struct Journal {
     cache_ports: Vec<u64>,
     cache_pending: u64,
     datapath_config: DatapathConfig,
+    activity: Vec<CacheActivity>,
+    cache_tasks: Vec<(u32, CacheTask)>,
+    workload_exempt: Vec<(u64, ExemptCgroup)>,
 }
 
 /// Every entry of a hash map, or the error naming it.
@@ -123,13 +131,19 @@ impl Maps {
                 .get(&0, 0)
                 .map_err(read(names::MAP_CACHE_PENDING))?,
             datapath_config: self.datapath_config()?,
+            activity: (0..self.listener_info.len())
+                .map(|id| self.cache_activity.get(id))
+                .collect(),
+            cache_tasks: entries(&self.cache_tasks, names::MAP_CACHE_TASKS)?,
+            workload_exempt: entries(&self.workload_exempt, names::MAP_WORKLOAD_EXEMPT)?,
         })
     }
 
     /// Puts back what `journal` read. A listener's address entry goes last, as in
     /// `install_listener`: the programs see a listener only once the rest of it is back. The
     /// socket counting's own setting (`unmarked_cache_sockets`) is left as the reconciler keeps
-    /// it.
+    /// it. The processes known as caches are merged back (`merge_cache_tasks`): a caller may then
+    /// forget those whose cgroups went meanwhile (`cache_tasks::forget_gone`).
     pub fn restore(&mut self, journal: &Journal) -> Result<(), DatapathError> {
         restore_array(
             &mut self.listener_info,
@@ -177,6 +191,27 @@ impl Maps {
         self.datapath_config
             .set(0, config, 0)
             .map_err(write(names::MAP_DATAPATH_CONFIG))?;
+        for (id, was) in (0..).zip(&journal.activity) {
+            self.cache_activity.put_back(id, was);
+        }
+        self.merge_cache_tasks(&journal.cache_tasks)?;
+        // The exempt set as it was, and the caches' cgroups the programs exempted meanwhile (a
+        // cache that bound during the start: `exempt_cache`, level 0).
+        let mut exempt = journal.workload_exempt.clone();
+        exempt.extend(
+            entries(&self.workload_exempt, names::MAP_WORKLOAD_EXEMPT)?
+                .into_iter()
+                .filter(|(id, entry)| {
+                    entry.level == 0
+                        && entry.exempt_from == EXEMPT_ACCOUNTING
+                        && !journal.workload_exempt.iter().any(|(kept, _)| kept == id)
+                }),
+        );
+        restore_hash(
+            &mut self.workload_exempt,
+            &exempt,
+            names::MAP_WORKLOAD_EXEMPT,
+        )?;
         restore_hash(
             &mut self.listeners,
             &journal.listeners,

@@ -127,6 +127,29 @@ impl Maps {
         Ok(())
     }
 
+    /// Puts back the processes known as caches as `was` held them, into what the map holds now
+    /// (a failed start's undoing of `forget_cache_tasks`): each process's listener bits are added
+    /// to its entry, or its entry made again; an entry of a process in another cgroup now (a
+    /// reused pid) stays as it is.
+    pub fn merge_cache_tasks(&mut self, was: &[(u32, CacheTask)]) -> Result<(), DatapathError> {
+        for (tgid, task) in was {
+            let merged = match self.cache_tasks.get(tgid, 0) {
+                Ok(now) if now.cgroup_id != task.cgroup_id => continue,
+                Ok(now) if now.listeners & task.listeners == task.listeners => continue,
+                Ok(now) => CacheTask {
+                    listeners: now.listeners | task.listeners,
+                    ..now
+                },
+                Err(MapError::KeyNotFound) => *task,
+                Err(source) => return Err(read(names::MAP_CACHE_TASKS)(source)),
+            };
+            self.cache_tasks
+                .insert(tgid, merged, 0)
+                .map_err(write(names::MAP_CACHE_TASKS))?;
+        }
+        Ok(())
+    }
+
     /// Asks the programs for every cache's next read (`CACHE_PENDING`): a stamp the programs of
     /// an earlier agent left unanswered is answered by it, as one they make themselves is.
     pub fn want_next_reads(&mut self) -> Result<(), DatapathError> {

@@ -1,7 +1,7 @@
 //! Each workload's DNS as the programs count it (`WORKLOADS`), and the cgroups they never count
 //! (`WORKLOAD_EXEMPT`).
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 
 use aya::maps::MapError;
 use redirector_common::{
@@ -17,12 +17,17 @@ use crate::datapath::error::{DatapathError, read, write};
 /// walks that start again.
 const WALK_LIMIT: usize = 2 << 20;
 
-/// What `Maps::set_exempt_cgroups` could not write.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+/// What `Maps::set_exempt_cgroups` wrote, and what it could not.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 #[must_use]
-pub struct ExemptOverflow {
+pub struct ExemptWrite {
     /// Exempt cgroups left out of `WORKLOAD_EXEMPT` for want of room (zero: none).
     pub left_out: usize,
+    /// The cgroups whose entry the write added, removed or changed. The programs judge a cgroup's
+    /// exemption when they enter it in `WORKLOADS`, from its ancestors' entries: a counted cgroup
+    /// at or below one of these keeps the judgement of the set before until it is forgotten
+    /// (`forget_workloads`) and entered again.
+    pub changed: Vec<u64>,
 }
 
 /// An exempt cgroup as the maps hold it.
@@ -39,73 +44,61 @@ pub struct ExemptEntry {
 
 impl Maps {
     /// Replaces the exempt cgroups (removing those no longer wanted first, so the map never holds
-    /// more than the wanted set). When that changes the set, forgets every counted cgroup, so
-    /// that each is judged again against it at its next count (the programs decide a cgroup's
-    /// exemption when they enter it, from its ancestors: a descendant of a newly exempt cgroup
-    /// must be entered again). The counts start again from zero, which the agent's rates take as
-    /// a new life. A start that finds the set it writes keeps every count.
+    /// more than the wanted set), and says which changed. `WORKLOADS` is left as it is: its
+    /// counts and rate stamps are the workloads', and the caller forgets only the cgroups a
+    /// change concerns, once it has read their counts (`ExemptWrite::changed`).
     ///
     /// The map holds `MAX_EXEMPT_CGROUPS`: entries past it (the caller puts what must be exempt
     /// first), and any the map refuses for want of room (`post_bind` adds a cache's cgroup
-    /// meanwhile), are left out and returned as the overflow. Never an error: a cgroup left out
-    /// is counted as a workload, which no DNS depends on.
+    /// meanwhile), are left out and counted in the result. Never an error for that: a cgroup
+    /// left out is counted as a workload, which no DNS depends on.
     pub fn set_exempt_cgroups(
         &mut self,
         exempt: &[ExemptEntry],
-    ) -> Result<ExemptOverflow, DatapathError> {
+    ) -> Result<ExemptWrite, DatapathError> {
         let (exempt, past_capacity) = exempt.split_at(exempt.len().min(MAX_EXEMPT_CGROUPS));
-        let mut overflow = ExemptOverflow {
+        let mut written = ExemptWrite {
             left_out: past_capacity.len(),
+            changed: Vec::new(),
         };
-        let held: BTreeSet<(u64, u32)> = self
+        let held: BTreeMap<u64, u32> = self
             .workload_exempt
             .iter()
             .filter_map(Result::ok)
             .map(|(id, entry)| (id, entry.exempt_from))
             .collect();
-        let wanted: BTreeSet<(u64, u32)> = exempt
+        let wanted: BTreeMap<u64, u32> = exempt
             .iter()
             .map(|entry| (entry.id, entry.exempt_from))
             .collect();
-        if held == wanted {
-            return Ok(overflow);
-        }
-        let stale: Vec<u64> = held
-            .iter()
-            .map(|(id, _)| *id)
-            .filter(|id| !exempt.iter().any(|entry| entry.id == *id))
-            .collect();
-        for id in stale {
-            match self.workload_exempt.remove(&id) {
+        for id in held.keys().filter(|id| !wanted.contains_key(id)) {
+            match self.workload_exempt.remove(id) {
                 Ok(()) | Err(MapError::KeyNotFound) => {}
                 Err(MapError::SyscallError(error))
                     if error.io_error.raw_os_error() == Some(libc::ENOENT) => {}
                 Err(source) => return Err(write(names::MAP_WORKLOAD_EXEMPT)(source)),
             }
+            written.changed.push(*id);
         }
         for entry in exempt {
+            if held.get(&entry.id) == Some(&entry.exempt_from) {
+                continue;
+            }
             let value = ExemptCgroup {
                 level: entry.level,
                 exempt_from: entry.exempt_from,
             };
             match self.workload_exempt.insert(entry.id, value, 0) {
-                Ok(()) => {}
+                Ok(()) => written.changed.push(entry.id),
                 Err(MapError::SyscallError(error))
                     if error.io_error.raw_os_error() == Some(libc::E2BIG) =>
                 {
-                    overflow.left_out += 1;
+                    written.left_out += 1;
                 }
                 Err(source) => return Err(write(names::MAP_WORKLOAD_EXEMPT)(source)),
             }
         }
-        let counted: Vec<u64> = self
-            .workloads
-            .keys()
-            .take(WALK_LIMIT)
-            .filter_map(Result::ok)
-            .collect();
-        self.forget_workloads(&counted)?;
-        Ok(overflow)
+        Ok(written)
     }
 
     /// Removes cgroups from `WORKLOADS` (one already gone is no error).
@@ -138,6 +131,18 @@ impl Maps {
             }
         }
         Ok(counts.into_iter().collect())
+    }
+
+    /// Every cgroup in `WORKLOADS`, the exempt ones too. One bounded walk, as
+    /// `workload_counts`.
+    pub fn counted_cgroups(&self) -> Vec<u64> {
+        let ids: BTreeSet<u64> = self
+            .workloads
+            .keys()
+            .take(WALK_LIMIT)
+            .filter_map(Result::ok)
+            .collect();
+        ids.into_iter().collect()
     }
 
     /// The cgroups of the processes known as caches (`CACHE_TASKS`, which `post_bind` and the

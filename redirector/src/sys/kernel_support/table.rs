@@ -158,8 +158,8 @@ pub const FEATURES: &[KernelFeature] = &[
     },
     KernelFeature {
         id: "base_helpers",
-        name: "`bpf_map_lookup_elem`, `bpf_map_update_elem`, `bpf_map_delete_elem`, `bpf_ktime_get_ns` in cgroup programs",
-        used_for: "every map access; socket ages",
+        name: "`bpf_map_lookup_elem`, `bpf_map_update_elem`, `bpf_map_delete_elem`, `bpf_ktime_get_ns`, `bpf_get_prandom_u32` in cgroup programs",
+        used_for: "every map access; socket ages; a workload entry's life number",
         since: KernelVersion::new(4, 17, 0),
         need: Need::Required,
         probe: Probe::Helpers,
@@ -170,6 +170,7 @@ pub const FEATURES: &[KernelFeature] = &[
                 BpfHelper::BPF_FUNC_map_update_elem,
                 BpfHelper::BPF_FUNC_map_delete_elem,
                 BpfHelper::BPF_FUNC_ktime_get_ns,
+                BpfHelper::BPF_FUNC_get_prandom_u32,
             ],
         },
     },

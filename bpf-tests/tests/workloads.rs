@@ -15,7 +15,9 @@ use bpf_tests::{
     pace::wait_until,
     sandbox::{Ns, Query, Sandbox, Transport, redirector_bin},
     shipped, tools,
-    topology::{CLUSTER_LISTENER, NODE_LISTENER, UPSTREAM_A_V4, dns, who},
+    topology::{
+        CLUSTER_LISTENER, NODE_LISTENER, UPSTREAM_A_V4, UPSTREAM_A_V6, V6_LISTENER, dns, who,
+    },
 };
 use redirector::datapath::Maps;
 use redirector_common::{
@@ -686,6 +688,63 @@ fn a_flooding_pod_is_held_to_its_rate_and_a_quiet_pod_beside_it_loses_nothing() 
             .map(|outcome| outcome.errno)
             .collect();
         assert_eq!(errnos, [Some(errno)].into(), "{name}");
+    }
+
+    // A UDP socket connected elsewhere that sends to the listener with `sendto`: the kernel sends
+    // each datagram to the listener, and sendmsg counts it and holds it to the rate (left where
+    // it is addressed, `direct`; the socket takes no reply but its peer's, so each admitted one
+    // waits out the client's timeout, 1 ms). IPv4, IPv6, and a dual-stack socket's IPv4-mapped.
+    let upstream_a = |address: std::net::IpAddr| SocketAddr::new(address, 53);
+    for (name, query, sends) in [
+        (
+            "sendto-flooder",
+            node.connected_to(upstream_a(UPSTREAM_A_V4.into())),
+            300,
+        ),
+        (
+            "sendto-flooder-v6",
+            Query::new(dns(V6_LISTENER), Transport::Udp)
+                .connected_to(upstream_a(UPSTREAM_A_V6.into())),
+            100,
+        ),
+        (
+            "sendto-flooder-mapped",
+            node.mapped().connected_to(upstream_a(UPSTREAM_A_V4.into())),
+            100,
+        ),
+    ] {
+        let cgroup = harness.sandbox.cgroup().child(name)?;
+        let (mut command, _procs) =
+            harness
+                .sandbox
+                .dns_query_command(Ns::Pod, &cgroup, query, sends)?;
+        command.args(["--timeout-ms", "1"]);
+        let started = std::time::Instant::now();
+        let output = bpf_tests::command::output_within(&mut command, Duration::from_secs(60))?;
+        let elapsed = started.elapsed();
+        let outcomes: Vec<QueryOutcome> = String::from_utf8_lossy(&output.stdout)
+            .lines()
+            .filter_map(|line| serde_json::from_str(line).ok())
+            .collect();
+        let counts = counted(&harness, cgroup.path())?.context("the sendto flood was counted")?;
+        let (admitted, refused) = (counts.queries[ROUTE_DIRECT], counts.queries[ROUTE_LIMITED]);
+        limited += refused;
+        let allowed = LIMIT_BURST + (LIMIT_QPS as f64 * elapsed.as_secs_f64()).ceil() as u64 + 1;
+        eprintln!("{name}: {admitted} admitted, {refused} refused in {elapsed:?}");
+        assert!(
+            (LIMIT_BURST..=allowed).contains(&admitted) && admitted + refused == u64::from(sends),
+            "{name}: admitted {admitted} (at most {allowed} in {elapsed:?}), refused {refused}: \
+             {counts:?}"
+        );
+        let refusals = outcomes
+            .iter()
+            .filter(|outcome| outcome.errno == Some(expected_errno))
+            .count() as u64;
+        assert_eq!(
+            (outcomes.len(), refusals),
+            (usize::from(sends), refused),
+            "{name}: each query over the rate fails its sendto with one errno"
+        );
     }
 
     // One workload flooding from every CPU at once shares one schedule: a query that loses the

@@ -103,6 +103,35 @@ pub fn is_connected(ctx: &SockAddrContext) -> bool {
     state == TCP_ESTABLISHED
 }
 
+/// Whether a connected socket's `sendmsg` goes to its peer (the address the hook sees is the one
+/// it connected to), by address: a dual-stack socket connected to an IPv4-mapped address passes
+/// `sendmsg4` on every send with its peer filled in, and its IPv4 peer is `dst_ip4`. False for a
+/// send with an address of its own (`sendto` on a connected socket).
+#[inline(always)]
+pub fn sends_to_peer(ctx: &SockAddrContext, family: Family) -> bool {
+    let sock_addr = ctx.sock_addr;
+    // SAFETY: `sk` is always set in sock_addr programs (a full socket, readable as `bpf_sock`);
+    // each read is one 4-byte field or array element.
+    unsafe {
+        let sock = (*sock_addr).__bindgen_anon_1.sk;
+        match family {
+            Family::Ipv4 => {
+                read_volatile(addr_of!((*sock).dst_ip4))
+                    == read_volatile(addr_of!((*sock_addr).user_ip4))
+            }
+            Family::Ipv6 => {
+                user_addr(ctx, family).words_be
+                    == [
+                        read_volatile(addr_of!((*sock).dst_ip6[0])),
+                        read_volatile(addr_of!((*sock).dst_ip6[1])),
+                        read_volatile(addr_of!((*sock).dst_ip6[2])),
+                        read_volatile(addr_of!((*sock).dst_ip6[3])),
+                    ]
+            }
+        }
+    }
+}
+
 /// A copy of a map value other CPUs or the agent may be writing: a volatile read, never a
 /// reference into shared memory.
 ///

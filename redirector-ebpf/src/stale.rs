@@ -10,7 +10,9 @@
 //! connection; a TCP DNS socket carries one exchange or a few.
 //!
 //! A datagram it lets go is counted for its workload's queries (`workloads`): connect counted
-//! none of a connected UDP socket's.
+//! none of a connected UDP socket's. One the socket sent with an address of its own (`sendto` on
+//! a connected socket) is sendmsg's to judge, and passes here untouched (one read of its
+//! destination).
 //!
 //! Kernel features: cgroup_skb egress 4.10; `__sk_buff.sk` and `bpf_sk_fullsock` 5.1;
 //! `bpf_sk_storage_get` 5.2; `bpf_skb_ancestor_cgroup_id` 4.19; `bpf_ktime_get_ns` 4.1 (all in
@@ -72,6 +74,12 @@ pub fn try_check_egress(ctx: &SkBuffContext) -> Egress {
     };
     // SAFETY: a full socket, as the verifier knows after the null check.
     if unsafe { read_volatile(addr_of!((*sk).protocol)) } != IPPROTO_UDP {
+        return Egress::Pass;
+    }
+    // A datagram the socket sent with an address of its own (`sendto` on a connected socket)
+    // goes there, not to its peer: sendmsg counted it and held it to the rate (`steer`), and the
+    // peer's standing says nothing of it.
+    if !skb::sent_to_peer(ctx) {
         return Egress::Pass;
     }
     let peer = remote_addr(ctx);
@@ -194,6 +202,10 @@ fn count_elsewhere(ctx: &SkBuffContext, remote_port: u32) -> Egress {
     };
     // SAFETY: the agent replaces LISTENERS entries whole.
     let cache = unsafe { context::snapshot(listener) }.cache;
+    // As above: a datagram addressed elsewhere was judged at sendmsg.
+    if !skb::sent_to_peer(ctx) {
+        return Egress::Pass;
+    }
     let Some(workload) = Workload::of_skb(ctx) else {
         return Egress::Pass;
     };

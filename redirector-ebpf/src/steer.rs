@@ -63,9 +63,10 @@ pub fn try_steer(ctx: &SockAddrContext, family: Family, hook: Hook) -> Result<()
     if context::user_port_be(ctx) != port_be(DNS_PORT) {
         return Ok(());
     }
-    // A connected socket was steered (or not) at connect: its sends stay where it connected.
+    // A connected socket was steered (or not) at connect: its sends stay where it connected, and
+    // egress counts them. One it sends with an address of its own goes there instead.
     if hook == Hook::Sendmsg && context::is_connected(ctx) {
-        return Ok(());
+        return judge_addressed_send(ctx, family);
     }
     let Some(protocol) = context::protocol(ctx) else {
         return Ok(());
@@ -363,6 +364,32 @@ pub fn in_skipped_cgroup(listener_id: u32, ancestor: impl Fn(i32) -> u64) -> boo
         level += 1;
     }
     false
+}
+
+/// A datagram a connected socket sends with an address of its own (`sendto`), which the kernel
+/// sends there rather than to the socket's peer: to a listener, a query of its workload, counted
+/// and held to the rate here (egress passes it, `skb::sent_to_peer`), and sent where it is
+/// addressed, untouched (`ROUTE_DIRECT`): the socket keeps the peer connect gave it, whose
+/// translation its replies follow, and takes no reply from another address. A dual-stack
+/// socket connected to an IPv4-mapped address passes `sendmsg4` with its own peer filled in at
+/// every send: egress judges those.
+#[inline(always)]
+fn judge_addressed_send(ctx: &SockAddrContext, family: Family) -> Result<(), Refused> {
+    if !crate::workloads::enabled() || context::sends_to_peer(ctx, family) {
+        return Ok(());
+    }
+    let workload = Workload::of_task();
+    if let Some(listener) = LISTENERS.get_ptr(context::user_addr(ctx, family)) {
+        // SAFETY: the agent replaces LISTENERS entries whole.
+        let listener = unsafe { context::snapshot(listener) };
+        if let Some(workload) = workload
+            && workload.over_limit()
+        {
+            return rate_limited(ctx, &listener);
+        }
+    }
+    count_workload(workload, ROUTE_DIRECT);
+    Ok(())
 }
 
 /// Whether this syscall is where its query is counted (`workloads`): an unconnected datagram or a

@@ -33,7 +33,7 @@ use aya_ebpf::{
     bindings::BPF_NOEXIST,
     helpers::{
         bpf_get_current_ancestor_cgroup_id, bpf_get_current_cgroup_id, bpf_get_prandom_u32,
-        bpf_ktime_get_ns, bpf_skb_ancestor_cgroup_id, bpf_skb_cgroup_id, bpf_skb_load_bytes,
+        bpf_ktime_get_ns, bpf_skb_ancestor_cgroup_id, bpf_skb_cgroup_id,
     },
     programs::SkBuffContext,
 };
@@ -52,12 +52,9 @@ use crate::{
     maps::{
         RATE_INTERVAL_NS, RATE_TOLERANCE_NS, REPLY_PORTS, WORKLOAD_EXEMPT, WORKLOADS, WORKLOADS_ON,
     },
+    skb::{ETH_P_IP_BE, ETH_P_IPV6_BE, read_bytes},
 };
 
-/// `ETH_P_IP` as `__sk_buff.protocol` holds it (network byte order).
-const ETH_P_IP_BE: u32 = 0x0800_u16.to_be() as u32;
-/// `ETH_P_IPV6`, likewise.
-const ETH_P_IPV6_BE: u32 = 0x86dd_u16.to_be() as u32;
 /// An IPv4 header without options.
 const IPV4_HEADER: usize = 20;
 /// The IPv6 header (a reply with extension headers is not counted).
@@ -359,54 +356,4 @@ fn tcp_reply_header(ctx: &SkBuffContext, transport: usize) -> Option<[u8; 2]> {
 #[inline(always)]
 fn read_be16(ctx: &SkBuffContext, offset: usize) -> Option<u16> {
     read_bytes::<2>(ctx, offset).map(u16::from_ne_bytes)
-}
-
-/// `N` bytes at `offset` of the packet: read in place where they lie in its linear part (direct
-/// packet access, bounds checked as the verifier requires), else copied out with
-/// `bpf_skb_load_bytes`.
-#[inline(always)]
-fn read_bytes<const N: usize>(ctx: &SkBuffContext, offset: usize) -> Option<[u8; N]> {
-    let skb = ctx.skb.skb;
-    // SAFETY: the context pointer the kernel passed; the verifier rewrites `data` and `data_end`
-    // into the packet's pointers (cgroup_skb programs with CAP_BPF or CAP_SYS_ADMIN, 4.20).
-    let (data, data_end) = unsafe {
-        (
-            u64::from(read_volatile(addr_of!((*skb).data))),
-            u64::from(read_volatile(addr_of!((*skb).data_end))),
-        )
-    };
-    // The loads are 32 bits wide and zero-extended, so the compiler would compare the pointers
-    // in 32 bits, which the verifier does not follow: each is made an opaque 64-bit value.
-    // The start is made opaque too: the bound is checked on the very register that is read,
-    // which the verifier needs for a variable offset (it does not relate two sums of the same
-    // terms).
-    let (start, data_end) = (opaque(opaque(data) + offset as u64), opaque(data_end));
-    if start + N as u64 <= data_end {
-        // SAFETY: within the packet's linear data, as just checked.
-        return Some(unsafe { (start as usize as *const [u8; N]).read_unaligned() });
-    }
-    let mut bytes = [0_u8; N];
-    // SAFETY: the context's skb, a stack buffer of exactly `N` bytes (a constant length, as the
-    // verifier requires).
-    let copied = unsafe {
-        bpf_skb_load_bytes(
-            ctx.as_ptr().cast(),
-            offset as u32,
-            bytes.as_mut_ptr().cast(),
-            N as u32,
-        )
-    };
-    (copied == 0).then_some(bytes)
-}
-
-/// `value`, hidden from the optimiser: it cannot narrow what it cannot see. One register move
-/// (an empty template would give the BPF line info two entries at one instruction, which the
-/// kernel refuses).
-#[inline(always)]
-fn opaque(mut value: u64) -> u64 {
-    // SAFETY: a move of the register onto itself: no memory, the value unchanged.
-    unsafe {
-        core::arch::asm!("{0} = {0}", inout(reg) value, options(nomem, nostack, preserves_flags))
-    };
-    value
 }

@@ -9,7 +9,9 @@
 //! that fails closes the held socket and the query is asked again at once from a new one, as
 //! c-ares and glibc do on a socket error. With `--also ADDR` (unconnected UDP), each query goes
 //! from one socket to the server and then to ADDR before either reply is read, as musl asks
-//! every nameserver at once; one line per reply, in the order they arrive.
+//! every nameserver at once; one line per reply, in the order they arrive. With `--connected-to
+//! ADDR` (unconnected UDP), the socket is connected to ADDR first and each query still sent to
+//! the server with `sendto`, which the kernel sends there.
 
 use std::{
     io::Write as _,
@@ -60,6 +62,10 @@ struct Args {
     /// reading the replies (one line each).
     #[arg(long, conflicts_with = "hold")]
     also: Option<SocketAddr>,
+    /// UDP: connect the socket to this address first, and send each query to the server with
+    /// `sendto` all the same (no reply but the peer's reaches such a socket).
+    #[arg(long, conflicts_with_all = ["hold", "also"])]
+    connected_to: Option<SocketAddr>,
     /// With `--hold`: when a send fails, open a new socket and ask again at once (once).
     #[arg(long, requires = "hold")]
     reopen: bool,
@@ -200,6 +206,15 @@ fn open_udp(args: &Args) -> anyhow::Result<UdpSocket> {
         .context("timeout")?;
     if matches!(args.transport, Transport::UdpConnected) {
         socket.connect(server).context("connect")?;
+    } else if let Some(peer) = args.connected_to {
+        // A dual-stack socket takes an IPv4 peer IPv4-mapped, as its server.
+        let peer = match peer.ip() {
+            IpAddr::V4(v4) if args.mapped => {
+                SocketAddr::new(IpAddr::V6(v4.to_ipv6_mapped()), peer.port())
+            }
+            _ => peer,
+        };
+        socket.connect(peer).context("connect")?;
     }
     Ok(socket)
 }

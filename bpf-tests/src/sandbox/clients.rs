@@ -51,6 +51,9 @@ pub struct Query {
     pub also: Option<SocketAddr>,
     /// Ask for AAAA instead of A.
     pub aaaa: bool,
+    /// Unconnected UDP's transport, from a socket connected to this address first: each query
+    /// still sent to the server with `sendto`.
+    pub connected_to: Option<SocketAddr>,
 }
 
 impl Query {
@@ -63,6 +66,17 @@ impl Query {
             mapped: false,
             also: None,
             aaaa: false,
+            connected_to: None,
+        }
+    }
+
+    /// The same query from a UDP socket connected to `peer`, sent to the server with `sendto`
+    /// (the kernel sends it to the server, and delivers the socket no reply but its peer's).
+    #[must_use]
+    pub fn connected_to(self, peer: SocketAddr) -> Self {
+        Self {
+            connected_to: Some(peer),
+            ..self
         }
     }
 
@@ -213,7 +227,7 @@ impl Sandbox {
 
     /// `dns-query` asking `query` `count` times, from `ns` in `cgroup` (keep the descriptor
     /// until the command is spawned).
-    fn dns_query_command(
+    pub fn dns_query_command(
         &self,
         ns: Ns,
         cgroup: &TestCgroup,
@@ -238,6 +252,9 @@ impl Sandbox {
         }
         if let Some(also) = query.also {
             command.args(["--also", &also.to_string()]);
+        }
+        if let Some(peer) = query.connected_to {
+            command.args(["--connected-to", &peer.to_string()]);
         }
         Ok((command, procs))
     }

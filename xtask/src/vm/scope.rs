@@ -206,12 +206,14 @@ pub const KERNEL_SUBSET: &[(&str, &[&str])] = &[
     ),
     // Each workload's queries by route and replies by rcode (the ingress program's packet
     // reads), over every transport, and the exempt cgroups; a cache older than the agent, run
-    // as shipped, known by its reads and exempt.
+    // as shipped, known by its reads and exempt; the rate limit on every path a query takes
+    // (each refusal's errno, a connected socket's sendto, a flood from every CPU at once).
     (
         "workloads",
         &[
             "two_pods_get_exact_counts_by_route_and_rcode_and_exempt_cgroups_none",
             "a_cache_older_than_the_shipped_agent_is_no_workload",
+            "a_flooding_pod_is_held_to_its_rate_and_a_quiet_pod_beside_it_loses_nothing",
         ],
     ),
 ];

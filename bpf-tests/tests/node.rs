@@ -1136,9 +1136,11 @@ fn replace_pod(
 /// the kill), and returns the instant DNS moved off it: a query the old CoreDNS had read or queued
 /// before is lost with the process whatever steers DNS, and the move comes after the API call by
 /// seconds (the kubelet's SIGTERM; NodeLocal DNSCache's Corefile has no lameduck) or after the
-/// kill by the time its sockets take to close. It is seen where it takes effect: the first poll
-/// (every 5 ms) of the pinned maps that finds a listener routed away from the cache; `event`'s
-/// own instant, stricter, where no poll saw it (and where a poll's read began before it).
+/// kill by the time its sockets take to close. It is seen where it takes effect: the end of the
+/// first poll (every 5 ms) of the pinned maps that finds a listener routed away from the cache
+/// (the move came during that read or before it: a read takes about 15 ms under TCG, and a query
+/// begun within it, counted in all, may have been queued to the dying cache); `event`'s own
+/// instant where no poll saw it.
 fn when_dns_moves_off_local_dns(
     event: impl FnOnce() -> anyhow::Result<u64>,
 ) -> anyhow::Result<u64> {
@@ -1147,12 +1149,12 @@ fn when_dns_moves_off_local_dns(
     let watch = std::thread::spawn(move || -> anyhow::Result<Option<u64>> {
         let maps = Maps::open_pinned(Path::new(DEFAULT_PIN_DIR))?;
         while !watching.load(Ordering::Relaxed) {
-            let read_at = now_ms();
             if snapshot::listeners(&maps)?
                 .iter()
                 .any(|listener| listener.route != "cache")
             {
-                return Ok(Some(read_at));
+                // The move came before the read ended: when within it, no read tells.
+                return Ok(Some(now_ms()));
             }
             std::thread::sleep(Duration::from_millis(5));
         }
@@ -1171,9 +1173,7 @@ fn when_dns_moves_off_local_dns(
         ),
         None => eprintln!("node: no poll saw DNS move off node-local-dns"),
     }
-    // A poll's instant is when its read began, and a read takes milliseconds under TCG: one that
-    // began before a kill can see the move the kill made. The move never comes before its cause,
-    // so the instant is never before the event's own.
+    // The move never comes before its cause: the instant is never before the event's own.
     Ok(moved.map_or(instant, |moved| moved.max(instant)))
 }
 

@@ -56,18 +56,18 @@ pub fn storage<T>(map: &SkStorage<T>, sk: *mut bpf_sock) -> Option<*mut T> {
     (!value.is_null()).then_some(value)
 }
 
-/// Whether an egress packet goes to its socket's connected peer: false for a datagram a connected
-/// socket sent with an address of its own (`sendto`), which the kernel sends there instead, and
-/// which `sendmsg` saw. Compares the packet's destination with the peer, by address (a dual-stack
-/// socket's IPv4 packet with its IPv4 peer); true where the packet cannot be read.
+/// The socket's connected peer as the context gives it: the socket's family, its IPv4 address and
+/// its IPv6 address (network-order words; a dual-stack socket's IPv4 peer is in both, mapped in
+/// the second). Every field is read whichever the family: loads chosen by a branch get merged by
+/// the compiler into one load from a computed context offset, which the verifier refuses
+/// ("dereference of modified ctx ptr").
 #[inline(always)]
-pub fn sent_to_peer(ctx: &SkBuffContext) -> bool {
+pub fn peer(ctx: &SkBuffContext) -> (u32, u32, [u32; 4]) {
     let skb = ctx.skb.skb;
-    // SAFETY: context fields of the packet and its socket, each one 4-byte load the verifier
-    // rewrites; all read whatever the family (see `stale::remote_addr`).
-    let (protocol, ip4, ip6) = unsafe {
+    // SAFETY: context fields of the socket, each one 4-byte load the verifier rewrites.
+    unsafe {
         (
-            read_volatile(addr_of!((*skb).protocol)),
+            read_volatile(addr_of!((*skb).family)),
             read_volatile(addr_of!((*skb).remote_ip4)),
             [
                 read_volatile(addr_of!((*skb).remote_ip6[0])),
@@ -76,7 +76,18 @@ pub fn sent_to_peer(ctx: &SkBuffContext) -> bool {
                 read_volatile(addr_of!((*skb).remote_ip6[3])),
             ],
         )
-    };
+    }
+}
+
+/// Whether an egress packet goes to its socket's connected peer: false for a datagram a connected
+/// socket sent with an address of its own (`sendto`), which the kernel sends there instead, and
+/// which `sendmsg` saw. Compares the packet's destination with the peer, by address (a dual-stack
+/// socket's IPv4 packet with its IPv4 peer); true where the packet cannot be read.
+#[inline(always)]
+pub fn sent_to_peer(ctx: &SkBuffContext) -> bool {
+    // SAFETY: the context pointer the kernel passed; the verifier rewrites the load.
+    let protocol = unsafe { read_volatile(addr_of!((*ctx.skb.skb).protocol)) };
+    let (_, ip4, ip6) = peer(ctx);
     if protocol == ETH_P_IP_BE {
         read_bytes::<4>(ctx, IPV4_DESTINATION).is_none_or(|to| u32::from_ne_bytes(to) == ip4)
     } else if protocol == ETH_P_IPV6_BE {

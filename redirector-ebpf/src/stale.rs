@@ -232,25 +232,10 @@ fn drained_moments_ago(listener: &ListenerConfig) -> bool {
 }
 
 /// The socket's connected peer, in the shared representation (a dual-stack socket's IPv4 peer is
-/// IPv4-mapped already). Every field is read whichever the family: loads chosen by a branch get
-/// merged by the compiler into one load from a computed context offset, which the verifier
-/// refuses ("dereference of modified ctx ptr").
+/// IPv4-mapped already).
 #[inline(always)]
 fn remote_addr(ctx: &SkBuffContext) -> NetAddr {
-    let skb = ctx.skb.skb;
-    // SAFETY: context fields of the socket, each one 4-byte load the verifier rewrites.
-    let (family, ip4, ip6) = unsafe {
-        (
-            read_volatile(addr_of!((*skb).family)),
-            read_volatile(addr_of!((*skb).remote_ip4)),
-            [
-                read_volatile(addr_of!((*skb).remote_ip6[0])),
-                read_volatile(addr_of!((*skb).remote_ip6[1])),
-                read_volatile(addr_of!((*skb).remote_ip6[2])),
-                read_volatile(addr_of!((*skb).remote_ip6[3])),
-            ],
-        )
-    };
+    let (family, ip4, ip6) = skb::peer(ctx);
     if family == AF_INET6 {
         NetAddr { words_be: ip6 }
     } else {

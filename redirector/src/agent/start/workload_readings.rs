@@ -2,9 +2,9 @@
 //! `workloads.interval`: the counts read into rates, the busiest and the node's totals for the
 //! metrics, the workloads the rate limit holds back told once, then the exempt cgroups written as
 //! they are now, and the counted cgroups a change of them concerns forgotten (their counts read
-//! just before), to be judged again. Each reading runs on a blocking thread: a walk of a large `WORKLOADS` map
-//! (two syscalls an entry) or of the cgroup hierarchy must never stall the probes and the control
-//! loop on the agent's runtime.
+//! just before), to be judged again. Each reading runs on a blocking thread: a walk of a large
+//! `WORKLOADS` map (two syscalls an entry) or of the cgroup hierarchy must never stall the probes
+//! and the control loop on the agent's runtime.
 
 use std::{
     collections::{HashMap, HashSet},

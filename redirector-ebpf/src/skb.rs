@@ -79,15 +79,15 @@ pub fn peer(ctx: &SkBuffContext) -> (u32, u32, [u32; 4]) {
     }
 }
 
-/// Whether an egress packet goes to its socket's connected peer: false for a datagram a connected
-/// socket sent with an address of its own (`sendto`), which the kernel sends there instead, and
-/// which `sendmsg` saw. Compares the packet's destination with the peer, by address (a dual-stack
-/// socket's IPv4 packet with its IPv4 peer); true where the packet cannot be read.
+/// Whether an egress packet goes to its socket's connected peer (`peer`'s fields): false for a
+/// datagram a connected socket sent with an address of its own (`sendto`), which the kernel sends
+/// there instead, and which `sendmsg` saw. Compares the packet's destination with the peer, by
+/// address (a dual-stack socket's IPv4 packet with its IPv4 peer); true where the packet cannot
+/// be read.
 #[inline(always)]
-pub fn sent_to_peer(ctx: &SkBuffContext) -> bool {
+pub fn sent_to_peer(ctx: &SkBuffContext, (_, ip4, ip6): (u32, u32, [u32; 4])) -> bool {
     // SAFETY: the context pointer the kernel passed; the verifier rewrites the load.
     let protocol = unsafe { read_volatile(addr_of!((*ctx.skb.skb).protocol)) };
-    let (_, ip4, ip6) = peer(ctx);
     if protocol == ETH_P_IP_BE {
         read_bytes::<4>(ctx, IPV4_DESTINATION).is_none_or(|to| u32::from_ne_bytes(to) == ip4)
     } else if protocol == ETH_P_IPV6_BE {

@@ -79,10 +79,11 @@ pub fn try_check_egress(ctx: &SkBuffContext) -> Egress {
     // A datagram the socket sent with an address of its own (`sendto` on a connected socket)
     // goes there, not to its peer: sendmsg counted it and held it to the rate (`steer`), and the
     // peer's standing says nothing of it.
-    if !skb::sent_to_peer(ctx) {
+    let fields = skb::peer(ctx);
+    if !skb::sent_to_peer(ctx, fields) {
         return Egress::Pass;
     }
-    let peer = remote_addr(ctx);
+    let peer = remote_addr(fields);
     let steered = steered(sk, &peer);
     // The socket's listener: the one it was steered for, when its peer is that translation's
     // target, else the listener it connected to untouched.
@@ -189,7 +190,8 @@ fn count_elsewhere(ctx: &SkBuffContext, remote_port: u32) -> Egress {
     if unsafe { read_volatile(addr_of!((*sk).protocol)) } != IPPROTO_UDP {
         return Egress::Pass;
     }
-    let peer = remote_addr(ctx);
+    let fields = skb::peer(ctx);
+    let peer = remote_addr(fields);
     let Some(steered) = skb::storage(&STEERED_SOCKS, sk)
         // SAFETY: non-null storage of this socket.
         .map(|value| unsafe { context::snapshot(value) })
@@ -203,7 +205,7 @@ fn count_elsewhere(ctx: &SkBuffContext, remote_port: u32) -> Egress {
     // SAFETY: the agent replaces LISTENERS entries whole.
     let cache = unsafe { context::snapshot(listener) }.cache;
     // As above: a datagram addressed elsewhere was judged at sendmsg.
-    if !skb::sent_to_peer(ctx) {
+    if !skb::sent_to_peer(ctx, fields) {
         return Egress::Pass;
     }
     let Some(workload) = Workload::of_skb(ctx) else {
@@ -231,11 +233,10 @@ fn drained_moments_ago(listener: &ListenerConfig) -> bool {
     })
 }
 
-/// The socket's connected peer, in the shared representation (a dual-stack socket's IPv4 peer is
-/// IPv4-mapped already).
+/// The socket's connected peer (`skb::peer`), in the shared representation (a dual-stack socket's
+/// IPv4 peer is IPv4-mapped already).
 #[inline(always)]
-fn remote_addr(ctx: &SkBuffContext) -> NetAddr {
-    let (family, ip4, ip6) = skb::peer(ctx);
+fn remote_addr((family, ip4, ip6): (u32, u32, [u32; 4])) -> NetAddr {
     if family == AF_INET6 {
         NetAddr { words_be: ip6 }
     } else {
